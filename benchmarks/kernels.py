@@ -1,0 +1,163 @@
+"""Microbenchmark of the kernels: microseconds per call, as a markdown table.
+
+- apply_bitmask (our dispatcher) vs xgrammar.apply_token_bitmask_inplace vs our torch
+  reference, at batch x (K + 1) logits rows, K = 5, for two vocabulary sizes.
+- rejection_sample (dispatcher) vs the loop reference, K = 5 point-mass drafts per request,
+  sampled (not greedy), with uniform / exp_noise drawn beforehand (kernel time only).
+
+Runs on the CPU always and on CUDA too when available. Each number is the median of
+repeated calls after one warm-up call. The bitmasks look like grammar masks: a mix of
+all-allowed, all-disallowed and random words.
+
+    python benchmarks/kernels.py                 # CPU (and GPU), prints the table
+    python benchmarks/kernels.py --out benchmarks/out/kernels.md --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from constrained_spec.kernels import (
+    apply_bitmask,
+    apply_bitmask_reference,
+    rejection_sample,
+    rejection_sample_reference,
+)
+
+K = 5
+
+
+def time_call(fn: Callable[[], object], device: torch.device, *, budget_s: float,
+              max_repeats: int) -> float:
+    """Median microseconds per call of fn(), after one warm-up call."""
+    def once() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    first = once()
+    repeats = int(min(max_repeats, max(3, budget_s / max(first, 1e-6))))
+    return statistics.median(once() for _ in range(repeats)) * 1e6
+
+
+def grammar_like_bitmask(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31, (rows, words), generator=gen, dtype=torch.int64)
+    kind = torch.randint(0, 3, (rows, words), generator=gen)
+    return torch.where(kind == 0, 0, torch.where(kind == 1, -1, bitmask)).to(torch.int32)
+
+
+def bench_apply_bitmask(device: torch.device, dtype: torch.dtype, batches: list[int],
+                        vocabs: list[int], budget_s: float) -> list[list[str]]:
+    try:
+        import xgrammar
+    except ImportError:
+        xgrammar = None
+    gen = torch.Generator().manual_seed(0)
+    rows_out = []
+    cases = [(v, b) for v in vocabs for b in batches]
+    for vocab, batch in tqdm(cases, desc=f"apply_bitmask {device.type}", leave=False):
+        rows = batch * (K + 1)
+        logits = torch.randn(rows, vocab, generator=gen).to(device=device, dtype=dtype)
+        bitmask = grammar_like_bitmask(rows, vocab, gen).to(device)
+        # masking is idempotent, so repeating the call on the same logits times the same work
+        ours = time_call(lambda: apply_bitmask(logits, bitmask), device, budget_s=budget_s,
+                         max_repeats=200)
+        theirs = (time_call(lambda: xgrammar.apply_token_bitmask_inplace(logits, bitmask),
+                            device, budget_s=budget_s, max_repeats=200)
+                  if xgrammar is not None else float("nan"))
+        reference = time_call(lambda: apply_bitmask_reference(logits, bitmask), device,
+                              budget_s=budget_s, max_repeats=50)
+        rows_out.append([device.type, "apply_bitmask", str(vocab), f"{batch} x {K + 1}",
+                         f"{ours:,.0f}", f"{theirs:,.0f}", f"{reference:,.0f}",
+                         f"{theirs / ours:.2f}x"])
+        del logits, bitmask
+    return rows_out
+
+
+def bench_rejection(device: torch.device, batches: list[int], vocab: int,
+                    budget_s: float, with_reference: bool) -> list[list[str]]:
+    gen = torch.Generator().manual_seed(1)
+    rows_out = []
+    for batch in tqdm(batches, desc=f"rejection_sample {device.type}", leave=False):
+        num_drafts, num_rows = batch * K, batch * (K + 1)
+        logits = torch.randn(num_rows, vocab, generator=gen) * 4
+        drafts = torch.multinomial(torch.softmax(logits[:num_drafts], -1), 1,
+                                   generator=gen).flatten()
+        args = dict(
+            target_logits=logits.to(device), draft_tokens=drafts.to(device),
+            cu_num_drafts=torch.arange(0, num_drafts + 1, K).to(device), greedy=False,
+            uniform=torch.rand(num_drafts, generator=gen).to(device),
+            exp_noise=torch.empty(num_rows, vocab).exponential_(generator=gen).to(device))
+        ours = time_call(lambda: rejection_sample(**args), device, budget_s=budget_s,
+                         max_repeats=100)
+        reference = (time_call(lambda: rejection_sample_reference(**args), device,
+                               budget_s=budget_s, max_repeats=5)
+                     if with_reference else float("nan"))
+        rows_out.append([device.type, "rejection_sample", str(vocab), f"{batch} x {K + 1}",
+                         f"{ours:,.0f}", "", f"{reference:,.0f}", ""])
+    return rows_out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the markdown table to this file")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        default="float32", help="logits dtype for apply_bitmask")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256],
+                        help="requests per call for apply_bitmask (rows = batch x 6)")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[49152, 128256])
+    parser.add_argument("--rejection-batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--rejection-vocab", type=int, default=128256)
+    parser.add_argument("--budget", type=float, default=0.5,
+                        help="seconds of repeated calls per measurement (at least 3 calls)")
+    parser.add_argument("--no-gpu", action="store_true", help="skip CUDA even if available")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and not args.no_gpu:
+        devices.append(torch.device("cuda"))
+    rows = []
+    for device in devices:
+        rows += bench_apply_bitmask(device, dtype, args.batches, args.vocabs, args.budget)
+        rows += bench_rejection(device, args.rejection_batches, args.rejection_vocab,
+                                args.budget, with_reference=True)
+
+    header = ["device", "op", "V", "rows", "ours µs", "xgrammar µs", "torch reference µs",
+              "xgrammar / ours"]
+    lines = [
+        f"Kernels, µs per call (median). {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, logits "
+        f"{args.dtype} (rejection_sample: float32, K = {K} point-mass drafts, sampled)"
+        + (f", GPU {torch.cuda.get_device_name()}" if len(devices) > 1 else "") + ".",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,789 @@
+"""The ``constrained-spec`` command line: JSON-mode generation and the schema pre-flight check.
+
+    constrained-spec generate "Ada Lovelace, 36, mathematician" --schema 'name, age int'
+    constrained-spec generate --batch people.jsonl --schema person.json > people.out.jsonl
+    constrained-spec schema-check person.json
+
+stdout carries nothing but JSON: one value per line (the whole value indented with
+``--pretty``). Everything else (progress bars, warnings, stats, errors) goes to stderr, and
+what went wrong is told by the exit code (``EXIT_CODES``). Anything a library prints while the
+command runs is sent to stderr as well, so a stray ``print`` cannot corrupt the output.
+
+The command line is a thin layer over :class:`~constrained_spec.api.Generator`: it turns flags
+into a schema object, sampling options and a speculative config, loads the model (quietly with
+``--quiet``) and runs one engine batch, whether for one prompt or a whole ``--batch`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+from .config import METHODS, SamplingParams, SpeculativeConfig
+from .dsl import dsl_to_schema, wrap_multi
+from .errors import (
+    ConfigError,
+    ConstrainedSpecError,
+    IncompleteOutputError,
+    ModelLoadError,
+    OutputValidationError,
+    SchemaError,
+)
+
+PROG = "constrained-spec"
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_SCHEMA = 3
+EXIT_INCOMPLETE = 4
+EXIT_MODEL = 5
+EXIT_VALIDATION = 6
+EXIT_BATCH_PARTIAL = 7
+
+#: exit code -> (label on the error line, meaning in --help).
+EXIT_CODES: dict[int, tuple[str, str]] = {
+    EXIT_OK: ("ok", "success"),
+    EXIT_INTERNAL: ("internal error", "unexpected internal error (a bug: please report it)"),
+    EXIT_USAGE: ("error", "bad arguments or option values"),
+    EXIT_SCHEMA: ("schema error", "bad schema: malformed, or a keyword the backend cannot enforce"),
+    EXIT_INCOMPLETE: ("incomplete output", "--max-tokens ran out first (partial text on stderr)"),
+    EXIT_MODEL: ("model error", "the model could not be fetched or loaded"),
+    EXIT_VALIDATION: ("invalid output", "the finished output failed final validation"),
+    EXIT_BATCH_PARTIAL: ("batch", "--batch: some lines failed (see their error records)"),
+}
+
+EPILOG_EXIT_CODES = "exit codes:\n" + "\n".join(
+    f"  {code}  {meaning}" for code, (_, meaning) in EXIT_CODES.items())
+
+GENERATE_EPILOG = f"""\
+examples:
+  {PROG} generate "Ada Lovelace, 36, mathematician" --schema 'name, age int, bio: a short bio'
+  echo "Call me on 555-0199" | {PROG} generate --regex '\\d{{3}}-\\d{{4}}'
+  {PROG} generate --batch people.jsonl --schema person.json > people.out.jsonl
+
+--schema takes a file, an inline JSON Schema ('{{"type": ...}}') or the concise language of
+llm: comma- (or newline-) separated fields 'name [type][: description]', types int, float,
+bool, str (default str), all required.
+
+--batch lines are a JSON string (the prompt) or an object {{"prompt": ..., "schema": ...}}
+(schema optional: a JSON Schema object or a concise-language string). One JSON line comes out
+per input line, in order: the value, or {{"error": {{"type", "message", "line"}}}}.
+
+Outputs that are not JSON by themselves (--regex, --choice, --grammar, no schema) are printed
+as JSON strings. With --stream the text is written to stdout as tokens are accepted.
+
+{EPILOG_EXIT_CODES}"""
+
+SCHEMA_CHECK_EPILOG = f"""\
+Prints what the grammar backend would not enforce, with JSON pointers into the schema:
+"unsupported" keywords make generation refuse the schema, "ignored" ones are not enforced
+while generating (the output is still validated at the end). No model is loaded.
+
+exit codes: 0 the schema would run under --schema-mode (ignored keywords may be listed),
+3 it would be refused (or is malformed), 2 bad arguments."""
+
+
+# ------------------------------------------------------------------------------------------------
+# the parser
+# ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``constrained-spec`` (subcommands ``generate``, ``schema-check``)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Schema-constrained generation with local language models, made fast by "
+                    "speculative decoding. stdout carries nothing but JSON.",
+        epilog=EPILOG_EXIT_CODES)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    gen = sub.add_parser(
+        "generate", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=GENERATE_EPILOG,
+        help="generate JSON that matches a schema",
+        description="Generate output that matches a schema and print it as JSON on stdout.")
+    gen.add_argument("prompt", nargs="?", metavar="PROMPT",
+                     help="the prompt; read from stdin when omitted or '-'")
+    _add_schema_arguments(gen)
+
+    model = gen.add_argument_group("model and speculation")
+    model.add_argument("--model", metavar="PATH", default=None,
+                       help="a checkpoint folder or .gguf file (default: the embedded model, "
+                            "fetched and converted once)")
+    model.add_argument("--speculative-config", metavar="JSON",
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 5}\' (FastDeploy / vLLM style)')
+    model.add_argument("--speculative-algorithm", metavar="METHOD",
+                       choices=[*METHODS, *_METHOD_ALIASES],
+                       help=f"the drafter: {', '.join(METHODS)} (lmdeploy's flag; "
+                            "deepseek_mtp = mtp)")
+    model.add_argument("--speculative-num-draft-tokens", type=int, metavar="N",
+                       help="drafts proposed per step (lmdeploy's flag)")
+    model.add_argument("--speculative-draft-model", metavar="PATH",
+                       help="the drafter's weights (lmdeploy's flag; method draft_model unless "
+                            "--speculative-algorithm says otherwise)")
+    model.add_argument("--no-speculation", action="store_true",
+                       help="plain decoding: no drafts at all, not even forced tokens")
+
+    defaults = SamplingParams()
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=defaults.temperature,
+                          help="0 = greedy (default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=defaults.top_p,
+                          help="nucleus sampling (default: %(default)s)")
+    sampling.add_argument("--top-k", type=int, default=defaults.top_k,
+                          help="top-k sampling, 0 = off (default: %(default)s)")
+    sampling.add_argument("--seed", type=int, default=None, help="for reproducible sampling")
+    sampling.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
+                          help="tokens to generate at most (default: %(default)s)")
+    sampling.add_argument("--system", metavar="TEXT", default=None,
+                          help="the system message (default: one describing the schema)")
+
+    output = gen.add_argument_group("input and output")
+    output.add_argument("--batch", metavar="FILE.jsonl",
+                        help="one prompt or {prompt, schema} per line ('-' = stdin); JSONL out, "
+                             "in input order, run as one batch")
+    output.add_argument("--pretty", action="store_true", help="indent the JSON output")
+    output.add_argument("--stream", action="store_true",
+                        help="write the output to stdout as tokens are accepted")
+    output.add_argument("--stats", action="store_true",
+                        help="print the speculation stats as JSON on stderr")
+    output.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress bars, warnings or log messages on stderr (errors only)")
+    gen.set_defaults(func=_cmd_generate)
+
+    check = sub.add_parser(
+        "schema-check", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SCHEMA_CHECK_EPILOG, help="pre-flight report of a schema (no model loaded)",
+        description="Report which schema keywords the grammar backend would not enforce.")
+    check.add_argument("schema_arg", nargs="?", metavar="SCHEMA",
+                       help="a file, an inline JSON Schema, or the concise language (as --schema)")
+    _add_schema_arguments(check)
+    check.add_argument("--json", action="store_true", dest="as_json",
+                       help="print the report as a JSON object")
+    check.set_defaults(func=_cmd_schema_check)
+    return parser
+
+
+_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+
+
+def _add_schema_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("schema (one of)")
+    forms = group.add_mutually_exclusive_group()
+    forms.add_argument("--schema", metavar="SCHEMA",
+                       help="a JSON Schema file, an inline JSON Schema, or the concise language "
+                            "('name, age int, bio: a short bio')")
+    forms.add_argument("--regex", metavar="PATTERN", help="a regular expression the output matches")
+    forms.add_argument("--choice", action="append", metavar="TEXT",
+                       help="one allowed output; repeat for each choice")
+    forms.add_argument("--grammar", metavar="FILE.ebnf", help="an EBNF grammar file (xgrammar syntax)")
+    forms.add_argument("--pydantic", metavar="MODULE:CLASS",
+                       help="a Pydantic model class (the current directory is importable; "
+                            "MODULE may be a .py file)")
+    group.add_argument("--schema-multi", action="store_true",
+                       help='wrap the schema: {"items": [...]} of any number of matching items')
+    group.add_argument("--backend", choices=("xgrammar", "outlines"), default="xgrammar",
+                       help="grammar backend (default: %(default)s)")
+    group.add_argument("--schema-mode", choices=("default", "strict", "lenient"), default="default",
+                       help="pre-flight policy: default refuses unsupported keywords and warns on "
+                            "ignored ones, strict refuses both, lenient warns (default: %(default)s)")
+
+
+# ------------------------------------------------------------------------------------------------
+# schema inputs
+# ------------------------------------------------------------------------------------------------
+
+def schema_from_args(args: argparse.Namespace) -> Any:
+    """The schema object the flags describe (what ``Generator(schema=...)`` takes), or None."""
+    from .schemas import Grammar, Regex
+
+    positional = getattr(args, "schema_arg", None)
+    if positional is not None and args.schema is not None:
+        raise ConfigError("give the schema once: as SCHEMA or with --schema", option="--schema")
+    text = positional if positional is not None else args.schema
+    if args.schema_multi and (args.regex is not None or args.choice or args.grammar is not None):
+        raise ConfigError("wraps a JSON Schema (--schema or --pydantic), not --regex, --choice "
+                          "or --grammar", option="--schema-multi")
+    schema: Any = None
+    if text is not None:
+        schema = resolve_schema_text(text)
+    elif args.regex is not None:
+        schema = Regex(args.regex)
+    elif args.choice:
+        schema = list(args.choice)
+    elif args.grammar is not None:
+        schema = Grammar(_read_text(args.grammar, "--grammar"))
+    elif args.pydantic is not None:
+        schema = load_pydantic(args.pydantic)
+        if args.schema_multi:
+            try:
+                schema = schema.model_json_schema()
+            except Exception as e:  # pydantic raises several kinds for unschematisable fields
+                raise SchemaError(f"--pydantic: {args.pydantic} has no JSON Schema: {e}") from e
+    elif args.schema_multi:
+        raise ConfigError("needs a schema (--schema or --pydantic)", option="--schema-multi")
+    if args.schema_multi:
+        schema = wrap_multi(schema)
+    return schema
+
+
+def resolve_schema_text(value: str, *, allow_file: bool = True,
+                        source: str = "--schema") -> dict[str, Any]:
+    """``--schema``: a file (JSON Schema, or the concise language), inline JSON, or the concise language.
+
+    Text that starts with ``{`` (or ``[``) is JSON; a ``.json`` file always is; anything else is
+    the concise language.
+    """
+    path = Path(value).expanduser()
+    if allow_file and _is_file(path):
+        text = _read_text(str(path), "--schema")
+        return _schema_from_text(text, source=f"file {value}", force_json=path.suffix == ".json")
+    if allow_file and value.strip().endswith(".json") and not any(c in value for c in ",:{\n"):
+        raise ConfigError(f"schema file {value!r} not found", option="--schema")
+    return _schema_from_text(value, source=source, force_json=False)
+
+
+def _schema_from_text(text: str, *, source: str, force_json: bool) -> dict[str, Any]:
+    if not (force_json or text.lstrip().startswith(("{", "["))):
+        return dsl_to_schema(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SchemaError(f"{source}: malformed JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+    if not isinstance(value, dict):
+        raise SchemaError(f"{source}: a JSON Schema is an object such as {{\"type\": \"string\"}}, "
+                          f"got a JSON {type(value).__name__}", pointer="")
+    return value
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte: not a path
+        return False
+
+
+def _read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path!r}: {e.strerror if isinstance(e, OSError) else e}",
+                          option=option) from e
+
+
+def load_pydantic(ref: str) -> type:
+    """Import ``module:Class`` (``module`` may be a dotted name or a ``.py`` file)."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"expected MODULE:CLASS, got {ref!r}", option="--pydantic")
+    try:
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if spec is None or spec.loader is None or not Path(module_name).is_file():
+                raise FileNotFoundError(f"no file {module_name!r}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            cwd = os.getcwd()
+            if cwd not in sys.path and "" not in sys.path:
+                sys.path.insert(0, cwd)
+            module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may raise anything while it is imported
+        raise ConfigError(f"cannot import {module_name!r}: {type(e).__name__}: {e}",
+                          option="--pydantic") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"module {module_name!r} has no {attr!r}", option="--pydantic")
+        obj = getattr(obj, part)
+    from pydantic import BaseModel
+
+    if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
+        raise SchemaError(f"--pydantic: {ref} is not a Pydantic model class "
+                          f"(got {type(obj).__name__})")
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------
+# options
+# ------------------------------------------------------------------------------------------------
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | bool | None:
+    """``None`` (the library's best default), ``False`` (--no-speculation) or a config."""
+    data: dict[str, Any] = {}
+    if args.speculative_config is not None:
+        try:
+            data = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"malformed JSON: {e.msg} at column {e.colno}",
+                              option="--speculative-config") from e
+        if not isinstance(data, dict):
+            raise ConfigError("must be a JSON object such as {\"method\": \"ngram\"}",
+                              option="--speculative-config")
+    flags = {
+        "method": _METHOD_ALIASES.get(args.speculative_algorithm, args.speculative_algorithm),
+        "num_speculative_tokens": args.speculative_num_draft_tokens,
+        "model": args.speculative_draft_model,
+    }
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if args.speculative_draft_model is not None and "method" not in flags and "method" not in data:
+        flags["method"] = "draft_model"
+    for key, value in flags.items():
+        if key in data and data[key] != value:
+            raise ConfigError(f"{key} is {data[key]!r} in --speculative-config but {value!r} in "
+                              "its own flag; give it once", option="--speculative-config")
+    data.update(flags)
+    if args.no_speculation:
+        if data:
+            raise ConfigError("cannot be combined with the --speculative-* options",
+                              option="--no-speculation")
+        return False
+    return SpeculativeConfig.from_dict(data) if data else None
+
+
+def _sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                   top_k=args.top_k, seed=args.seed)
+    SamplingParams(**options)  # bad values fail here, before a model is loaded
+    return options
+
+
+def _preflight(schema: Any, args: argparse.Namespace, layout: Any) -> None:
+    """Refuse a bad schema before loading a model (the Generator repeats this, with warnings)."""
+    if schema is None:
+        return
+    from .schemas import JsonLayout, check_schema, normalize_schema
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec = normalize_schema(schema, layout=layout or JsonLayout())
+        check_schema(spec, args.backend, args.schema_mode)
+
+
+def _is_json_schema(schema: Any) -> bool:
+    """Whether outputs under ``schema`` are JSON texts (else they are printed as JSON strings)."""
+    from pydantic import BaseModel
+
+    return isinstance(schema, (dict, str)) or (isinstance(schema, type) and issubclass(schema, BaseModel))
+
+
+def output_json(text: str, *, is_json: bool, pretty: bool = False) -> str:
+    """The line printed for one output ``text``: JSON texts as they are, others as a JSON string."""
+    if not is_json:
+        return json.dumps(text, ensure_ascii=False)
+    if pretty:
+        return json.dumps(json.loads(text), ensure_ascii=False, indent=2)
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+# ------------------------------------------------------------------------------------------------
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt is None and sys.stdin.isatty():
+        raise ConfigError("give PROMPT, or pipe it on stdin", option="prompt")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise ConfigError("the prompt read from stdin is empty", option="prompt")
+    return text.rstrip("\n")
+
+
+def _load_generator(args: argparse.Namespace, schema: Any, sampling: dict[str, Any],
+                    speculative: Any, layout: Any) -> Any:
+    from .api import Generator
+    from .models import load_model
+
+    with _transformers_quiet(args.quiet):
+        loaded = load_model(args.model, quiet=args.quiet)
+    return Generator(loaded, schema=schema, speculative=speculative, backend=args.backend,
+                     schema_mode=args.schema_mode, system_prompt=args.system, layout=layout,
+                     **sampling)
+
+
+@contextlib.contextmanager
+def _transformers_quiet(quiet: bool) -> Iterator[None]:
+    """Under --quiet, also silence transformers' own "Loading weights" bar and log messages
+    (``load_model(quiet=True)`` only silences the fetch / convert of the embedded model)."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
+    if args.batch is not None:
+        return _cmd_batch(args, out)
+    if args.stream and args.pretty:
+        from .schemas import JsonLayout
+
+        # the model writes indented JSON (json.dumps(indent=2)'s layout: no space before a
+        # newline), so the streamed text is the output
+        layout = JsonLayout(indent=2, separators=(",", ": "))
+    else:
+        layout = None
+    schema = schema_from_args(args)
+    sampling = _sampling_from_args(args)
+    speculative = speculative_from_args(args)
+    prompt = _read_prompt(args)
+    _preflight(schema, args, layout)
+    gen = _load_generator(args, schema, sampling, speculative, layout)
+    is_json = _is_json_schema(schema)
+    stream = TextStream(gen.model.tokenizer, out, quote=not is_json) if args.stream else None
+    [item] = gen.batch([prompt], return_result=True, on_tokens=stream)
+    if stream is not None:
+        stream.finish(None if isinstance(item, BaseException) else item.text)
+    if args.stats:
+        _print_stats(getattr(item, "stats", None))
+    if isinstance(item, BaseException):
+        raise item
+    if stream is None:
+        out.write(output_json(item.text, is_json=is_json, pretty=args.pretty) + "\n")
+        out.flush()
+    return EXIT_OK
+
+
+class TextStream:
+    """``on_tokens`` callback writing the output to ``out`` as tokens are accepted.
+
+    The ids so far are decoded as a whole and the new suffix written (decoding token by token
+    would split multi-byte characters). Outputs that are not JSON texts are written as one JSON
+    string, escaped piece by piece, so stdout still carries JSON.
+    """
+
+    def __init__(self, tokenizer: Any, out: TextIO, *, quote: bool) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.quote = quote
+        self.ids: list[int] = []
+        self.written = ""
+        self.started = False
+
+    def __call__(self, index: int, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        # an incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives
+        self._write_upto(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+
+    def _write_upto(self, text: str) -> None:
+        if not text.startswith(self.written):
+            return  # decoding rewrote an earlier character; wait for more (or the final text)
+        new = text[len(self.written):]
+        if not new and not (self.quote and not self.started):
+            return
+        if not self.started and self.quote:
+            self.out.write('"')
+        self.started = True
+        self.out.write(json.dumps(new, ensure_ascii=False)[1:-1] if self.quote else new)
+        self.out.flush()
+        self.written = text
+
+    def finish(self, text: str | None) -> None:
+        """End the output line; ``text`` is the final text, ``None`` after an error."""
+        if text is not None:
+            self._write_upto(text)
+            if self.quote:
+                self.out.write('"')
+        if self.started:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _print_stats(stats: Any) -> None:
+    if stats is not None:
+        print(json.dumps(stats.to_dict()), file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# --batch
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class BatchLine:
+    """One input line of ``--batch``: a prompt (and its own schema), or why it cannot run."""
+
+    line: int
+    prompt: Any = None
+    schema: Any = None
+    has_schema: bool = False
+    error: BaseException | None = None
+    result: Any = None  # the GenerationResult once it ran
+
+
+def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
+    """Parse ``--batch`` lines (blank lines are skipped); a bad line becomes an error record."""
+    items = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        item = BatchLine(number)
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            item.error = ConfigError(f"malformed JSON: {e.msg} at column {e.colno}", option="batch")
+            items.append(item)
+            continue
+        try:
+            if isinstance(data, str):
+                item.prompt = data
+            elif isinstance(data, dict):
+                unknown = sorted(set(data) - {"prompt", "schema"})
+                if unknown:
+                    raise ConfigError(f"unknown keys {unknown}; a line is {{\"prompt\": ..., "
+                                      "\"schema\": ...}", option="batch")
+                if "prompt" not in data:
+                    raise ConfigError("the line has no \"prompt\"", option="batch")
+                item.prompt = data["prompt"]
+                if data.get("schema") is not None:
+                    schema = data["schema"]
+                    if isinstance(schema, str):
+                        schema = resolve_schema_text(schema, allow_file=False,
+                                                     source="the line's schema")
+                    elif not isinstance(schema, dict):
+                        raise SchemaError(f"a line's schema is a JSON Schema object or a "
+                                          f"concise-language string, got a JSON {type(schema).__name__}")
+                    item.schema = wrap_multi(schema) if multi else schema
+                    item.has_schema = True
+            else:
+                raise ConfigError(f"a line is a JSON string (the prompt) or an object "
+                                  f"{{\"prompt\": ..., \"schema\": ...}}, got a JSON {type(data).__name__}",
+                                  option="batch")
+        except ConstrainedSpecError as e:
+            item.error = e
+        items.append(item)
+    return items
+
+
+def _read_batch_lines(path: str) -> list[str]:
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    return _read_text(path, "--batch").splitlines()
+
+
+def error_record(exc: BaseException, line: int) -> dict[str, Any]:
+    """The JSON record written for a failed ``--batch`` line."""
+    error: dict[str, Any] = {"type": type(exc).__name__, "message": _one_line(str(exc)), "line": line}
+    if isinstance(exc, IncompleteOutputError):
+        error["partial_text"] = exc.partial_text
+    elif isinstance(exc, OutputValidationError):
+        error["text"] = exc.text
+    return {"error": error}
+
+
+def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
+    if args.prompt is not None:
+        raise ConfigError("give either PROMPT or --batch, not both", option="--batch")
+    for flag in ("stream", "pretty"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag} cannot be used with --batch (JSONL is one record per line)",
+                              option="--batch")
+    schema = schema_from_args(args)
+    sampling = _sampling_from_args(args)
+    speculative = speculative_from_args(args)
+    items = read_batch(_read_batch_lines(args.batch), multi=args.schema_multi)
+    _preflight(schema, args, None)
+    gen = _load_generator(args, schema, sampling, speculative, None)
+    runnable = [it for it in items if it.error is None]
+    results: list[Any] = []
+    if runnable:
+        schemas = ([it.schema if it.has_schema else schema for it in runnable]
+                   if any(it.has_schema for it in runnable) else None)
+        from tqdm.auto import tqdm
+
+        # the engine reports accepted tokens, not finished requests: the bar counts tokens
+        with tqdm(desc=f"{len(runnable)} prompts", unit="tok", file=sys.stderr,
+                  disable=args.quiet, leave=False) as bar:
+            results = gen.batch([it.prompt for it in runnable], schemas=schemas,
+                                return_result=True, on_tokens=lambda i, ids: bar.update(len(ids)))
+    for it, result in zip(runnable, results):
+        if isinstance(result, BaseException):
+            it.error = result
+        else:
+            it.result = result
+    failed = 0
+    stats = None
+    for it in items:
+        if it.error is not None:
+            failed += 1
+            line = json.dumps(error_record(it.error, it.line), ensure_ascii=False)
+            item_stats = getattr(it.error, "stats", None)
+        else:
+            is_json = _is_json_schema(it.schema if it.has_schema else schema)
+            line = output_json(it.result.text, is_json=is_json)
+            item_stats = it.result.stats
+        out.write(line + "\n")
+        if item_stats is not None:
+            stats = item_stats if stats is None else stats.merge(item_stats)
+    out.flush()
+    if args.stats:
+        _print_stats(stats)
+    if failed:
+        if not args.quiet:
+            print(f"{PROG}: {failed} of {len(items)} lines failed (error records in the output)",
+                  file=sys.stderr)
+        return EXIT_BATCH_PARTIAL
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# schema-check
+# ------------------------------------------------------------------------------------------------
+
+def _cmd_schema_check(args: argparse.Namespace, out: TextIO) -> int:
+    from .schemas import check_schema, normalize_schema, preflight
+
+    schema = schema_from_args(args)
+    if schema is None:
+        raise ConfigError("give the schema to check (SCHEMA, --regex, --choice, --grammar or "
+                          "--pydantic)", option="schema-check")
+    spec = normalize_schema(schema)
+    refused: SchemaError | None = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the report lists what the warnings would say
+        try:
+            report = check_schema(spec, args.backend, args.schema_mode)
+        except SchemaError as e:  # the policy of --schema-mode refuses it; still show everything
+            refused = e
+            report = preflight(spec, args.backend)
+    if args.as_json:
+        out.write(json.dumps({
+            "backend": report.backend, "kind": spec.kind, "schema_mode": args.schema_mode,
+            "enforced": report.ok, "refused": refused is not None,
+            "issues": [{"level": i.level, "keyword": i.keyword, "pointer": i.pointer,
+                        "message": i.message} for i in report.issues],
+        }, ensure_ascii=False) + "\n")
+    else:
+        out.write(report.format() + "\n")
+    out.flush()
+    if refused is not None:
+        raise refused
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code for an error (``EXIT_CODES``)."""
+    if isinstance(exc, SchemaError):
+        return EXIT_SCHEMA
+    if isinstance(exc, IncompleteOutputError):
+        return EXIT_INCOMPLETE
+    if isinstance(exc, ModelLoadError):
+        return EXIT_MODEL
+    if isinstance(exc, OutputValidationError):
+        return EXIT_VALIDATION
+    if isinstance(exc, ConfigError):
+        return EXIT_USAGE
+    return EXIT_INTERNAL
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def report_error(exc: BaseException) -> int:
+    """Print one line for ``exc`` on stderr (plus the partial text of an incomplete output)."""
+    code = exit_code_for(exc)
+    print(f"{PROG}: {EXIT_CODES[code][0]}: {_one_line(str(exc)) or type(exc).__name__}",
+          file=sys.stderr)
+    if isinstance(exc, IncompleteOutputError):
+        print(f"{PROG}: partial output: {json.dumps(exc.partial_text, ensure_ascii=False)}",
+              file=sys.stderr)
+    return code
+
+
+def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                  line: Any = None) -> None:
+    print(f"{PROG}: warning: {_one_line(str(message))}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _diagnostics(quiet: bool) -> Iterator[None]:
+    """Warnings and the library's log messages as one-liners on stderr; none but errors if quiet."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+    package = logging.getLogger("constrained_spec")
+    saved = package.level, package.propagate
+    package.addHandler(handler)
+    package.setLevel(logging.ERROR if quiet else logging.WARNING)
+    package.propagate = False
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            if quiet:
+                warnings.simplefilter("ignore")
+            yield
+    finally:
+        package.removeHandler(handler)
+        package.level, package.propagate = saved
+
+
+@contextlib.contextmanager
+def _stdout_for_results() -> Iterator[TextIO]:
+    """Yield the real stdout for results; meanwhile ``sys.stdout`` is stderr, so nothing else
+    printed while the command runs can land among the JSON."""
+    out = sys.stdout
+    if out is sys.__stdout__ and hasattr(out, "reconfigure"):
+        with contextlib.suppress(Exception):
+            out.reconfigure(encoding="utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
+    sys.stdout = sys.stderr
+    try:
+        yield out
+    finally:
+        sys.stdout = out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (``EXIT_CODES``)."""
+    args = build_parser().parse_args(argv)  # bad arguments: argparse exits with 2
+    with _stdout_for_results() as out, _diagnostics(getattr(args, "quiet", False)):
+        try:
+            return int(args.func(args, out))
+        except ConstrainedSpecError as e:
+            return report_error(e)
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            # the reader went away (| head): stop quietly, and keep the interpreter's final
+            # flush of stdout from failing again
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+            return 141  # 128 + SIGPIPE, as a shell reports it
+        except Exception as e:
+            if os.environ.get("CONSTRAINED_SPEC_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+            print(f"{PROG}: {EXIT_CODES[EXIT_INTERNAL][0]}: {type(e).__name__}: "
+                  f"{_one_line(str(e))} (CONSTRAINED_SPEC_DEBUG=1 shows the traceback)",
+                  file=sys.stderr)
+            return EXIT_INTERNAL

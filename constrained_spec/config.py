@@ -1,0 +1,122 @@
+"""User-facing option objects: sampling parameters and the speculative-decoding config.
+
+Both are validated on construction, so a bad value fails before any model is loaded, with
+the option's name in the message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+SpeculativeMethod = Literal["ngram", "eagle3", "mtp", "draft_model"]
+METHODS: tuple[str, ...] = ("ngram", "eagle3", "mtp", "draft_model")
+MAX_SPECULATIVE_TOKENS = 8
+# Chosen by measurement on the embedded model (benchmarks/RESULTS.md, "n-gram k sweep").
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which drafter proposes tokens, and how many per step.
+
+    Parameters
+    ----------
+    method:
+        ``"ngram"`` (prompt lookup), ``"eagle3"``, ``"mtp"`` or ``"draft_model"``; ``None``
+        leaves only the grammar-forced drafter.
+    num_speculative_tokens:
+        Drafts proposed by ``method`` per step (1..8), after any forced tokens.
+    model:
+        The drafter's weights where the method needs them (a path), ``None`` for the default.
+    forced:
+        Propose the grammar's forced continuation as drafts (q = 1). On by default.
+    max_forced_tokens:
+        Cap on forced drafts per step (they are nearly free to verify, but not entirely).
+    """
+
+    method: SpeculativeMethod | None = "ngram"
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    model: str | None = None
+    forced: bool = True
+    max_forced_tokens: int = 16
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in METHODS:
+            raise ConfigError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}",
+                              option="speculative.method")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(
+                self.num_speculative_tokens, int) or not (
+                0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise ConfigError(f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}, got "
+                              f"{self.num_speculative_tokens!r}", option="speculative.num_speculative_tokens")
+        if not isinstance(self.max_forced_tokens, int) or self.max_forced_tokens < 0:
+            raise ConfigError("must be a non-negative integer", option="speculative.max_forced_tokens")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max",
+                              option="speculative.prompt_lookup_min")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SpeculativeConfig":
+        """From the JSON users pass to serving engines (``--speculative-config``)."""
+        if not isinstance(data, dict):
+            raise ConfigError("must be a JSON object", option="speculative-config")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown keys {sorted(unknown)}; known: {sorted(known)}",
+                              option="speculative-config")
+        return cls(**data)
+
+
+def resolve_speculative(speculative: Any) -> SpeculativeConfig | None:
+    """``None`` → the default config; ``False`` → no speculation at all; a config or dict as given."""
+    if speculative is None or speculative is True:
+        return SpeculativeConfig()
+    if speculative is False:
+        return None
+    if isinstance(speculative, SpeculativeConfig):
+        return speculative
+    if isinstance(speculative, dict):
+        return SpeculativeConfig.from_dict(speculative)
+    if isinstance(speculative, str):
+        return SpeculativeConfig(method=speculative)  # type: ignore[arg-type]
+    raise ConfigError(f"expected a SpeculativeConfig, dict, None or False, got {type(speculative).__name__}",
+                      option="speculative")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen; ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+            raise ConfigError(f"must be a finite number in [0, 100], got {self.temperature!r}",
+                              option="temperature")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"must be in (0, 1], got {self.top_p!r}", option="top_p")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"must be an integer >= 0 (0 = off), got {self.top_k!r}", option="top_k")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"must be a positive integer, got {self.max_tokens!r}", option="max_tokens")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"must be an integer or None, got {self.seed!r}", option="seed")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

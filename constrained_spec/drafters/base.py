@@ -1,0 +1,121 @@
+"""The drafter interface: how proposals are made, masked and recorded.
+
+A drafter extends a :class:`DraftState` per request. Every draft goes through the state's
+:class:`GrammarCursor`, a FORK of the request's matcher: position i of the proposal is masked
+by the grammar state after the accepted prefix plus drafts 1..i-1, and the cursor records that
+state's bitmask as target mask row i. So one walk yields both the masked drafts and the K+1
+mask rows the verifier applies to the target logits. The real matcher is never touched here.
+
+A drafter returns nothing; it appends to ``state.tokens`` (through ``state.push``) and, for
+sampled drafts, the distribution q each token was drawn from (``None`` = point mass, q = 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class GrammarCursor:
+    """A throw-away fork of a matcher that records one bitmask row per visited position."""
+
+    def __init__(self, matcher: Any | None, rows: torch.Tensor, timer: list[float]) -> None:
+        # rows: int32 [max_rows, W], this request's slice of the step's bitmask buffer
+        self._fork = matcher.fork() if matcher is not None else None
+        self._rows = rows
+        self._filled = -1  # index of the last filled row
+        self._pos = 0  # drafts pushed so far
+        self._timer = timer
+        self._dead = False  # a push was refused: no position beyond this one is valid
+
+    @property
+    def constrained(self) -> bool:
+        return self._fork is not None
+
+    def row(self) -> torch.Tensor:
+        """The mask row (int32 [W]) for the next draft position, filled on first use."""
+        if self._filled < self._pos:
+            if self._fork is None:
+                self._rows[self._pos].fill_(-1)
+            else:
+                t0 = time.perf_counter()
+                self._fork.fill_bitmask(self._rows, self._pos)
+                self._timer[0] += time.perf_counter() - t0
+            self._filled = self._pos
+        return self._rows[self._pos]
+
+    def allows(self, token: int) -> bool:
+        if self._fork is None:
+            return True
+        word = int(self.row()[token >> 5])
+        return bool((word >> (token & 31)) & 1)
+
+    def push(self, token: int) -> bool:
+        """Advance the fork by ``token``; False (fork unchanged) if the grammar forbids it."""
+        if self._dead or self._pos + 1 >= self._rows.shape[0]:
+            return False
+        if self._fork is not None:
+            if not self.allows(token):
+                return False
+            t0 = time.perf_counter()
+            ok = self._fork.accept(token)
+            self._timer[0] += time.perf_counter() - t0
+            if not ok:
+                self._dead = True
+                return False
+            if self._fork.is_terminated():
+                # nothing can follow a stop token: no further drafts
+                self._dead = True
+        self._pos += 1
+        return True
+
+    def forced_tokens(self) -> list[int]:
+        if self._fork is None:
+            return []
+        t0 = time.perf_counter()
+        out = self._fork.forced_tokens()
+        self._timer[0] += time.perf_counter() - t0
+        return out
+
+    def finish(self) -> int:
+        """Fill the row after the last draft (the bonus row); returns the number of rows."""
+        self.row()
+        return self._pos + 1
+
+    @property
+    def exhausted(self) -> bool:
+        return self._dead
+
+
+@dataclass
+class DraftState:
+    """One request's proposal under construction for one step."""
+
+    request_id: int
+    context: list[int]  # prompt + output so far (the pending token last)
+    cursor: GrammarCursor
+    params: Any  # SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    q: list[torch.Tensor | None] = field(default_factory=list)
+    num_forced: int = 0
+    drafter_state: Any = None  # per-request memory a model drafter keeps between steps
+
+    def push(self, token: int, q: torch.Tensor | None = None) -> bool:
+        if not self.cursor.push(token):
+            return False
+        self.tokens.append(token)
+        self.q.append(q)
+        return True
+
+
+class Drafter(Protocol):
+    """A plug-in that proposes up to ``k`` drafts per request, continuing after forced ones."""
+
+    name: str
+
+    def propose(self, states: Sequence[DraftState], k: int) -> None: ...

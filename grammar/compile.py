@@ -1,0 +1,173 @@
+"""Compile a `SchemaSpec` for one tokenizer and backend, once: the compile-once half of the
+compile / per-request split (`CompiledSpec` -> `Matcher`).
+
+Compiles are cached (bounded LRU) by ``(spec.key, tok.key, backend)``. A compile runs in a
+daemon worker thread (both backends release the GIL while compiling) and the caller waits at
+most ``timeout_s``: past it `SchemaError` is raised and the process never hangs. The abandoned
+compile keeps running in the background and stays in the cache as pending, so retrying the same
+spec (with a larger timeout) waits for that work instead of starting it again.
+
+Pre-flight (`schemas.check_schema`) is the caller's business; this module only compiles.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Literal
+
+from constrained_spec.errors import SchemaError
+from constrained_spec.schemas import SchemaSpec, convert_json_schema
+from constrained_spec.schemas.spec import clean_backend_message, strip_edge_anchors
+
+from .matcher import Matcher, OutlinesMatcher, XGrammarMatcher, _OutlinesTables
+from .tokenizer import TokenizerData
+
+__all__ = ["CompiledSpec", "compile_spec", "clear_compile_cache", "compile_cache_info"]
+
+Backend = Literal["xgrammar", "outlines"]
+
+CACHE_SIZE = 64
+_cache: OrderedDict[tuple[str, str, str], Future] = OrderedDict()
+_cache_lock = threading.Lock()
+_stats = {"hits": 0, "misses": 0}
+
+
+class CompiledSpec:
+    """A spec compiled for one tokenizer and backend; `new_matcher` starts a request."""
+
+    def __init__(self, spec: SchemaSpec, backend: str, tok: TokenizerData, backend_object: Any) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.tok = tok
+        # xgrammar: CompiledGrammar; outlines: _OutlinesTables (Index + per-state masks)
+        self.backend_object = backend_object
+
+    def new_matcher(self) -> Matcher:
+        if self.backend == "xgrammar":
+            return XGrammarMatcher(self)
+        return OutlinesMatcher(self.backend_object)
+
+    def __repr__(self) -> str:
+        return f"CompiledSpec(kind={self.spec.kind!r}, backend={self.backend!r}, key={self.spec.key[:12]})"
+
+
+def compile_spec(spec: SchemaSpec, tok: TokenizerData, *, backend: Backend = "xgrammar",
+                 timeout_s: float | None = 30.0) -> CompiledSpec:
+    """Compile `spec` for `tok` on `backend` (cached).
+
+    Raises
+    ------
+    SchemaError
+        The backend cannot compile the spec (its message, ``backend=`` set), the backend does not
+        support the spec kind (EBNF on outlines), or compiling took longer than `timeout_s`.
+    """
+    if backend not in ("xgrammar", "outlines"):
+        raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")
+    if backend == "outlines" and spec.kind == "grammar":
+        raise SchemaError("EBNF grammars are not supported by the outlines backend, use xgrammar",
+                          backend="outlines")
+    key = (spec.key, tok.key, backend)
+    with _cache_lock:
+        future = _cache.get(key)
+        if future is not None:
+            _cache.move_to_end(key)
+            _stats["hits"] += 1
+        else:
+            _stats["misses"] += 1
+            future = Future()
+            _cache[key] = future
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+            worker = threading.Thread(target=_run, args=(future, key, spec, tok, backend),
+                                      name=f"compile-{backend}-{spec.key[:8]}", daemon=True)
+            worker.start()
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s; simplify "
+                          "the schema or raise timeout_s (the compile continues in the background "
+                          "and a retry reuses it)", backend=backend) from None
+
+
+def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backend: str) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        obj = _compile_xgrammar(spec, tok) if backend == "xgrammar" else _compile_outlines(spec, tok)
+        future.set_result(CompiledSpec(spec, backend, tok, obj))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+        with _cache_lock:
+            if _cache.get(key) is future:
+                del _cache[key]  # failures are not cached
+        if not isinstance(exc, SchemaError):
+            exc = SchemaError(f"the {backend} backend cannot compile this {spec.kind} spec: "
+                              f"{clean_backend_message(exc)}", backend=backend)
+        future.set_exception(exc)
+
+
+def _xgrammar_compiler(tok: TokenizerData) -> Any:
+    import xgrammar
+
+    # Our cache sits above; xgrammar's own would hold a second copy of every grammar.
+    return tok.derived("xgrammar_compiler", lambda: xgrammar.GrammarCompiler(
+        tok.xgr_info, max_threads=8, cache_enabled=False))
+
+
+def _compile_xgrammar(spec: SchemaSpec, tok: TokenizerData) -> Any:
+    import xgrammar
+
+    if spec.kind == "json_schema":
+        grammar = convert_json_schema(spec, "xgrammar")
+    elif spec.kind == "choice":
+        grammar = xgrammar.Grammar.from_ebnf(
+            "root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
+    elif spec.kind == "regex":
+        grammar = xgrammar.Grammar.from_regex(spec.regex or "")
+    else:
+        grammar = xgrammar.Grammar.from_ebnf(spec.ebnf or "", root_rule_name=spec.root)
+    return _xgrammar_compiler(tok).compile_grammar(grammar)
+
+
+_EBNF_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _ebnf_literal(text: str) -> str:
+    if text == "":
+        return '""'
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ch in _EBNF_ESCAPES:
+            out.append(_EBNF_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")  # \x would swallow following hex digits
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _compile_outlines(spec: SchemaSpec, tok: TokenizerData) -> _OutlinesTables:
+    import outlines_core
+
+    if spec.kind == "json_schema":
+        regex = convert_json_schema(spec, "outlines")
+    else:
+        regex = strip_edge_anchors(spec.regex or "")
+    return _OutlinesTables(outlines_core.Index(regex, tok.outlines_vocabulary()), tok)
+
+
+def clear_compile_cache() -> None:
+    """Forget every compiled spec (pending compiles finish unobserved)."""
+    with _cache_lock:
+        _cache.clear()
+        _stats.update(hits=0, misses=0)
+
+
+def compile_cache_info() -> dict[str, int]:
+    """hits / misses since the last clear, and the number of cached entries."""
+    with _cache_lock:
+        return {**_stats, "size": len(_cache)}

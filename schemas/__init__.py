@@ -1,0 +1,31 @@
+"""constrained_spec.schemas: every schema input becomes one `SchemaSpec`.
+
+* `normalize_schema`: Pydantic model, JSON Schema (dict / text), `Regex`, choices (list /
+  Literal / Enum), `Grammar` (EBNF) or a TypeAdapter-able type -> `SchemaSpec`.
+* `preflight` / `check_schema`: what a backend (xgrammar, outlines) would not enforce, with
+  JSON pointers; `support.KEYWORD_SUPPORT` is the keyword table behind it.
+* `parse_output`: final validation of a completed output (jsonschema + Pydantic).
+"""
+
+from .backends import backend_schema, convert_json_schema
+from .preflight import PreflightIssue, PreflightReport, SchemaWarning, check_schema, preflight
+from .spec import Grammar, JsonLayout, Regex, SchemaSpec, normalize_schema
+from .support import KEYWORD_SUPPORT
+from .validate import parse_output
+
+__all__ = [
+    "Grammar",
+    "JsonLayout",
+    "KEYWORD_SUPPORT",
+    "PreflightIssue",
+    "PreflightReport",
+    "Regex",
+    "SchemaSpec",
+    "SchemaWarning",
+    "backend_schema",
+    "check_schema",
+    "convert_json_schema",
+    "normalize_schema",
+    "parse_output",
+    "preflight",
+]

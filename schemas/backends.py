@@ -1,0 +1,330 @@
+"""Hand a JSON Schema to a backend: per-backend rewrites, then the backend's own converter.
+
+Both backends get a rewritten copy of the user's schema, never the original:
+
+* ``pattern`` is rewritten to JSON Schema's *search* semantics. JSON Schema patterns are
+  unanchored (``"^[A-Z]"`` means "starts with a capital"), but both backends match the whole
+  string, which would turn that pattern into "exactly one capital". ``p`` becomes
+  ``.*(?:p).*`` minus the side(s) anchored by ``^`` / ``$``, per top-level alternative.
+* xgrammar: integer bounds that are not whole numbers are rounded inward (xgrammar raises);
+  arrays / objects that declare no items / properties at all get ``items: {}`` /
+  ``additionalProperties: {}`` (strict mode would otherwise allow only ``[]`` / ``{}``).
+* outlines: annotations and unknown keywords are dropped and ``true`` subschemas become
+  ``{}`` (outlines raises on both); ``additionalProperties: false`` without ``properties``
+  becomes ``maxProperties: 0`` (outlines raises); ``.`` in patterns becomes one JSON string
+  character (outlines matches patterns against the raw JSON text, so ``.`` would emit raw
+  quotes and backslashes); enum values are ordered longest first (outlines' leftmost-first DFA
+  never completes "ab" in ``(a|ab)``).
+
+``convert_json_schema`` returns what the token-level compiler consumes (an ``xgrammar.Grammar``
+or an outlines regex string), raising `SchemaError` with the backend's message.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Literal
+
+from constrained_spec.errors import SchemaError
+
+from .spec import JsonLayout, SchemaSpec, clean_backend_message
+from .support import KEYWORD_SUPPORT
+
+_OUTLINES_KEEP = frozenset(KEYWORD_SUPPORT) | {"$defs", "definitions", "$id", "then", "else",
+                                               "additionalItems"}
+
+Backend = Literal["xgrammar", "outlines"]
+BACKENDS: tuple[str, ...] = ("xgrammar", "outlines")
+
+# One JSON string character as raw JSON text (outlines' STRING_INNER).
+OUTLINES_STRING_CHAR = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
+
+# Keywords whose value is a schema / a list of schemas / a map of schemas.
+SCHEMA_KEYWORDS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items",
+                   "unevaluatedItems", "contains", "not", "if", "then", "else", "contentSchema",
+                   "additionalItems")
+SCHEMA_LIST_KEYWORDS = ("prefixItems", "anyOf", "oneOf", "allOf")
+SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions",
+                       "dependentSchemas")
+
+
+def map_schema(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild a schema bottom-up, applying `fn` to every (sub)schema position."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k in SCHEMA_KEYWORDS:
+                out[k] = map_schema(v, fn) if not isinstance(v, list) else [map_schema(s, fn) for s in v]
+            elif k in SCHEMA_LIST_KEYWORDS and isinstance(v, list):
+                out[k] = [map_schema(s, fn) for s in v]
+            elif k in SCHEMA_MAP_KEYWORDS and isinstance(v, dict):
+                out[k] = {name: map_schema(s, fn) for name, s in v.items()}
+            else:
+                out[k] = copy.deepcopy(v)
+        node = out
+    return fn(node)
+
+
+# --------------------------------------------------------------------------------------------
+# regex pattern surgery (shared with preflight)
+# --------------------------------------------------------------------------------------------
+
+def scan_regex(pattern: str) -> list[tuple[str, str]]:
+    """Split a regex into (kind, text) pieces: esc, class, dot, open, flags, close, alt, bol, eol,
+    char.
+
+    Just enough structure to find top-level alternatives, anchors and dots; not a full parser.
+    """
+    out: list[tuple[str, str]] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            j = min(i + 2, n)
+            if j <= n and pattern[i + 1:i + 2] in ("p", "P", "x", "u", "k") and j < n and pattern[j] in "{<":
+                close = pattern.find("}" if pattern[j] == "{" else ">", j)
+                j = n if close < 0 else close + 1
+            out.append(("esc", pattern[i:j]))
+            i = j
+        elif c == "[":
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            out.append(("class", pattern[i:j + 1]))
+            i = j + 1
+        elif c == "(":
+            j = i + 1
+            if pattern[j:j + 1] == "?":  # (?:  (?=  (?P<name>  (?i) ...
+                k = j + 1
+                while k < n and pattern[k] not in ":)=!<>" and not pattern[k].isalpha():
+                    k += 1
+                if pattern[k:k + 2] in ("<=", "<!"):
+                    k += 2
+                elif pattern[k:k + 2] == "P<" or pattern[k:k + 1] == "<":
+                    close = pattern.find(">", k)
+                    k = n if close < 0 else close + 1
+                else:
+                    while k < n and (pattern[k].isalpha() or pattern[k] == "-"):
+                        k += 1
+                    if k < n and pattern[k] == ")":  # inline flags such as (?i)
+                        out.append(("flags", pattern[i:k + 1]))
+                        i = k + 1
+                        continue
+                    if k < n and pattern[k] in ":=!>":
+                        k += 1
+                j = k
+            out.append(("open", pattern[i:j]))
+            i = j
+        elif c == ")":
+            out.append(("close", c))
+            i += 1
+        elif c == "|":
+            out.append(("alt", c))
+            i += 1
+        elif c == "^":
+            out.append(("bol", c))
+            i += 1
+        elif c == "$":
+            out.append(("eol", c))
+            i += 1
+        elif c == ".":
+            out.append(("dot", c))
+            i += 1
+        else:
+            out.append(("char", c))
+            i += 1
+    return out
+
+
+def _top_level_alternatives(pieces: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    alts: list[list[tuple[str, str]]] = [[]]
+    depth = 0
+    for kind, text in pieces:
+        if kind == "open":
+            depth += 1
+        elif kind == "close":
+            depth -= 1
+        if kind == "alt" and depth == 0:
+            alts.append([])
+        else:
+            alts[-1].append((kind, text))
+    return alts
+
+
+def search_pattern(pattern: str, *, any_text: str, dot: str | None = None) -> str | None:
+    """`pattern` (JSON Schema: search anywhere) as an equivalent whole-string regex.
+
+    `any_text` is the regex for "any string content" put on unanchored sides; `dot`, when given,
+    replaces ``.`` outside character classes. None if an anchor sits anywhere but at the start /
+    end of a top-level alternative (then no such rewrite exists).
+    """
+    pieces = scan_regex(pattern)
+    leading_flags = ""
+    if pieces and pieces[0][0] == "flags":
+        leading_flags = pieces.pop(0)[1]  # a global flag group such as (?i) stays in front
+    out = []
+    for alt in _top_level_alternatives(pieces):
+        start = bool(alt) and alt[0][0] == "bol"
+        body = alt[1:] if start else alt
+        end = bool(body) and body[-1][0] == "eol"
+        body = body[:-1] if end else body
+        if any(kind in ("bol", "eol") for kind, _ in body):
+            return None
+        core = "".join(dot if (kind == "dot" and dot is not None) else text for kind, text in body)
+        out.append(("" if start else any_text) + (f"(?:{core})" if core else "") + ("" if end else any_text))
+    joined = out[0] if len(out) == 1 else "(?:" + "|".join(f"(?:{a})" for a in out) + ")"
+    return leading_flags + joined
+
+
+def _types_of(node: dict) -> set[str]:
+    t = node.get("type")
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def _drop_false_properties(node: dict) -> None:
+    # "x": false forbids property x; neither backend accepts a false schema there, but an
+    # undeclared property is never generated, which is the same thing.
+    props = node.get("properties")
+    if isinstance(props, dict) and any(v is False for v in props.values()):
+        node["properties"] = {k: v for k, v in props.items() if v is not False}
+
+
+def _xgrammar_rewrite(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    _drop_false_properties(node)
+    types = _types_of(node)
+    # strict_mode forbids items / properties the schema does not declare. That is what we want
+    # for declared objects, but a bare {"type": "array", "minItems": 1} would become "[] only"
+    # (and fail to compile): an array or object that declares nothing gets "anything" back.
+    if "array" in types and not any(
+            k in node for k in ("items", "prefixItems", "unevaluatedItems")):
+        node["items"] = {}
+    if "object" in types and not any(
+            k in node for k in ("properties", "additionalProperties", "patternProperties",
+                                "unevaluatedProperties", "propertyNames")):
+        node["additionalProperties"] = {}
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        rewritten = search_pattern(pattern, any_text=".*")
+        if rewritten is not None:
+            node["pattern"] = rewritten
+    if node.get("type") == "integer":
+        # xgrammar raises on fractional integer bounds; these roundings keep the same integers.
+        for key, rnd in (("minimum", math.ceil), ("maximum", math.floor)):
+            v = node.get(key)
+            if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
+                node[key] = int(rnd(v))
+        v = node.get("exclusiveMinimum")
+        if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
+            del node["exclusiveMinimum"]
+            node["minimum"] = max(int(math.floor(v)) + 1, node.get("minimum", -math.inf))
+        v = node.get("exclusiveMaximum")
+        if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
+            del node["exclusiveMaximum"]
+            node["maximum"] = min(int(math.ceil(v)) - 1, node.get("maximum", math.inf))
+    return node
+
+
+def _outlines_rewrite(node: Any) -> Any:
+    if node is True:
+        return {}
+    if not isinstance(node, dict):
+        return node
+    _drop_false_properties(node)
+    # outlines raises on any keyword it does not dispatch on (e.g. {"title": "x"}, which is
+    # pydantic's schema for Any): keep only keywords that constrain instances.
+    for key in [k for k in node if k not in _OUTLINES_KEEP]:
+        del node[key]
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        rewritten = search_pattern(pattern, any_text=OUTLINES_STRING_CHAR + "*", dot=OUTLINES_STRING_CHAR)
+        if rewritten is not None:
+            # outlines strips one leading ^ and trailing $ (only both together) before use.
+            node["pattern"] = "^" + rewritten + "$"
+    if isinstance(node.get("enum"), list):
+        # outlines' DFA is leftmost-first: in (a|ab) the text "ab" can never complete.
+        node["enum"] = sorted(node["enum"], key=lambda v: -len(json.dumps(v)))
+    if node.get("additionalProperties") is False and "properties" not in node:
+        del node["additionalProperties"]
+        if "patternProperties" not in node and "propertyNames" not in node:
+            node["maxProperties"] = 0
+    return node
+
+
+def backend_schema(schema: dict, backend: str) -> dict:
+    """The rewritten copy of `schema` that `backend`'s converter is given (see module doc)."""
+    if backend == "xgrammar":
+        return map_schema(schema, _xgrammar_rewrite)
+    if backend == "outlines":
+        return map_schema(schema, _outlines_rewrite)
+    raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")
+
+
+def outlines_whitespace(layout: JsonLayout) -> str:
+    """outlines puts one whitespace pattern around every separator, so an exact layout can only
+    be had for compact JSON; otherwise the pattern admits the layout plus bounded variants."""
+    if layout.indent is None and layout.separators == (",", ":"):
+        return ""
+    if layout.indent is None:
+        return "[ ]?"
+    return "[ ]?(?:\\n[ ]{0,%d})?" % (layout.indent * 24)
+
+
+# --------------------------------------------------------------------------------------------
+# conversion (cached: pre-flight and compile both convert the same spec)
+# --------------------------------------------------------------------------------------------
+
+_CONVERT_CACHE: OrderedDict[tuple[str, str], Any] = OrderedDict()
+_CONVERT_CACHE_SIZE = 128
+_CONVERT_LOCK = threading.Lock()
+
+
+def convert_json_schema(spec: SchemaSpec, backend: str) -> Any:
+    """Run the backend's JSON Schema converter on `spec` (json_schema kind).
+
+    Returns an ``xgrammar.Grammar`` (xgrammar) or a regex string (outlines).
+
+    Raises
+    ------
+    SchemaError
+        The backend rejects the schema (message is the backend's own).
+    """
+    if spec.kind != "json_schema" or spec.json_schema is None:
+        raise SchemaError(f"convert_json_schema needs a json_schema spec, got kind {spec.kind!r}")
+    cache_key = (spec.key, backend)
+    with _CONVERT_LOCK:
+        if cache_key in _CONVERT_CACHE:
+            _CONVERT_CACHE.move_to_end(cache_key)
+            return _CONVERT_CACHE[cache_key]
+    text = json.dumps(backend_schema(spec.json_schema, backend), ensure_ascii=False)
+    layout = spec.layout
+    try:
+        if backend == "xgrammar":
+            import xgrammar
+
+            result: Any = xgrammar.Grammar.from_json_schema(
+                text, any_whitespace=False, indent=layout.indent,
+                separators=tuple(layout.separators), strict_mode=True)
+        else:
+            from outlines_core.json_schema import build_regex_from_schema
+
+            result = build_regex_from_schema(text, outlines_whitespace(layout))
+    except SchemaError:
+        raise
+    except Exception as exc:  # RuntimeError (xgrammar), ValueError (outlines)
+        raise SchemaError(f"the {backend} backend cannot convert this JSON Schema: "
+                          f"{clean_backend_message(exc)}", backend=backend) from exc
+    with _CONVERT_LOCK:
+        _CONVERT_CACHE[cache_key] = result
+        while len(_CONVERT_CACHE) > _CONVERT_CACHE_SIZE:
+            _CONVERT_CACHE.popitem(last=False)
+    return result

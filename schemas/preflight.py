@@ -1,0 +1,786 @@
+"""Pre-flight report: which parts of a schema a backend will not enforce, before generating.
+
+This is the library's honesty mechanism. A grammar backend that silently drops a keyword lets
+the model emit instances the user's schema forbids; the final validation would then fail after
+the tokens were paid for. The report lists, with a JSON pointer into the user's schema:
+
+* ``"unsupported"``: the backend rejects the keyword or cannot compile it;
+* ``"ignored"``: the backend compiles but does not enforce it (invalid instances possible).
+
+Per backend a walker mirrors that backend's converter: which keyword of a node wins (xgrammar:
+``$ref`` > ``const`` > ``enum`` > ``anyOf`` > ``oneOf`` > ``allOf`` > type keywords; outlines:
+``properties`` > ``allOf`` > ``anyOf`` > ``oneOf`` > ``prefixItems`` > ``enum`` > ``const`` >
+``$ref`` > ``type``), which siblings the winner drops, and the per-type rules of ``support.py``.
+Then the backend's converter itself is run (cheap, no tokenizer) so that anything else it
+rejects is reported too. Annotation keywords (title, description, default, ...) and unknown
+keywords restrict nothing and are never reported.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+from constrained_spec.errors import SchemaError
+
+from .backends import convert_json_schema, scan_regex, search_pattern
+from .spec import SchemaSpec, to_pointer
+from .support import (
+    ANNOTATIONS,
+    KEYWORD_SUPPORT,
+    OUTLINES_FORMATS,
+    OUTLINES_LOOSE_FORMATS,
+    PASSIVE,
+    TYPE_KEYWORDS,
+    XGRAMMAR_FORMATS,
+    XGRAMMAR_INT_MULTIPLE_OF_MAX,
+    XGRAMMAR_INT_MULTIPLE_OF_RANGE_MAX,
+)
+
+__all__ = ["PreflightIssue", "PreflightReport", "SchemaWarning", "preflight", "check_schema"]
+
+Level = Literal["unsupported", "ignored"]
+
+
+class SchemaWarning(UserWarning):
+    """A schema keyword the backend will not enforce (see the pre-flight report)."""
+
+
+@dataclass
+class PreflightIssue:
+    """One keyword a backend does not enforce: what, where (JSON pointer) and why."""
+
+    keyword: str
+    pointer: str
+    level: Level
+    backend: str
+    message: str
+
+    def format(self) -> str:
+        return f"{self.level}: {self.keyword} at {self.pointer or '/'} ({self.backend}): {self.message}"
+
+
+@dataclass
+class PreflightReport:
+    """Everything one backend would not enforce in one schema."""
+
+    backend: str
+    issues: list[PreflightIssue] = field(default_factory=list)
+
+    @property
+    def unsupported(self) -> list[PreflightIssue]:
+        return [i for i in self.issues if i.level == "unsupported"]
+
+    @property
+    def ignored(self) -> list[PreflightIssue]:
+        return [i for i in self.issues if i.level == "ignored"]
+
+    @property
+    def ok(self) -> bool:
+        """True when the backend enforces the whole schema."""
+        return not self.issues
+
+    def format(self) -> str:
+        """Human-readable: one line per issue (or one line saying all is enforced)."""
+        if not self.issues:
+            return f"{self.backend}: every keyword is enforced"
+        return "\n".join(issue.format() for issue in self.issues)
+
+
+# --------------------------------------------------------------------------------------------
+# public entry points
+# --------------------------------------------------------------------------------------------
+
+def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgrammar") -> PreflightReport:
+    """Report what `backend` would not enforce in `spec` (see the module docstring)."""
+    if backend not in ("xgrammar", "outlines"):
+        raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")
+    report = PreflightReport(backend=backend)
+    if spec.kind == "grammar":
+        if backend == "outlines":
+            report.issues.append(PreflightIssue(
+                "grammar", "", "unsupported", backend,
+                "EBNF grammars are not supported by the outlines backend; use xgrammar"))
+        return report
+    if spec.kind in ("regex", "choice"):
+        if spec.kind == "regex":
+            report.issues.extend(_regex_issues(spec.regex or "", "", "regex", backend, in_json=False))
+            if backend == "xgrammar" and not report.unsupported:
+                _try_xgrammar_regex(spec.regex or "", report)
+        return report
+    walker = _XGrammarWalker if backend == "xgrammar" else _OutlinesWalker
+    report.issues.extend(walker(spec.json_schema or {}).run())
+    if not report.unsupported:
+        try:
+            convert_json_schema(spec, backend)
+        except SchemaError as exc:
+            report.issues.append(PreflightIssue("", "", "unsupported", backend, str(exc)))
+    return report
+
+
+def check_schema(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgrammar",
+                 mode: Literal["default", "strict", "lenient"] = "default") -> PreflightReport:
+    """Run `preflight` and act on it.
+
+    ``default``: raise `SchemaError` for an unsupported keyword, warn (`SchemaWarning`) for an
+    ignored one. ``strict``: raise for both. ``lenient``: warn for both. Returns the report.
+    """
+    if mode not in ("default", "strict", "lenient"):
+        raise SchemaError(f"check_schema mode must be 'default', 'strict' or 'lenient', got {mode!r}")
+    report = preflight(spec, backend)
+    raising = {"default": ("unsupported",), "strict": ("unsupported", "ignored"), "lenient": ()}[mode]
+    fatal = [i for i in report.issues if i.level in raising]
+    if fatal:
+        first = fatal[0]
+        more = (f" (and {len(fatal) - 1} more: {'; '.join(i.format() for i in fatal[1:])})"
+                if len(fatal) > 1 else "")
+        hint = (" Simplify the schema, try the other backend, or pass mode='lenient' to generate "
+                "anyway (the output is still validated)." if first.level == "ignored" else "")
+        raise SchemaError(f"{first.message}{more}.{hint}", keyword=first.keyword or None,
+                          pointer=first.pointer, backend=backend)
+    for issue in report.issues:
+        warnings.warn(SchemaWarning(issue.format()), stacklevel=2)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# regex features
+# --------------------------------------------------------------------------------------------
+
+def _regex_issues(pattern: str, pointer: str, keyword: str, backend: str, *,
+                  in_json: bool) -> list[PreflightIssue]:
+    """Features of `pattern` the backend rejects or drops. `in_json`: a string-schema pattern."""
+    issues: list[PreflightIssue] = []
+
+    def add(level: Level, message: str) -> None:
+        issues.append(PreflightIssue(keyword, pointer, level, backend, message))
+
+    pieces = scan_regex(pattern)
+    opens = [text for kind, text in pieces if kind == "open"]
+    escapes = [text for kind, text in pieces if kind == "esc"]
+    if any(o in ("(?=", "(?!") for o in opens):
+        if backend == "xgrammar" and in_json:
+            add("ignored", "look-ahead assertions are dropped by xgrammar (the rest is enforced)")
+        elif backend == "xgrammar":
+            add("unsupported", "look-ahead assertions are not supported by xgrammar")
+        else:
+            add("unsupported", "look-ahead assertions cannot be compiled by outlines (Rust regex DFA)")
+    if any(o in ("(?<=", "(?<!") for o in opens):
+        add("unsupported", "look-behind assertions are not supported")
+    if any(o == "(?>" for o in opens):
+        add("unsupported", "atomic groups are not supported")
+    if any(e[1:2].isdigit() and e[1:2] != "0" or e.startswith("\\k") for e in escapes):
+        add("unsupported", "backreferences are not supported")
+    if any(e in ("\\b", "\\B") for e in escapes):
+        add("unsupported", "word boundaries (\\b, \\B) are not supported")
+    if any(e in ("\\A", "\\Z", "\\z", "\\G") for e in escapes):
+        add("unsupported", "\\A / \\Z anchors are not supported; use ^ and $")
+    if backend == "xgrammar" and any(e[:2] in ("\\p", "\\P") for e in escapes):
+        add("unsupported", "Unicode property classes (\\p{...}) are not supported by xgrammar")
+    if in_json:
+        if search_pattern(pattern, any_text=".*") is None:
+            add("unsupported", "^ or $ inside the pattern (not at the start / end of a top-level "
+                "alternative) cannot be turned into a whole-string match")
+        elif backend == "outlines":
+            risky = [text for kind, text in pieces
+                     if (kind == "class" and text.startswith("[^"))
+                     or (kind == "esc" and text in ("\\D", "\\W", "\\S", "\\s", "\\\\", '\\"', "\\n",
+                                                     "\\t", "\\r", "\\f", "\\v"))
+                     or (kind == "esc" and text[:2] in ("\\x", "\\u") and _is_control_escape(text))
+                     or (kind == "char" and text in ('"', "\\"))]
+            if risky:
+                add("ignored", "outlines matches patterns against the raw JSON text: "
+                    f"{', '.join(sorted(set(risky)))} can emit a raw quote, backslash or control "
+                    "character (an invalid JSON string)")
+    return issues
+
+
+def _is_control_escape(text: str) -> bool:
+    digits = text[2:].strip("{}")
+    try:
+        return int(digits[:4], 16) < 0x20 or int(digits[:4], 16) in (0x22, 0x5C)
+    except ValueError:
+        return False
+
+
+def _try_xgrammar_regex(pattern: str, report: PreflightReport) -> None:
+    import xgrammar
+
+    from .spec import clean_backend_message
+
+    try:
+        xgrammar.Grammar.from_regex(pattern)
+    except Exception as exc:
+        message = f"xgrammar cannot compile the regex: {clean_backend_message(exc)}"
+        report.issues.append(PreflightIssue("regex", "", "unsupported", "xgrammar", message))
+
+
+# --------------------------------------------------------------------------------------------
+# schema walkers
+# --------------------------------------------------------------------------------------------
+
+_ALWAYS_IGNORED = {
+    "not": "'not' is not enforced",
+    "if": "'if' / 'then' / 'else' are not enforced",
+    "dependentRequired": "'dependentRequired' is not enforced",
+    "dependentSchemas": "'dependentSchemas' is not enforced",
+    "dependencies": "'dependencies' is not enforced",
+    "contentEncoding": "'contentEncoding' is not enforced",
+    "contentMediaType": "'contentMediaType' is not enforced",
+    "contentSchema": "'contentSchema' is not enforced",
+    "uniqueItems": "array items may repeat: 'uniqueItems' is not enforced",
+    "contains": "'contains' is not enforced",
+    "minContains": "'minContains' is not enforced",
+    "maxContains": "'maxContains' is not enforced",
+}
+_TYPED_IGNORED = {
+    **{k: {"array"} for k in ("uniqueItems", "contains", "minContains", "maxContains")},
+    **{k: {"string"} for k in ("contentEncoding", "contentMediaType", "contentSchema")},
+    **{k: {"object"} for k in ("dependentRequired", "dependentSchemas", "dependencies")},
+}
+_UNSUPPORTED_ALWAYS = {
+    "$dynamicRef": "'$dynamicRef' is not supported",
+    "$recursiveRef": "'$recursiveRef' is not supported",
+}
+
+
+def _constraint_keys(node: dict) -> list[str]:
+    """Keywords of `node` that restrict instances (known, not annotations)."""
+    return [k for k in node if k in KEYWORD_SUPPORT and k not in ANNOTATIONS and k not in PASSIVE
+            and not (k == "uniqueItems" and node[k] is False)]
+
+
+def _types(node: dict) -> list[str] | None:
+    t = node.get("type")
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list):
+        return [x for x in t if isinstance(x, str)]
+    return None
+
+
+def _value_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _types_overlap(a: set[str], b: set[str]) -> bool:
+    def widen(s: set[str]) -> set[str]:
+        return s | ({"integer"} if "number" in s else set())
+    return bool(widen(a) & widen(b))
+
+
+def _canon(value: Any) -> str:
+    """Equality key for JSON values (1 == 1.0, true != 1)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps([_value_type(value), value], sort_keys=True)
+
+
+class _Walker:
+    backend = ""
+
+    def __init__(self, root: dict) -> None:
+        self.root = root
+        self.issues: list[PreflightIssue] = []
+        self._seen: set[tuple[str, str | None]] = set()
+        self._validator: Any = None
+
+    # ---- helpers ------------------------------------------------------------------------
+    def add(self, keyword: str, pointer: str, level: Level, message: str) -> None:
+        issue = PreflightIssue(keyword, pointer, level, self.backend, message)
+        if all((i.keyword, i.pointer, i.level) != (keyword, pointer, level) for i in self.issues):
+            self.issues.append(issue)
+
+    def run(self) -> list[PreflightIssue]:
+        self.walk(self.root, [], ())
+        return self.issues
+
+    def resolve(self, ref: Any) -> tuple[Any, list[Any]] | None:
+        """Target and path of a local ref ("#", "#/a/b"); None if not local / not found."""
+        if not isinstance(ref, str) or not ref.startswith("#") or (ref != "#" and not ref.startswith("#/")):
+            return None
+        node: Any = self.root
+        path: list[Any] = []
+        for raw in ref[2:].split("/") if ref != "#" else []:
+            part = raw.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+                path.append(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                path.append(int(part))
+            else:
+                return None
+        return node, path
+
+    def deref(self, node: Any, depth: int = 8) -> Any:
+        while depth and isinstance(node, dict) and "$ref" in node:
+            target = self.resolve(node["$ref"])
+            if target is None:
+                return node
+            node, depth = target[0], depth - 1
+        return node
+
+    def validator(self, schema: Any) -> Any:
+        import jsonschema
+        from jsonschema.validators import validator_for
+
+        if self._validator is None:
+            cls = validator_for(self.root, default=jsonschema.Draft202012Validator)
+            self._validator = cls(self.root)
+        return self._validator.evolve(schema=schema)
+
+    def check_values(self, node: dict, path: list[Any], values: list[Any], winner: str) -> None:
+        """const / enum win over their siblings: flag a sibling some allowed value violates."""
+        rest = {k: v for k, v in node.items() if k != winner}
+        if not _constraint_keys(rest):
+            return
+        for value in values:
+            for error in self.validator(rest).iter_errors(value):
+                kw = str(error.schema_path[0]) if error.schema_path else str(error.validator)
+                self.add(kw, to_pointer(path + [kw]), "ignored",
+                         f"{winner} value {json.dumps(value)[:40]} violates {kw!r}, which "
+                         f"{self.backend} does not check next to {winner!r}")
+
+    def implied(self, keyword: str, value: Any, branches: Iterable[Any]) -> bool:
+        """Does every branch already state this sibling constraint (so dropping it is harmless)?"""
+        branches = [self.deref(b) for b in branches]
+        if not branches:
+            return False
+        for b in branches:
+            if not isinstance(b, dict):
+                return False
+            if keyword == "type":
+                wanted = {value} if isinstance(value, str) else set(value)
+                have = _types(b)
+                if have is None:
+                    vals = [b["const"]] if "const" in b else b.get("enum")
+                    if not isinstance(vals, list):
+                        return False
+                    have = [_value_type(v) for v in vals]
+                if not all(t in wanted or (t == "integer" and "number" in wanted) for t in have):
+                    return False
+            elif b.get(keyword, object()) != value:
+                return False
+        return True
+
+    def drop_siblings(self, node: dict, path: list[Any], winner: str, consumed: Iterable[str] = (),
+                      branches: Iterable[Any] = ()) -> None:
+        branches = list(branches)
+        for k in _constraint_keys(node):
+            if k == winner or k in consumed:
+                continue
+            if k in _UNSUPPORTED_ALWAYS:
+                self.add(k, to_pointer(path + [k]), "unsupported", _UNSUPPORTED_ALWAYS[k])
+            elif not self.implied(k, node[k], branches):
+                self.add(k, to_pointer(path + [k]), "ignored",
+                         f"{self.backend} uses {winner!r} here and drops its sibling {k!r}; move "
+                         f"{k!r} into the {winner!r} branches")
+
+    def always(self, node: dict, path: list[Any]) -> None:
+        types = _types(node)
+        for k in _constraint_keys(node):
+            if types is not None and k in _TYPED_IGNORED and not (set(types) & _TYPED_IGNORED[k]):
+                continue  # e.g. uniqueItems on a node that can only be an object: no effect
+            if k in _ALWAYS_IGNORED:
+                self.add(k, to_pointer(path + [k]), "ignored", _ALWAYS_IGNORED[k])
+            elif k in _UNSUPPORTED_ALWAYS:
+                self.add(k, to_pointer(path + [k]), "unsupported", _UNSUPPORTED_ALWAYS[k])
+
+    def walk_ref(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        ref = node["$ref"]
+        target = self.resolve(ref)
+        if target is None:
+            local = isinstance(ref, str) and ref.startswith("#")
+            self.add("$ref", to_pointer(path + ["$ref"]), "unsupported",
+                     f"$ref {ref!r} " + ("points nowhere in this schema" if local and ref.startswith("#/")
+                                         else "is not a local JSON pointer ('#/...'); remote refs and "
+                                         "anchors are not supported; inline the referenced schema"))
+            return
+        if ref in stack:
+            self.recursive_ref(path, ref)
+            return
+        key = (ref, None)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.walk(target[0], target[1], stack + (ref,))
+
+    def recursive_ref(self, path: list[Any], ref: str) -> None:
+        """A $ref back into its own ancestors; xgrammar handles recursion natively."""
+
+    def oneof(self, node: dict, path: list[Any]) -> None:
+        if not self.disjoint(node["oneOf"]):
+            self.add("oneOf", to_pointer(path + ["oneOf"]), "ignored",
+                     "oneOf is generated as anyOf: an instance matching several branches (which "
+                     "oneOf forbids) is possible; make the branches disjoint, e.g. with a const "
+                     "discriminator property required in every branch")
+
+    def disjoint(self, branches: list[Any]) -> bool:
+        resolved = [self.deref(b) for b in branches]
+        if len(resolved) < 2:
+            return True
+        if not all(isinstance(b, dict) for b in resolved):
+            return False
+        descs = []
+        for b in resolved:
+            if "const" in b or "enum" in b:
+                vals = [b["const"]] if "const" in b else b["enum"]
+                descs.append(("values", {_canon(v) for v in vals}, {_value_type(v) for v in vals}))
+            elif _types(b) is not None:
+                descs.append(("types", None, set(_types(b) or [])))
+            else:
+                descs.append(None)
+        if all(d is not None for d in descs):
+            ok = True
+            for i in range(len(descs)):
+                for j in range(i + 1, len(descs)):
+                    a, b = descs[i], descs[j]
+                    if a[0] == "values" and b[0] == "values":
+                        ok &= not (a[1] & b[1])
+                    else:
+                        ok &= not _types_overlap(a[2], b[2])
+            if ok:
+                return True
+        return self._discriminated(resolved)
+
+    def _discriminated(self, branches: list[dict]) -> bool:
+        common: set[str] | None = None
+        for b in branches:
+            req = b.get("required") if isinstance(b.get("required"), list) else []
+            props = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+            names = {r for r in req if r in props}
+            common = names if common is None else common & names
+        for name in sorted(common or ()):
+            seen: set[str] = set()
+            ok = True
+            for b in branches:
+                p = self.deref(b["properties"][name])
+                vals = [p["const"]] if isinstance(p, dict) and "const" in p else (
+                    p.get("enum") if isinstance(p, dict) else None)
+                if not isinstance(vals, list):
+                    ok = False
+                    break
+                canon = {_canon(v) for v in vals}
+                if canon & seen:
+                    ok = False
+                    break
+                seen |= canon
+            if ok:
+                return True
+        return False
+
+    def walk_map(self, node: dict, key: str, path: list[Any], stack: tuple[str, ...],
+                 default_type: str | None = None) -> None:
+        for name, sub in (node.get(key) or {}).items():
+            if sub is False and key == "properties":
+                continue  # dropped before conversion: an undeclared property is never generated
+            self.walk(sub, path + [key, name], stack, default_type)
+
+    def walk_list(self, node: dict, key: str, path: list[Any], stack: tuple[str, ...]) -> None:
+        for i, sub in enumerate(node.get(key) or []):
+            self.walk(sub, path + [key, i], stack)
+
+    def walk(self, node: Any, path: list[Any], stack: tuple[str, ...],
+             default_type: str | None = None) -> None:
+        raise NotImplementedError
+
+    def false_schema(self, path: list[Any]) -> None:
+        # the keyword holding the `false`: /properties/x -> properties, /items -> items
+        containers = ("properties", "prefixItems", "anyOf", "oneOf", "allOf", "patternProperties")
+        if len(path) >= 2 and path[-2] in containers:
+            kw = str(path[-2])
+        else:
+            kw = str(path[-1]) if path else "false"
+        self.add(kw, to_pointer(path), "unsupported",
+                 "a 'false' subschema is not supported here; remove the property / branch instead")
+
+    def required_undeclared(self, node: dict, path: list[Any]) -> None:
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [r for r in node.get("required") or [] if r not in props]
+        if missing:
+            self.add("required", to_pointer(path + ["required"]), "ignored",
+                     f"required {', '.join(map(repr, missing))} not declared in 'properties' is never "
+                     "generated; declare it under 'properties'")
+
+
+class _XGrammarWalker(_Walker):
+    backend = "xgrammar"
+    ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+
+    def walk(self, node: Any, path: list[Any], stack: tuple[str, ...],
+             default_type: str | None = None) -> None:
+        if node is False:
+            self.false_schema(path)
+            return
+        if not isinstance(node, dict):
+            return
+        winner = next((k for k in self.ORDER if k in node), None)
+        if winner == "$ref":
+            self.drop_siblings(node, path, "$ref", branches=[node])
+            self.walk_ref(node, path, stack)
+        elif winner in ("const", "enum"):
+            values = [node["const"]] if winner == "const" else list(node["enum"])
+            self.check_values(node, path, values, winner)
+        elif winner in ("anyOf", "oneOf", "allOf"):
+            branches = node[winner]
+            if winner == "allOf" and len(branches) > 1:
+                self.add("allOf", to_pointer(path + ["allOf"]), "ignored",
+                         "xgrammar generates any JSON value for allOf with several subschemas; "
+                         "merge them into one schema")
+                self.drop_siblings(node, path, "allOf")
+                return
+            self.drop_siblings(node, path, winner, branches=branches)
+            if winner == "oneOf":
+                self.oneof(node, path)
+            self.walk_list(node, winner, path, stack)
+        else:
+            self.typed(node, path, stack, default_type)
+
+    def typed(self, node: dict, path: list[Any], stack: tuple[str, ...], default_type: str | None) -> None:
+        self.always(node, path)
+        types = _types(node)
+        if types is None:
+            if any(k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):
+                types = ["object"]
+            elif any(k in node for k in ("items", "prefixItems", "unevaluatedItems")):
+                types = ["array"]
+            elif default_type:
+                types = [default_type]
+            else:
+                for k in _constraint_keys(node):
+                    if any(k in kws for kws in TYPE_KEYWORDS.values()) and k not in _ALWAYS_IGNORED:
+                        self.add(k, to_pointer(path + [k]), "ignored",
+                                 f"no 'type' here, so xgrammar generates any JSON value and ignores "
+                                 f"{k!r}; add a 'type'")
+                return
+        for t in types:
+            getattr(self, f"t_{t}", lambda *a: None)(node, path, stack)
+
+    def t_string(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        fmt = node.get("format")
+        lengths = [k for k in ("minLength", "maxLength") if k in node]
+        if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS:
+            for k in (["pattern"] if "pattern" in node else []) + lengths:
+                self.add(k, to_pointer(path + [k]), "ignored",
+                         f"xgrammar enforces format {fmt!r} and drops {k!r} next to it")
+            return
+        if fmt is not None:
+            self.add("format", to_pointer(path + ["format"]), "ignored",
+                     f"xgrammar does not know format {fmt!r}; any string is generated")
+        if isinstance(node.get("pattern"), str):
+            for k in lengths:
+                self.add(k, to_pointer(path + [k]), "ignored",
+                         f"xgrammar enforces 'pattern' and drops {k!r} next to it; put the length "
+                         "into the pattern, e.g. ^[a-z]{3,8}$")
+            for issue in _regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
+                                       "xgrammar", in_json=True):
+                self.add(issue.keyword, issue.pointer, issue.level, issue.message)
+
+    def t_integer(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        m = node.get("multipleOf")
+        if m is None:
+            return
+        bounds = [node.get(k) for k in ("minimum", "exclusiveMinimum")], [
+            node.get(k) for k in ("maximum", "exclusiveMaximum")]
+        lo = [b for b in bounds[0] if isinstance(b, (int, float))]
+        hi = [b for b in bounds[1] if isinstance(b, (int, float))]
+        ok = float(m).is_integer() and 0 < m <= XGRAMMAR_INT_MULTIPLE_OF_MAX
+        if ok and (lo or hi):
+            ok = bool(lo and hi) and (min(hi) - max(lo)) < XGRAMMAR_INT_MULTIPLE_OF_RANGE_MAX
+        if not ok:
+            self.add("multipleOf", to_pointer(path + ["multipleOf"]), "ignored",
+                     "xgrammar enforces integer multipleOf only for whole numbers up to "
+                     f"{XGRAMMAR_INT_MULTIPLE_OF_MAX}, unbounded or with both bounds less than "
+                     f"{XGRAMMAR_INT_MULTIPLE_OF_RANGE_MAX} apart")
+
+    def t_number(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        if "multipleOf" in node and "integer" not in (_types(node) or []):
+            self.add("multipleOf", to_pointer(path + ["multipleOf"]), "ignored",
+                     "xgrammar does not enforce multipleOf for type 'number'")
+
+    def t_array(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        self.walk_list(node, "prefixItems", path, stack)
+        items = node.get("items")
+        if isinstance(items, dict):
+            self.walk(items, path + ["items"], stack)
+        elif "items" not in node and isinstance(node.get("unevaluatedItems"), dict):
+            self.walk(node["unevaluatedItems"], path + ["unevaluatedItems"], stack)
+
+    def t_object(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        self.walk_map(node, "properties", path, stack)
+        self.walk_map(node, "patternProperties", path, stack)
+        self.required_undeclared(node, path)
+        if isinstance(node.get("additionalProperties"), dict):
+            self.walk(node["additionalProperties"], path + ["additionalProperties"], stack)
+        elif "additionalProperties" not in node and isinstance(node.get("unevaluatedProperties"), dict):
+            self.walk(node["unevaluatedProperties"], path + ["unevaluatedProperties"], stack)
+        if isinstance(node.get("propertyNames"), dict):
+            self.walk(node["propertyNames"], path + ["propertyNames"], stack, default_type="string")
+
+
+class _OutlinesWalker(_Walker):
+    backend = "outlines"
+    ORDER = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref")
+
+    def recursive_ref(self, path: list[Any], ref: str) -> None:
+        self.add("$ref", to_pointer(path + ["$ref"]), "ignored",
+                 f"recursive $ref {ref!r}: outlines unrolls recursion 3 levels deep and silently "
+                 "drops deeper properties, even required ones; use xgrammar")
+
+    def walk(self, node: Any, path: list[Any], stack: tuple[str, ...],
+             default_type: str | None = None) -> None:
+        if node is False:
+            self.false_schema(path)
+            return
+        if not isinstance(node, dict):
+            return
+        winner = next((k for k in self.ORDER if k in node), None)
+        if winner == "properties":
+            self.always(node, path)
+            self.t_properties(node, path, stack)
+        elif winner in ("allOf", "anyOf", "oneOf"):
+            branches = node[winner]
+            if winner == "allOf" and len(branches) > 1:
+                self.add("allOf", to_pointer(path + ["allOf"]), "unsupported",
+                         "outlines concatenates the subschemas of allOf (not JSON); merge them into "
+                         "one schema or use xgrammar")
+                return
+            self.drop_siblings(node, path, winner, branches=branches)
+            if winner == "oneOf":
+                self.oneof(node, path)
+            self.walk_list(node, winner, path, stack)
+        elif winner == "prefixItems":
+            self.always(node, path)
+            n = len(node["prefixItems"])
+            if isinstance(node.get("minItems"), int) and node["minItems"] > n:
+                self.add("minItems", to_pointer(path + ["minItems"]), "ignored",
+                         "outlines generates exactly the prefixItems tuple, never more items")
+            if isinstance(node.get("maxItems"), int) and node["maxItems"] < n:
+                self.add("maxItems", to_pointer(path + ["maxItems"]), "ignored",
+                         "outlines generates the whole prefixItems tuple, longer than maxItems")
+            consumed = ("type", "items", "unevaluatedItems", "minItems", "maxItems") + tuple(_ALWAYS_IGNORED)
+            self.drop_siblings(node, path, "prefixItems", consumed=consumed, branches=[])
+            self.walk_list(node, "prefixItems", path, stack)
+        elif winner in ("enum", "const"):
+            values = [node["const"]] if winner == "const" else list(node["enum"])
+            # The other of const / enum comes after in outlines' order; both value-checked.
+            self.check_values(node, path, values, winner)
+        elif winner == "$ref":
+            self.drop_siblings(node, path, "$ref", branches=[node])
+            self.walk_ref(node, path, stack)
+        elif "type" in node:
+            self.always(node, path)
+            for t in _types(node) or []:
+                getattr(self, f"t_{t}", lambda *a: None)(node, path, stack)
+        else:
+            keys = _constraint_keys(node)
+            if keys and default_type is None:
+                self.add(keys[0], to_pointer(path + [keys[0]]), "unsupported",
+                         "outlines needs a 'type' (or properties / enum / const / $ref / anyOf) "
+                         "in this schema")
+
+    def t_properties(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        props = node["properties"]
+        required = [r for r in node.get("required") or [] if r in props]
+        self.required_undeclared(node, path)
+        mn, mx = node.get("minProperties"), node.get("maxProperties")
+        if isinstance(mn, int) and mn > len(required):
+            self.add("minProperties", to_pointer(path + ["minProperties"]), "ignored",
+                     "outlines ignores minProperties next to 'properties'; make more properties required")
+        if isinstance(mx, int) and mx < len(props):
+            self.add("maxProperties", to_pointer(path + ["maxProperties"]), "ignored",
+                     "outlines ignores maxProperties next to 'properties'")
+        names = node.get("propertyNames")
+        if isinstance(names, dict):
+            bad = [p for p in props if not self.validator(names).is_valid(p)]
+            if bad:
+                self.add("propertyNames", to_pointer(path + ["propertyNames"]), "ignored",
+                         f"declared properties {bad} violate propertyNames, which outlines does not check")
+        consumed = ("type", "required", "additionalProperties", "unevaluatedProperties",
+                    "patternProperties", "propertyNames", "minProperties", "maxProperties")
+        consumed += tuple(_ALWAYS_IGNORED) + tuple(k for t, kws in TYPE_KEYWORDS.items()
+                                                   if t != "object" for k in kws)
+        self.drop_siblings(node, path, "properties", consumed=consumed)
+        self.walk_map(node, "properties", path, stack)
+
+    def t_string(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        lengths = [k for k in ("minLength", "maxLength") if k in node]
+        pattern = node.get("pattern")
+        fmt = node.get("format")
+        if lengths:
+            for k in ("pattern", "format"):
+                if k in node:
+                    self.add(k, to_pointer(path + [k]), "ignored",
+                             f"outlines enforces {' / '.join(lengths)} and drops {k!r} next to it")
+            return
+        if isinstance(pattern, str):
+            if fmt is not None:
+                self.add("format", to_pointer(path + ["format"]), "ignored",
+                         "outlines enforces 'pattern' and drops 'format' next to it")
+            for issue in _regex_issues(pattern, to_pointer(path + ["pattern"]), "pattern", "outlines",
+                                       in_json=True):
+                self.add(issue.keyword, issue.pointer, issue.level, issue.message)
+            return
+        if fmt is not None:
+            if fmt not in OUTLINES_FORMATS:
+                self.add("format", to_pointer(path + ["format"]), "unsupported",
+                         f"outlines does not support format {fmt!r} (it knows "
+                         f"{', '.join(sorted(OUTLINES_FORMATS))}); use xgrammar or a pattern")
+            elif fmt in OUTLINES_LOOSE_FORMATS:
+                self.add("format", to_pointer(path + ["format"]), "ignored",
+                         f"outlines' {fmt!r} regex {OUTLINES_LOOSE_FORMATS[fmt]}")
+
+    def t_number(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+            if k in node:
+                self.add(k, to_pointer(path + [k]), "ignored", f"outlines does not enforce {k!r}")
+
+    t_integer = t_number
+
+    def t_array(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        items = node.get("items")
+        if items is False:
+            if not (isinstance(node.get("maxItems"), int) and node["maxItems"] == 0):
+                self.add("items", to_pointer(path + ["items"]), "unsupported",
+                         "outlines does not support items: false; use maxItems: 0")
+        elif isinstance(items, dict):
+            self.walk(items, path + ["items"], stack)
+        elif "unevaluatedItems" in node and node["unevaluatedItems"] is not True:
+            self.add("unevaluatedItems", to_pointer(path + ["unevaluatedItems"]), "ignored",
+                     "outlines ignores unevaluatedItems; use items")
+
+    def t_object(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        addl = node.get("additionalProperties")
+        closed = addl is False
+        if isinstance(addl, dict):
+            self.walk(addl, path + ["additionalProperties"], stack)
+        mn, mx = node.get("minProperties"), node.get("maxProperties")
+        if isinstance(mn, int) and mn > 1:
+            self.add("minProperties", to_pointer(path + ["minProperties"]), "ignored",
+                     "outlines only enforces minProperties 0 or 1 on objects without 'properties'")
+        if isinstance(mx, int) and mx > 0 and not closed:
+            self.add("maxProperties", to_pointer(path + ["maxProperties"]), "ignored",
+                     "outlines only enforces maxProperties 0 on objects without 'properties'")
+        for k in ("patternProperties", "propertyNames"):
+            if k in node and not (closed and "patternProperties" not in node and "propertyNames" not in node):
+                self.add(k, to_pointer(path + [k]), "ignored", f"outlines ignores {k!r}")
+        if "unevaluatedProperties" in node and addl is None and node["unevaluatedProperties"] is not True:
+            self.add("unevaluatedProperties", to_pointer(path + ["unevaluatedProperties"]), "ignored",
+                     "outlines ignores unevaluatedProperties; use additionalProperties")
+        if node.get("required"):
+            self.required_undeclared(node, path)

@@ -1,0 +1,350 @@
+"""Turn every schema input a user can give into one internal `SchemaSpec`.
+
+A user passes a Pydantic model, a JSON Schema (dict or JSON text), a `Regex`, a list / `Literal`
+/ `Enum` of choices, a `Grammar` (EBNF) or any type Pydantic's `TypeAdapter` understands. All of
+them become a frozen `SchemaSpec` with one of four kinds (json_schema / regex / choice / grammar),
+the JSON layout to write JSON in, the object final parsing converts to (`target`), and a stable
+content hash (`key`) the grammar cache uses.
+
+Normalisation checks what can be checked without a backend: JSON well-formedness, the JSON Schema
+metaschema, that a regex compiles, that choices are non-empty and distinct, that EBNF parses. What
+a *backend* enforces is the pre-flight report's business (`preflight.py`), not this module's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import hashlib
+import json
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from constrained_spec.errors import SchemaError
+
+__all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema"]
+
+
+@dataclass(frozen=True)
+class Regex:
+    """A regular expression the whole output must match (full match, Python `re` syntax subset
+    shared by xgrammar and Rust's `regex`: no look-around, no backreferences)."""
+
+    pattern: str
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """An EBNF grammar in xgrammar's (GBNF-like) syntax; `root` names the start rule."""
+
+    ebnf: str
+    root: str = "root"
+
+
+@dataclass(frozen=True)
+class JsonLayout:
+    """How JSON is written: one line with `separators`, or pretty with `indent` spaces.
+
+    The grammar allows exactly this layout (no free whitespace), so the model cannot wander off
+    into runs of spaces and newlines, and outputs are byte-identical to
+    ``json.dumps(value, indent=indent, separators=separators, ensure_ascii=False)``.
+    """
+
+    indent: int | None = None
+    separators: tuple[str, str] = (", ", ": ")
+
+    def __post_init__(self) -> None:
+        if self.indent is not None and (not isinstance(self.indent, int) or self.indent < 0):
+            raise SchemaError(f"JsonLayout.indent must be None or a non-negative int, got {self.indent!r}")
+        seps = self.separators
+        if (not isinstance(seps, tuple) or len(seps) != 2
+                or any(not isinstance(s, str) for s in seps)
+                or seps[0] not in (",", ", ") or seps[1] not in (":", ": ")):
+            raise SchemaError("JsonLayout.separators must be (',' or ', ', ':' or ': '), "
+                              f"got {seps!r}")
+
+    def dumps(self, value: Any) -> str:
+        """`value` written in this layout (what a conforming output looks like)."""
+        return json.dumps(value, indent=self.indent, separators=self.separators, ensure_ascii=False)
+
+
+SpecKind = Literal["json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class SchemaSpec:
+    """One normalised schema: what to constrain generation to and what to parse the output into."""
+
+    kind: SpecKind
+    json_schema: dict | None = field(default=None, compare=False, hash=False)
+    regex: str | None = None
+    choices: tuple[str, ...] = ()
+    ebnf: str | None = None
+    root: str = "root"
+    layout: JsonLayout = JsonLayout()
+    # What parse_output converts to: a pydantic model class / TypeAdapter, an Enum class, the
+    # tuple of choice values, or None. Not part of equality: the grammar does not depend on it.
+    target: Any = field(default=None, compare=False, hash=False, repr=False)
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", _spec_key(self))
+
+    def __eq__(self, other: object) -> bool:  # dicts are unhashable: compare through the key
+        return isinstance(other, SchemaSpec) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _spec_key(spec: SchemaSpec) -> str:
+    # Property order matters to the grammar (properties are generated in declared order), so the
+    # schema is NOT key-sorted: two orderings are two grammars.
+    content = {
+        "kind": spec.kind,
+        "json_schema": spec.json_schema,
+        "regex": spec.regex,
+        "choices": list(spec.choices),
+        "ebnf": spec.ebnf,
+        "root": spec.root,
+        "layout": [spec.layout.indent, list(spec.layout.separators)],
+    }
+    text = json.dumps(content, ensure_ascii=False, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# normalisation
+# --------------------------------------------------------------------------------------------
+
+def normalize_schema(schema: Any, *, layout: JsonLayout = JsonLayout()) -> SchemaSpec:
+    """Turn any supported schema input into a `SchemaSpec`.
+
+    Parameters
+    ----------
+    schema
+        A Pydantic ``BaseModel`` subclass (parsed into an instance), a JSON Schema ``dict`` or
+        JSON text (parsed into plain JSON values), a `Regex` (-> ``str``), a list / tuple of
+        choices, ``typing.Literal[...]`` or an ``Enum`` subclass (-> the chosen value / member),
+        a `Grammar` (-> ``str``), any other type Pydantic's ``TypeAdapter`` accepts (e.g.
+        ``list[int]``, a dataclass, a TypedDict), or an existing `SchemaSpec`.
+    layout
+        How JSON outputs are written (json_schema kind only).
+
+    Raises
+    ------
+    SchemaError
+        Malformed JSON text, JSON that is not a schema, a JSON Schema failing its metaschema,
+        an invalid regex, empty or duplicate choices, unparsable EBNF, or an unknown input type.
+    """
+    if not isinstance(layout, JsonLayout):
+        raise SchemaError(f"layout must be a JsonLayout, got {type(layout).__name__}")
+    if isinstance(schema, SchemaSpec):
+        if schema.layout == layout or schema.kind != "json_schema":
+            return schema
+        return dataclasses.replace(schema, layout=layout, key="")
+    if isinstance(schema, Regex):
+        return _from_regex(schema.pattern)
+    if isinstance(schema, Grammar):
+        return _from_grammar(schema)
+    if isinstance(schema, str):
+        return _from_json_text(schema, layout)
+    if isinstance(schema, (bytes, bytearray)):
+        return _from_json_text(bytes(schema).decode("utf-8", errors="replace"), layout)
+    if isinstance(schema, dict):
+        return _from_json_schema(copy.deepcopy(schema), layout, target=None)
+    if isinstance(schema, (list, tuple)):
+        return _from_choices(list(schema), target=tuple(schema), what="choices")
+    if typing.get_origin(schema) is Literal:
+        values = list(typing.get_args(schema))
+        return _from_choices(values, target=tuple(values), what="Literal")
+    if isinstance(schema, type) and issubclass(schema, enum.Enum):
+        members = list(schema)
+        return _from_choices([m.value for m in members], target=schema, what=f"Enum {schema.__name__}")
+    if _is_pydantic_model(schema):
+        try:
+            js = schema.model_json_schema()
+        except Exception as exc:  # pydantic raises several types for unschematisable fields
+            raise SchemaError(f"pydantic model {schema.__name__} has no JSON Schema: {exc}") from exc
+        return _from_json_schema(js, layout, target=schema)
+    return _from_type_adapter(schema, layout)
+
+
+def _is_pydantic_model(obj: Any) -> bool:
+    try:
+        from pydantic import BaseModel
+    except ImportError:  # pragma: no cover - pydantic is a dependency
+        return False
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
+def _from_type_adapter(schema: Any, layout: JsonLayout) -> SchemaSpec:
+    from pydantic import TypeAdapter
+
+    try:
+        adapter = TypeAdapter(schema)
+        js = adapter.json_schema()
+    except Exception as exc:
+        raise SchemaError(
+            f"unsupported schema input of type {type(schema).__name__}: {schema!r}. Pass a pydantic "
+            "model, a JSON Schema (dict or JSON text), Regex(...), Grammar(...), a list of choices, "
+            "a Literal or an Enum") from exc
+    return _from_json_schema(js, layout, target=adapter)
+
+
+def _from_json_text(text: str, layout: JsonLayout) -> SchemaSpec:
+    stripped = text.lstrip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if stripped.startswith("{"):
+            raise SchemaError(
+                f"malformed JSON Schema text: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+        raise SchemaError(
+            f"a plain string that is not JSON ({exc.msg} at column {exc.colno}) is not a schema: "
+            f"wrap a regular expression in Regex({text[:40]!r}) and an EBNF grammar in "
+            "Grammar(...), or pass JSON Schema text") from exc
+    if not isinstance(value, dict):
+        raise SchemaError(
+            f"JSON text is a {type(value).__name__}, not a JSON Schema object; a JSON Schema is "
+            "an object such as {\"type\": \"string\"} (for choices pass a Python list)", pointer="")
+    return _from_json_schema(value, layout, target=None)
+
+
+def _from_json_schema(js: Any, layout: JsonLayout, *, target: Any) -> SchemaSpec:
+    if not isinstance(js, dict):
+        raise SchemaError(f"a JSON Schema must be an object, got {type(js).__name__}", pointer="")
+    check_json_schema(js)
+    return SchemaSpec(kind="json_schema", json_schema=js, layout=layout, target=target)
+
+
+def check_json_schema(js: dict) -> None:
+    """Raise `SchemaError` (keyword + pointer) if `js` fails its metaschema (default 2020-12)."""
+    import jsonschema
+    from jsonschema.validators import validator_for
+
+    try:
+        cls = validator_for(js, default=jsonschema.Draft202012Validator)
+    except Exception as exc:  # unknown $schema URI
+        raise SchemaError(f"unknown $schema {js.get('$schema')!r}: {exc}", keyword="$schema",
+                          pointer="/$schema") from exc
+    error = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(js))
+    if error is None:
+        return
+    path = list(error.absolute_path)
+    keyword = next((p for p in reversed(path) if isinstance(p, str)), error.validator)
+    raise SchemaError(f"invalid JSON Schema: {error.message}", keyword=str(keyword),
+                      pointer=to_pointer(path))
+
+
+def to_pointer(parts: typing.Iterable[Any]) -> str:
+    """RFC 6901 JSON pointer for a path of keys / indices ("" is the document root)."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _from_regex(pattern: Any) -> SchemaSpec:
+    if not isinstance(pattern, str):
+        raise SchemaError(f"Regex pattern must be a str, got {type(pattern).__name__}")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise SchemaError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    return SchemaSpec(kind="regex", regex=pattern)
+
+
+def _from_grammar(g: Grammar) -> SchemaSpec:
+    if not isinstance(g.ebnf, str) or not g.ebnf.strip():
+        raise SchemaError("Grammar(ebnf) needs a non-empty EBNF string")
+    import xgrammar
+
+    try:
+        xgrammar.Grammar.from_ebnf(g.ebnf, root_rule_name=g.root)
+    except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
+        raise SchemaError(f"invalid EBNF grammar: {clean_backend_message(exc)}",
+                          backend="xgrammar") from exc
+    return SchemaSpec(kind="grammar", ebnf=g.ebnf, root=g.root)
+
+
+def choice_text(value: Any) -> str:
+    """The exact output text of one choice: strings as themselves, other JSON scalars as JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, enum.Enum):
+        return choice_text(value.value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    raise SchemaError(f"choice {value!r} is not a str, number, bool or None")
+
+
+def _from_choices(values: list, *, target: Any, what: str) -> SchemaSpec:
+    if not values:
+        raise SchemaError(f"{what}: at least one choice is needed")
+    texts = [choice_text(v) for v in values]
+    if "" in texts:
+        raise SchemaError(f"{what}: a choice cannot be the empty string (an empty output)")
+    seen: dict[str, int] = {}
+    for i, t in enumerate(texts):
+        if t in seen:
+            raise SchemaError(f"{what}: choices {seen[t]} and {i} both are written {t!r}")
+        seen[t] = i
+    # Longest first: leftmost-first regex engines (outlines-core's DFA) would otherwise stop at
+    # "ab" and never reach "abc" in "ab|abc".
+    regex = "|".join(regex_escape(t) for t in sorted(texts, key=len, reverse=True))
+    return SchemaSpec(kind="choice", choices=tuple(texts), regex=regex, target=target)
+
+
+# Characters every regex dialect we target (Python re, xgrammar, Rust regex) reads as syntax.
+_REGEX_META = set("\\.+*?()|[]{}^$-&~#")
+
+
+def regex_escape(text: str) -> str:
+    """Escape `text` as a literal for Python `re`, xgrammar and Rust `regex` alike.
+
+    (`re.escape` also escapes spaces, which Rust's regex rejects outside verbose mode.)
+    """
+    out = []
+    for ch in text:
+        if ch in _REGEX_META:
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def strip_edge_anchors(pattern: str) -> str:
+    """A whole-string regex without the ``^`` / ``$`` at the edges of its top-level
+    alternatives (no-ops under full matching, but outlines-core's DFA cannot start on ``^``)."""
+    from .backends import _top_level_alternatives, scan_regex
+
+    pieces = scan_regex(pattern)
+    flags = pieces.pop(0)[1] if pieces and pieces[0][0] == "flags" else ""
+    alts = []
+    for alt in _top_level_alternatives(pieces):
+        if alt and alt[0][0] == "bol":
+            alt = alt[1:]
+        if alt and alt[-1][0] == "eol":
+            alt = alt[:-1]
+        alts.append("".join(text for _, text in alt))
+    return flags + (alts[0] if len(alts) == 1 else "|".join(alts))
+
+
+_XGR_LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+?:\d+:\s*")
+
+
+def clean_backend_message(exc: BaseException) -> str:
+    """The backend's own message without xgrammar's "[time] file.cc:line:" prefix and traceback."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return _XGR_LOG_PREFIX.sub("", first).strip() or type(exc).__name__

@@ -1,0 +1,178 @@
+"""What each backend enforces, keyword by keyword: the knowledge behind the pre-flight report.
+
+Established for xgrammar 0.2.9 (``Grammar.from_json_schema(strict_mode=True,
+any_whitespace=False)``) and outlines-core 0.2.14 (``build_regex_from_schema`` + ``Index``) by
+reading their converters (xgrammar ``cpp/json_schema_converter.cc``; outlines-core
+``src/json_schema/parsing.rs`` and ``types.rs``) and by experiment: each keyword was compiled
+into a grammar and a *valid* and an *invalid* instance were fed to the matcher (xgrammar: string
+acceptance; outlines: a byte-level vocabulary walked through the Index). "enforced" = the valid
+instance is accepted and the invalid one rejected; "ignored" = the invalid one is accepted
+(generation could emit it); "unsupported" = the converter raises or the regex cannot be built;
+"narrowed" = some valid instances are rejected but nothing invalid is accepted (not reported:
+outputs still validate, e.g. property order fixed, patterns matched as whole strings).
+
+The table is the summary; the walkers in ``preflight.py`` apply the context rules spelled out in
+the comments (which keyword of a node "wins", format vs pattern vs length, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Support = Literal["enforced", "ignored", "unsupported", "narrowed", "partial"]
+
+# keyword -> {backend: status}. "partial" = enforced in some contexts only; the comment says which.
+KEYWORD_SUPPORT: dict[str, dict[str, Support]] = {
+    # --- any type -------------------------------------------------------------------------
+    "type":        {"xgrammar": "enforced", "outlines": "enforced"},   # incl. type arrays
+    "enum":        {"xgrammar": "enforced", "outlines": "enforced"},   # siblings ignored (values checked)
+    "const":       {"xgrammar": "enforced", "outlines": "enforced"},   # siblings ignored (value checked)
+    # $ref: local "#/..." enforced. xgrammar turns non-"#/" refs into "any" (warning) ->
+    # reported unsupported; outlines raises. Siblings of $ref are ignored by both.
+    # Recursion: xgrammar native; outlines cuts at depth 3 and drops the property -> ignored.
+    "$ref":        {"xgrammar": "enforced", "outlines": "partial"},
+    "$dynamicRef": {"xgrammar": "unsupported", "outlines": "unsupported"},
+    "$recursiveRef": {"xgrammar": "unsupported", "outlines": "unsupported"},
+    # --- combinators ----------------------------------------------------------------------
+    # anyOf: enforced; any sibling constraint of anyOf/oneOf/allOf is ignored by both.
+    "anyOf":       {"xgrammar": "enforced", "outlines": "enforced"},
+    # oneOf: both generate anyOf; exclusivity holds only if the branches are disjoint
+    # (xgrammar proves disjointness for type / const / discriminator arms, else warns and
+    # falls back). Reported "ignored" unless we can prove the branches disjoint.
+    "oneOf":       {"xgrammar": "partial", "outlines": "partial"},
+    # allOf: one subschema fine. More: xgrammar generates "any" (ignored); outlines
+    # concatenates the regexes (garbage, reported unsupported).
+    "allOf":       {"xgrammar": "partial", "outlines": "partial"},
+    "not":         {"xgrammar": "ignored", "outlines": "ignored"},
+    "if":          {"xgrammar": "ignored", "outlines": "ignored"},     # with then / else
+    "dependentRequired": {"xgrammar": "ignored", "outlines": "ignored"},
+    "dependentSchemas":  {"xgrammar": "ignored", "outlines": "ignored"},
+    "dependencies":      {"xgrammar": "ignored", "outlines": "ignored"},  # draft-07 spelling
+    # --- strings ----------------------------------------------------------------------------
+    # xgrammar precedence: known format > pattern > min/maxLength (the loser is ignored, with a
+    # C++ warning). outlines precedence: min/maxLength > pattern > format.
+    "minLength":   {"xgrammar": "partial", "outlines": "enforced"},
+    "maxLength":   {"xgrammar": "partial", "outlines": "enforced"},
+    # pattern: JSON Schema searches (unanchored); both backends full-match, so the pattern is
+    # rewritten to search semantics before conversion (backends.py). xgrammar: look-ahead is
+    # silently dropped (ignored); look-behind, backreferences, \b, \p{..}, atomic groups raise.
+    # outlines: the Rust regex must build a DFA (no look-around, backreferences, \b); ".",
+    # negated classes and \D \W \S \s match raw quotes / backslashes / control characters,
+    # producing invalid JSON strings (reported ignored).
+    "pattern":     {"xgrammar": "partial", "outlines": "partial"},
+    # format: xgrammar enforces email, date, time, date-time, duration, ipv4, ipv6, hostname,
+    # uuid, uri, uri-reference, uri-template, json-pointer, relative-json-pointer; any other
+    # format is ignored. outlines knows date-time, date, time, uuid, uri, email and raises on
+    # others; its date-time / time accept values without a UTC offset (not RFC 3339) and its
+    # time fraction branch can emit a backslash escape -> reported ignored. Calendar validity
+    # (Feb 31) is checked by neither (syntax only).
+    "format":      {"xgrammar": "partial", "outlines": "partial"},
+    "contentEncoding":  {"xgrammar": "ignored", "outlines": "ignored"},
+    "contentMediaType": {"xgrammar": "ignored", "outlines": "ignored"},
+    "contentSchema":    {"xgrammar": "ignored", "outlines": "ignored"},
+    # --- numbers ----------------------------------------------------------------------------
+    # xgrammar: integer bounds exact (non-integral bounds are rounded inward before conversion);
+    # number bounds enforced, narrowed to <= 6 decimals and no exponent. outlines: ignored.
+    "minimum":          {"xgrammar": "enforced", "outlines": "ignored"},
+    "maximum":          {"xgrammar": "enforced", "outlines": "ignored"},
+    "exclusiveMinimum": {"xgrammar": "enforced", "outlines": "ignored"},
+    "exclusiveMaximum": {"xgrammar": "enforced", "outlines": "ignored"},
+    # xgrammar: integer multipleOf that is a whole number <= 1024 and either no bounds or both
+    # bounds spanning <= 10000 values; else ignored (warning). number multipleOf ignored.
+    "multipleOf":       {"xgrammar": "partial", "outlines": "ignored"},
+    # --- arrays -----------------------------------------------------------------------------
+    "items":            {"xgrammar": "enforced", "outlines": "enforced"},
+    # prefixItems: outlines generates exactly the tuple (narrowed; items / minItems dropped).
+    "prefixItems":      {"xgrammar": "enforced", "outlines": "narrowed"},
+    "minItems":         {"xgrammar": "enforced", "outlines": "enforced"},
+    "maxItems":         {"xgrammar": "enforced", "outlines": "enforced"},
+    "unevaluatedItems": {"xgrammar": "enforced", "outlines": "ignored"},
+    "uniqueItems":      {"xgrammar": "ignored", "outlines": "ignored"},
+    "contains":         {"xgrammar": "ignored", "outlines": "ignored"},
+    "minContains":      {"xgrammar": "ignored", "outlines": "ignored"},
+    "maxContains":      {"xgrammar": "ignored", "outlines": "ignored"},
+    # --- objects ----------------------------------------------------------------------------
+    # properties: generated in declared order (narrowed), strict mode forbids undeclared keys.
+    "properties":       {"xgrammar": "enforced", "outlines": "enforced"},
+    # required: a required name that is not a declared property is never generated (ignored,
+    # both); outlines also ignores required without properties.
+    "required":         {"xgrammar": "partial", "outlines": "partial"},
+    # additionalProperties: false narrows. outlines: a schema is enforced only without
+    # properties; additionalProperties: false without properties raises (rewritten to
+    # maxProperties: 0 before conversion).
+    "additionalProperties":  {"xgrammar": "enforced", "outlines": "partial"},
+    "unevaluatedProperties": {"xgrammar": "enforced", "outlines": "narrowed"},
+    # patternProperties: xgrammar matches key patterns as whole strings (narrowed); outlines
+    # ignores them.
+    "patternProperties": {"xgrammar": "narrowed", "outlines": "ignored"},
+    "propertyNames":     {"xgrammar": "enforced", "outlines": "ignored"},
+    # outlines: without properties only "at least one" (minProperties >= 1) and "none"
+    # (maxProperties 0) are enforced; with properties both are ignored.
+    "minProperties":     {"xgrammar": "enforced", "outlines": "partial"},
+    "maxProperties":     {"xgrammar": "enforced", "outlines": "partial"},
+}
+
+# Keywords that never restrict instances: neither reported nor looked at.
+ANNOTATIONS = frozenset({
+    "title", "description", "examples", "default", "$comment", "deprecated", "readOnly",
+    "writeOnly", "$schema", "$id", "$anchor", "$dynamicAnchor", "$vocabulary", "$defs",
+    "definitions", "discriminator", "nullable", "example", "x-order",
+})
+# ``then`` / ``else`` only act through ``if`` (reported there).
+PASSIVE = frozenset({"then", "else"})
+
+XGRAMMAR_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})
+OUTLINES_FORMATS = frozenset({"date-time", "date", "time", "uuid", "uri", "email"})
+# Formats outlines accepts with values a format checker rejects.
+OUTLINES_LOOSE_FORMATS = {
+    "date-time": "accepts date-times without a UTC offset (not RFC 3339)",
+    "time": "accepts times without a UTC offset and its fraction branch can emit a backslash",
+}
+
+XGRAMMAR_INT_MULTIPLE_OF_MAX = 1024
+XGRAMMAR_INT_MULTIPLE_OF_RANGE_MAX = 10000
+
+STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format", "contentEncoding",
+                             "contentMediaType", "contentSchema"})
+NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                             "multipleOf"})
+ARRAY_KEYWORDS = frozenset({"items", "prefixItems", "minItems", "maxItems", "unevaluatedItems",
+                            "uniqueItems", "contains", "minContains", "maxContains"})
+OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties",
+                             "unevaluatedProperties", "patternProperties", "propertyNames",
+                             "minProperties", "maxProperties", "dependentRequired",
+                             "dependentSchemas", "dependencies"})
+TYPE_KEYWORDS = {
+    "string": STRING_KEYWORDS, "number": NUMBER_KEYWORDS, "integer": NUMBER_KEYWORDS,
+    "array": ARRAY_KEYWORDS, "object": OBJECT_KEYWORDS, "boolean": frozenset(),
+    "null": frozenset(),
+}
+
+# Backend defects found while establishing the table (they narrow, never widen, what is
+# generated; final validation is unaffected). Worked around where noted.
+#
+# outlines-core 0.2.14
+# * Index construction drops a token whose bytes lead from a state where the regex already
+#   fully matches into a state where it does not (``a(bc)?`` over tokens a/b/c/bc: after "a"
+#   only "bc" and eos are allowed, never "b"). Whole-JSON regexes only fully match after their
+#   last byte, so JSON objects / arrays / strings are unaffected; top-level numbers ("1" then
+#   ".") and optional regex tails are.
+# * The DFA is leftmost-first: in ``(a|ab)`` the text "ab" never completes. Choices and enum
+#   values are ordered longest first before conversion; user regexes are passed as written.
+# * ``^`` / ``$`` in a regex given to the Index fail ("anchored universal start state doesn't
+#   exist"); edge anchors are stripped (no-ops under full matching).
+# * ``.`` does not match a newline, string values admit no ``\uXXXX`` escapes and no
+#   U+007F-U+009F characters.
+#
+# xgrammar 0.2.9
+# * Strings with minLength / maxLength cannot contain escapes (``\"``, ``\\``, ``\n``).
+# * Patterns are matched against the decoded string: ``.`` matches any character including a
+#   newline, but no escaped character.
+# * With strict_mode, an array / object that declares no items / properties but has another
+#   keyword admits only ``[]`` / ``{}`` (worked around: ``items: {}`` / ``additionalProperties:
+#   {}`` are added before conversion).
+# * C++ warnings about dropped keywords go to stderr; the pre-flight report is the structured
+#   form of the same information.

@@ -1,0 +1,130 @@
+"""Final validation of a completed output: the last word on whether it matches the schema.
+
+Grammar-constrained decoding narrows what the model can write, but the pre-flight report lists
+keywords a backend does not enforce; this is where they are checked. json_schema outputs go
+through ``json.loads``, jsonschema (the schema's ``$schema`` draft, default 2020-12, with format
+checking) and, for a Pydantic target, ``model_validate_json``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+import threading
+from typing import Any
+
+from constrained_spec.errors import OutputValidationError, SchemaError
+
+from .spec import SchemaSpec
+
+__all__ = ["parse_output"]
+
+_VALIDATORS: dict[str, Any] = {}
+_GRAMMARS: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def parse_output(spec: SchemaSpec, text: str) -> Any:
+    """Validate a completed output and convert it to the user's type.
+
+    Returns a Pydantic instance (model / TypeAdapter target), the parsed JSON value (JSON
+    Schema), the text (regex, grammar), or the chosen value (choice: the Enum member, the
+    Literal / list value).
+
+    Raises
+    ------
+    OutputValidationError
+        The text does not match; ``errors`` lists what failed (with JSON pointers for JSON).
+    """
+    if spec.kind == "json_schema":
+        return _parse_json(spec, text)
+    if spec.kind == "regex":
+        if re.fullmatch(spec.regex or "", text, flags=re.DOTALL) is None:
+            raise OutputValidationError(f"output does not match the regex {spec.regex!r}", text=text,
+                                        errors=[f"no full match for {spec.regex!r}"])
+        return text
+    if spec.kind == "choice":
+        try:
+            index = spec.choices.index(text)
+        except ValueError:
+            raise OutputValidationError(
+                f"output {text[:60]!r} is none of the {len(spec.choices)} choices", text=text,
+                errors=[f"expected one of {list(spec.choices)[:10]}"]) from None
+        target = spec.target
+        if isinstance(target, type) and issubclass(target, enum.Enum):
+            return list(target)[index]
+        if isinstance(target, (tuple, list)):
+            return target[index]
+        return text
+    if spec.kind == "grammar":
+        if not _grammar_accepts(spec, text):
+            raise OutputValidationError("output is not in the language of the EBNF grammar", text=text,
+                                        errors=["grammar does not accept the text"])
+        return text
+    raise SchemaError(f"unknown spec kind {spec.kind!r}")
+
+
+def _parse_json(spec: SchemaSpec, text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OutputValidationError(f"output is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                    f"column {exc.colno}", text=text, errors=[str(exc)]) from exc
+    errors = sorted(_validator(spec).iter_errors(value), key=lambda e: list(e.absolute_path))
+    if errors:
+        from .spec import to_pointer
+
+        listed = [f"{to_pointer(e.absolute_path) or '/'}: {e.message}" for e in errors]
+        raise OutputValidationError(f"output does not match the JSON Schema: {listed[0]}"
+                                    + (f" (+{len(listed) - 1} more)" if len(listed) > 1 else ""),
+                                    text=text, errors=listed)
+    target = spec.target
+    if target is None:
+        return value
+    from pydantic import BaseModel, TypeAdapter, ValidationError
+
+    try:
+        if isinstance(target, type) and issubclass(target, BaseModel):
+            return target.model_validate_json(text)
+        if isinstance(target, TypeAdapter):
+            return target.validate_json(text)
+    except ValidationError as exc:
+        raise OutputValidationError(f"output fails pydantic validation: {exc.errors()[0].get('msg')}",
+                                    text=text, errors=exc.errors()) from exc
+    return value
+
+
+def _validator(spec: SchemaSpec) -> Any:
+    with _LOCK:
+        v = _VALIDATORS.get(spec.key)
+    if v is None:
+        import jsonschema
+        from jsonschema.validators import validator_for
+
+        schema = spec.json_schema or {}
+        cls = validator_for(schema, default=jsonschema.Draft202012Validator)
+        v = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        with _LOCK:
+            if len(_VALIDATORS) > 256:
+                _VALIDATORS.clear()
+            _VALIDATORS[spec.key] = v
+    return v
+
+
+def _grammar_accepts(spec: SchemaSpec, text: str) -> bool:
+    import xgrammar
+
+    with _LOCK:
+        compiled = _GRAMMARS.get(spec.key)
+    if compiled is None:
+        # An empty vocabulary: the matcher then works on strings only, which is all we need.
+        compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([]), cache_enabled=False)
+        compiled = compiler.compile_grammar(xgrammar.Grammar.from_ebnf(spec.ebnf or "",
+                                                                       root_rule_name=spec.root))
+        with _LOCK:
+            if len(_GRAMMARS) > 64:
+                _GRAMMARS.clear()
+            _GRAMMARS[spec.key] = compiled
+    matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return bool(matcher.accept_string(text)) and matcher.is_terminated()

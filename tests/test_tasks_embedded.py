@@ -1,0 +1,89 @@
+"""The benchmark tasks on the embedded model: validity and greedy losslessness.
+
+- Every task returns an output that validates against its schema / regex / choices, or raises
+  IncompleteOutputError: never an invalid output.
+- Greedy (temperature 0) outputs are token-identical with speculation off (one request at a
+  time) and on, for each drafter, with all tasks (mixed schemas) in ONE batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from conftest import load_tasks
+
+from constrained_spec import Generator, IncompleteOutputError, Regex, SpeculativeConfig
+
+pytestmark = pytest.mark.model
+
+
+def task_schema(task: dict):
+    if task["kind"] == "json_schema":
+        return task["schema"]
+    if task["kind"] == "regex":
+        return Regex(task["regex"])
+    return list(task["choices"])
+
+
+def check_valid(task: dict, value) -> None:
+    if task["kind"] == "json_schema":
+        jsonschema.validate(value, task["schema"])
+        json.dumps(value)
+    elif task["kind"] == "regex":
+        assert re.fullmatch(task["regex"], value), value
+    else:
+        assert value in task["choices"], value
+
+
+def run_all(embedded, speculative, batch: bool):
+    tasks = load_tasks()
+    gen = Generator(embedded, speculative=speculative)
+    if batch:
+        # max_tokens differs per task: group by it, each group one batch of mixed schemas
+        out = {}
+        for mt in sorted({t["max_tokens"] for t in tasks}):
+            group = [t for t in tasks if t["max_tokens"] == mt]
+            res = gen.batch([t["prompt"] for t in group], schemas=[task_schema(t) for t in group],
+                            return_result=True, max_tokens=mt)
+            out.update({t["id"]: r for t, r in zip(group, res)})
+        return [out[t["id"]] for t in tasks]
+    return [gen.batch([t["prompt"]], schemas=[task_schema(t)], return_result=True,
+                      max_tokens=t["max_tokens"])[0] for t in tasks]
+
+
+@pytest.fixture(scope="module")
+def baseline(embedded):
+    return run_all(embedded, False, batch=False)
+
+
+def test_every_task_validates_or_is_incomplete(baseline):
+    tasks = load_tasks()
+    completed = 0
+    for task, res in zip(tasks, baseline):
+        if isinstance(res, IncompleteOutputError):
+            assert res.partial_text is not None
+            continue
+        assert not isinstance(res, BaseException), f"{task['id']}: {res!r}"
+        check_valid(task, res.value)
+        completed += 1
+    assert completed > 0
+
+
+@pytest.mark.parametrize("mode", ["forced", "ngram", "forced+ngram"])
+def test_greedy_speculation_is_token_identical_on_tasks(embedded, baseline, mode):
+    spec = {"forced": SpeculativeConfig(method=None),
+            "ngram": SpeculativeConfig(method="ngram", forced=False),
+            "forced+ngram": SpeculativeConfig(method="ngram")}[mode]
+    tasks = load_tasks()
+    results = run_all(embedded, spec, batch=True)
+    forwards_off = forwards_on = 0
+    for task, a, b in zip(tasks, baseline, results):
+        ids_a = a.token_ids if not isinstance(a, BaseException) else a.token_ids
+        ids_b = b.token_ids if not isinstance(b, BaseException) else b.token_ids
+        assert ids_a == ids_b, f"{task['id']}: speculation ({mode}) changed the output"
+        forwards_off += a.stats.target_forwards
+        forwards_on += b.stats.target_forwards
+    assert forwards_on < forwards_off
