@@ -608,10 +608,10 @@ def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
     speculative = speculative_from_args(args)
     items = read_batch(_read_batch_lines(args.batch), multi=args.schema_multi)
     _preflight(schema, args, None)
-    gen = _load_generator(args, schema, sampling, speculative, None)
     runnable = [it for it in items if it.error is None]
     results: list[Any] = []
     if runnable:
+        gen = _load_generator(args, schema, sampling, speculative, None)
         schemas = ([it.schema if it.has_schema else schema for it in runnable]
                    if any(it.has_schema for it in runnable) else None)
         from tqdm.auto import tqdm

@@ -36,6 +36,9 @@ from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
+# prompt tokens per prefill forward (batch x padded length), to bound activation memory
+_PREFILL_TOKENS = 4096
+
 
 @dataclass
 class Request:
@@ -86,20 +89,32 @@ class Engine:
         self._next_id = 0
 
     # -- admission ------------------------------------------------------------------------
-    def add(self, req: Request) -> Request:
-        req.id = self._next_id
-        self._next_id += 1
-        if req.params.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.params.seed)
-        elif not req.params.greedy:
-            req.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
-        req.slot = self.runner.new_slot()
-        self._prefill([req])
-        self.running.append(req)
-        if req.matcher is not None and req.matcher.must_stop():
-            self._finish(req, "stop")  # e.g. a grammar that accepts only the empty string
-        return req
+    def add(self, reqs: Sequence[Request]) -> None:
+        """Admit requests: give each a slot and prefill their prompts (batched)."""
+        for req in reqs:
+            req.id = self._next_id
+            self._next_id += 1
+            if req.params.seed is not None:
+                req.generator = torch.Generator().manual_seed(req.params.seed)
+            elif not req.params.greedy:
+                req.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+            req.slot = self.runner.new_slot()
+        # prefill in chunks of similar size: padding a short prompt to a long one wastes compute
+        order = sorted(reqs, key=lambda r: len(r.prompt_ids))
+        chunk: list[Request] = []
+        for req in order:
+            chunk.append(req)
+            if len(chunk) * len(req.prompt_ids) >= _PREFILL_TOKENS:
+                self._prefill(chunk)
+                chunk = []
+        if chunk:
+            self._prefill(chunk)
+        for req in reqs:
+            self.running.append(req)
+            if req.matcher is not None and req.matcher.must_stop():
+                self._finish(req, "stop")  # e.g. a grammar that accepts only the empty string
 
+    @torch.inference_mode()
     def _prefill(self, reqs: Sequence[Request]) -> None:
         t0 = time.perf_counter()
         batch = [r for r in reqs if len(r.prompt_ids) > 1]
@@ -117,8 +132,10 @@ class Engine:
         waiting = list(requests)
         done = []
         while waiting or self.running:
-            while waiting and len(self.running) < self.max_batch_size:
-                self.add(waiting.pop(0))
+            free = self.max_batch_size - len(self.running)
+            if waiting and free > 0:
+                self.add(waiting[:free])
+                waiting = waiting[free:]
             self.step()
             done.extend(r for r in self.running if r.finished)
             self._reap()

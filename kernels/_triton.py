@@ -108,8 +108,8 @@ def rejection_row_stats_kernel(
     """Per-row max, first argmax and softmax denominator (two passes over the row)."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * logits_row_stride
-    best = tl.full((), float("-inf"), tl.float32)
-    best_at = tl.zeros((), tl.int32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_at = tl.zeros([], tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
@@ -117,9 +117,9 @@ def rejection_row_stats_kernel(
                                       return_indices_tie_break_left=True)
         best_at = tl.where(block_best > best, start + block_at, best_at)  # ties: first wins
         best = tl.maximum(best, block_best)
-    total = tl.full((), 1.0, tl.float32)              # unused when every request is greedy
+    total = tl.full([], 1.0, tl.float32)              # unused when every request is greedy
     if COMPUTE_SUM:
-        total = tl.zeros((), tl.float32)
+        total = tl.zeros([], tl.float32)
         shift = tl.where(best > float("-inf"), best, 0.0)
         for start in range(0, vocab, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -159,8 +159,8 @@ def rejection_sample_kernel(
     greedy = tl.load(greedy_ptr + req) != 0
 
     # Acceptance: walk the drafts; after the first rejection nothing more is accepted.
-    num_accepted = tl.zeros((), tl.int64)
-    rejected = tl.zeros((), tl.int32)
+    num_accepted = tl.zeros([], tl.int64)
+    rejected = tl.zeros([], tl.int32)
     for j in range(start, end):
         row = first_row + (j - start)
         x = tl.load(draft_ptr + j)
@@ -176,7 +176,7 @@ def rejection_sample_kernel(
         if HAS_Q:
             q_x = tl.load(q_ptr + j * q_row_stride + x_safe).to(tl.float32)
         else:
-            q_x = 1.0
+            q_x = tl.full([], 1.0, tl.float32)
         u = tl.load(uniform_ptr + j)
         accept_sampled = (q_x > 0) & (u < p_x / tl.where(q_x > 0, q_x, 1.0))
         accept_greedy = alive & (x == tl.load(row_argmax_ptr + row))
@@ -196,12 +196,12 @@ def rejection_sample_kernel(
     shift = tl.where(alive, row_max, 0.0)
     row_sum = tl.where(alive, tl.load(row_sum_ptr + row), 1.0)
     noise_row = req if NOISE_PER_REQUEST else row
-    # Sample by argmax(dist / noise) with Exp(1) noise, tracking p and the residual together.
-    # Scores are dist / noise, 0 where dist is 0: only a positive score is ever picked.
-    best_p = tl.zeros((), tl.float32)
-    best_p_at = tl.full((), -1, tl.int32)
-    best_r = tl.zeros((), tl.float32)
-    best_r_at = tl.full((), -1, tl.int32)
+    # Sample by argmax(dist / noise), for dist = p~ and dist = residual in one pass. A token
+    # with dist = 0 scores 0, and only a positive best score picks a token.
+    best_p = tl.zeros([], tl.float32)
+    best_p_at = tl.full([], -1, tl.int32)
+    best_r = tl.zeros([], tl.float32)
+    best_r_at = tl.full([], -1, tl.int32)
     sample_end = tl.where(greedy, 0, vocab)           # greedy requests need no sampling pass
     for b in range(0, sample_end, BLOCK):
         offs = b + tl.arange(0, BLOCK)

@@ -9,7 +9,7 @@ row to a bitmask row, so the K + 1 verified positions of a request can share one
 Three implementations with one signature:
 
 - `apply_bitmask_reference`: plain torch, the definition.
-- `_apply_bitmask_torch`: the vectorised CPU path. It expands every bitmask byte through a
+- `_apply_bitmask_torch`: the vectorised torch path (CPU; CUDA without Triton). It expands every bitmask byte through a
   [256, 8] table of +inf / -inf and takes `minimum(logits, limit)`, which vectorises; a
   `masked_fill_` with a random-looking mask is branchy and several times slower on CPU, as is
   xgrammar's C++ kernel (see benchmarks/kernels.py).
@@ -27,7 +27,8 @@ import torch
 
 from ._backend import Backend, cdiv, check_triton_can_run, resolve_backend
 
-# Rows per step of the CPU path: keeps the [rows, V] limit tensor in cache.
+# Rows per step of the torch path on CPU: keeps the [rows, V] limit tensor in cache (at 256 x 6
+# rows of V = 128256, 4 rows per step is ~2x faster than one step; measured).
 _CPU_ROWS_PER_STEP = 4
 
 
@@ -119,8 +120,9 @@ def _apply_bitmask_torch(
     width = min(vocab, 32 * rows.shape[1])
     table = _byte_limit_table(logits.dtype, logits.device)                      # [256, 8]
     row_bytes = rows.contiguous().view(torch.uint8).int()                       # [R, 4 W]
-    for start in range(0, num_rows, _CPU_ROWS_PER_STEP):
-        stop = min(start + _CPU_ROWS_PER_STEP, num_rows)
+    step = _CPU_ROWS_PER_STEP if logits.device.type == "cpu" else max(num_rows, 1)
+    for start in range(0, num_rows, step):
+        stop = min(start + step, num_rows)
         limit = torch.nn.functional.embedding(row_bytes[start:stop], table)    # [r, 4 W, 8]
         part = logits[start:stop, :width]
         torch.minimum(part, limit.flatten(1)[:, :width], out=part)

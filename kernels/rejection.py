@@ -56,6 +56,7 @@ import torch
 from ._backend import Backend, check_triton_can_run, resolve_backend
 
 _BLOCK = 4096  # Triton: logits per step of the loops over the vocabulary
+_NEG_INF = float("-inf")
 _CPU_VECTORISED_MAX_VOCAB = 8192  # measured crossover on CPU, see the module docstring
 
 
@@ -153,14 +154,14 @@ def rejection_sample_reference(
             j, row = cu[i] + t, first_row + t
             x = int(draft_tokens[j])
             logits = target_logits[row].float()                              # [V]
-            p = _softmax_or_zero(logits)                                     # [V] p~
             if not 0 <= x < vocab:
                 accept = False
             elif greedy[i]:
-                accept = bool(p.any()) and x == int(logits.argmax())
+                accept = logits.max() > _NEG_INF and x == int(logits.argmax())
             else:
+                p_x = float(_softmax_or_zero(logits)[x])                     # p~(x)
                 q_x = 1.0 if draft_probs is None else float(draft_probs[j, x])
-                accept = q_x > 0 and float(uniform[j]) < float(p[x]) / q_x
+                accept = q_x > 0 and float(uniform[j]) < p_x / q_x
             if not accept:
                 break
             out.output_tokens[i, t] = x
@@ -168,11 +169,11 @@ def rejection_sample_reference(
 
         row = first_row + num_accepted
         logits = target_logits[row].float()
-        p = _softmax_or_zero(logits)
         is_recovered = num_accepted < k
         if greedy[i]:
-            token = int(logits.argmax()) if p.any() else -1
+            token = int(logits.argmax()) if logits.max() > _NEG_INF else -1
         else:
+            p = _softmax_or_zero(logits)                                     # [V] p~
             dist = p
             x = int(draft_tokens[cu[i] + num_accepted]) if is_recovered else -1
             if 0 <= x < vocab:
@@ -204,10 +205,10 @@ def _rejection_sample_torch(
 ) -> RejectionOutput:
     """The reference vectorised over requests: one step per draft position, not per draft.
 
-    Like the reference it reads only the rows it needs (step t looks at draft t of the
-    requests that accepted drafts 0 .. t-1), so a batch that rejects early costs little.
-    Elementwise `torch.where` over [rows, V] is avoided: on CPU it runs ~20x slower than
-    arithmetic (measured).
+    For small vocabularies on CPU and for CUDA without Triton. Like the reference it reads
+    only the rows it needs (step t looks at draft t of the requests that accepted drafts
+    0 .. t-1), so a batch that rejects early costs little. Elementwise `torch.where` over
+    [rows, V] is avoided: on CPU it runs ~20x slower than arithmetic (measured).
     """
     all_greedy = greedy is True
     greedy, uniform, exp_noise = _prepare(target_logits, draft_tokens, cu_num_drafts,
@@ -240,7 +241,7 @@ def _rejection_sample_torch(
         accept = valid & (q_x > 0) & (uniform[j] < p_x / torch.where(q_x > 0, q_x, 1.0))
         if any_greedy:
             row_max, row_argmax = logits.max(dim=-1)
-            accept_greedy = valid & (row_max > float("-inf")) & (x == row_argmax)
+            accept_greedy = valid & (row_max > _NEG_INF) & (x == row_argmax)
             accept = torch.where(greedy[req], accept_greedy, accept)
         num_accepted[req] += accept.long()
         accepting[req] = accept
@@ -258,7 +259,7 @@ def _rejection_sample_torch(
     token = torch.full_like(num_accepted, -1)
     if any_greedy:
         row_max, row_argmax = logits.max(dim=-1)
-        token = torch.where(row_max > float("-inf"), row_argmax, -1)
+        token = torch.where(row_max > _NEG_INF, row_argmax, -1)
     if not all_greedy:
         e, total = _exp_rows(logits)
         p = e / total[:, None]                                               # [B, V] p~
@@ -340,8 +341,16 @@ def rejection_sample_triton(
     return out
 
 
-def _prepare(target_logits, draft_tokens, cu_num_drafts, draft_probs, greedy, uniform,
-             exp_noise, generator):
+def _prepare(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    cu_num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    greedy: torch.Tensor | bool,
+    uniform: torch.Tensor | None,
+    exp_noise: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Check shapes; turn `greedy` into a [B] bool tensor; draw missing randomness.
 
     Every implementation calls this, so one generator state gives one outcome everywhere.
@@ -387,7 +396,7 @@ def _exp_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     A row that is all -inf gives e = 0 and total = 1 (p~ = 0, no NaN).
     """
     row_max = logits.amax(dim=-1)
-    e = torch.exp(logits - torch.where(row_max > float("-inf"), row_max, 0.0)[:, None])
+    e = torch.exp(logits - torch.where(row_max > _NEG_INF, row_max, 0.0)[:, None])
     total = e.sum(dim=-1)
     return e, torch.where(total > 0, total, 1.0)
 
@@ -395,7 +404,7 @@ def _exp_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:
     """softmax of a [V] float32 row, as exp(l - max) / sum; all zeros if the row is all -inf."""
     row_max = logits.max()
-    if row_max == float("-inf"):
+    if row_max == _NEG_INF:
         return torch.zeros_like(logits)
     e = torch.exp(logits - row_max)
     return e / e.sum()

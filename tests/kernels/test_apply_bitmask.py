@@ -125,6 +125,15 @@ def test_all_allowed_none_allowed_and_single_allowed_masks(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_infinite_logits_are_masked_or_kept_like_any_other(backend):
+    logits = torch.tensor([[float("inf"), float("inf"), float("-inf"), -0.0] + [1.0] * 28])
+    bitmask = torch.tensor([[0b1010]], dtype=torch.int32)   # tokens 1 and 3 allowed
+    apply_bitmask(logits, bitmask, backend=backend)
+    assert logits[0, :4].tolist() == [float("-inf"), float("inf"), float("-inf"), 0.0]
+    assert torch.isneginf(logits[0, 4:]).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_apply_bitmask_masks_strided_logits_in_place(backend):
     gen = torch.Generator().manual_seed(1)
     storage = torch.randn(5, 3000, generator=gen)
