@@ -28,6 +28,8 @@ T = TypeVar("T")
 Backend = Literal["xgrammar", "outlines"]
 SchemaMode = Literal["default", "strict", "lenient"]
 
+_SAME: Any = object()  # "the Generator's own schema"
+
 #: How JSON is laid out by default: the compact one-line form with ", " and ": " separators.
 DEFAULT_LAYOUT = JsonLayout()
 
@@ -151,44 +153,63 @@ class Generator(Generic[T]):
         ``schemas`` gives each prompt its own schema (compiled and cached per schema);
         ``on_tokens(index, token_ids)`` streams tokens as they are accepted.
         """
-        params = SamplingParams(**{**self.sampling.__dict__, **overrides})
-        specs: list[Any] = [self.spec] * len(prompts)
-        compiled: list[Any] = [self.compiled] * len(prompts)
         results: list[Any] = [None] * len(prompts)
-        requests: list[tuple[int, Request]] = []
+        requests: list[tuple[int, Request, SchemaSpec | None]] = []
         for i, prompt in enumerate(prompts):
             try:
-                if schemas is not None:
-                    specs[i] = self._prepare_spec(schemas[i])
-                    compiled[i] = self._compile(specs[i])
-                ids = _encode_with_check(self.model, prompt, specs[i], self.system_prompt,
-                                         params.max_tokens, self._lookahead)
                 cb = (lambda toks, i=i: on_tokens(i, toks)) if on_tokens else None
-                matcher = compiled[i].new_matcher() if compiled[i] is not None else None
-                requests.append((i, Request(ids, matcher, params, self.model.eos_token_ids,
-                                            on_tokens=cb)))
+                schema = schemas[i] if schemas is not None else _SAME
+                req, spec = self.make_request(prompt, schema=schema, on_tokens=cb, **overrides)
+                requests.append((i, req, spec))
             except ConstrainedSpecError as e:
                 results[i] = e
-        engine = Engine(self.model.runner, speculative=self.speculative, drafter=self.drafter,
-                        max_batch_size=self.max_batch_size)
-        engine.run([r for _, r in requests])
-        for i, req in requests:
-            results[i] = self._finalize(req, specs[i], return_result)
+        self.new_engine().run([r for _, r, _ in requests])
+        for i, req, spec in requests:
+            results[i] = self.finalize(req, spec, return_result)
         if not return_exceptions:
             for item in results:
                 if isinstance(item, BaseException):
                     raise item
         return results
 
-    def _finalize(self, req: Request, spec: SchemaSpec | None, return_result: bool) -> Any:
+    # -- building blocks (also used by servers that run their own engine loop) --------------
+    def make_request(self, prompt: str | Messages, *, schema: Any = _SAME,
+                     on_tokens: Callable[[list[int]], None] | None = None,
+                     **overrides: Any) -> tuple[Request, SchemaSpec | None]:
+        """A ready-to-run engine request for ``prompt`` and the spec to finalize it with.
+
+        ``schema`` defaults to the Generator's own (compiled once); another schema is
+        normalised, checked and compiled here (compiles are cached). Raises
+        :class:`ConstrainedSpecError` subclasses for bad input, before any compute.
+        """
+        params = SamplingParams(**{**self.sampling.__dict__, **overrides})
+        if schema is _SAME:
+            spec, compiled = self.spec, self.compiled
+        else:
+            spec = self._prepare_spec(schema)
+            compiled = self._compile(spec)
+        ids = _encode_with_check(self.model, prompt, spec, self.system_prompt, params.max_tokens,
+                                 self._lookahead)
+        matcher = compiled.new_matcher() if compiled is not None else None
+        return Request(ids, matcher, params, self.model.eos_token_ids, on_tokens=on_tokens), spec
+
+    def new_engine(self) -> Engine:
+        """An engine over this Generator's model runner and drafter."""
+        return Engine(self.model.runner, speculative=self.speculative, drafter=self.drafter,
+                      max_batch_size=self.max_batch_size)
+
+    def finalize(self, req: Request, spec: SchemaSpec | None, return_result: bool = True) -> Any:
+        """The value / :class:`GenerationResult` of a finished request, or the error it ended in."""
         text = self.model.tokenizer.decode(req.output_ids)
         if req.finish_reason == "length":
             return IncompleteOutputError(
                 f"max_tokens={req.params.max_tokens} reached before the output was complete; "
                 "raise max_tokens (partial output on .partial_text)",
                 partial_text=text, token_ids=req.output_ids, stats=req.stats)
+        if req.finish_reason == "cancelled":
+            return ConstrainedSpecError("the request was cancelled")
         if req.finish_reason != "stop":
-            return ConstrainedSpecError(f"generation ended with {req.finish_reason}: {req.error}")
+            return ConstrainedSpecError(f"generation failed: {req.error}")
         try:
             value = parse_output(spec, text) if spec is not None else text
         except ConstrainedSpecError as e:

@@ -138,10 +138,11 @@ class Engine:
                 waiting = waiting[free:]
             self.step()
             done.extend(r for r in self.running if r.finished)
-            self._reap()
+            self.reap()
         return done
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Free the slots of finished requests and drop them from the running set."""
         for r in self.running:
             if r.finished:
                 self.runner.free_slot(r.slot)

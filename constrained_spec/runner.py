@@ -141,9 +141,8 @@ class LlamaRunner(Runner):
 
     # -- forward --------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
+        # as transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
@@ -169,20 +168,18 @@ class LlamaRunner(Runner):
 
         x = F.embedding(ids, self.embed)  # [B, T, D]
         cos, sin = self.rotary(x, pos)  # [B, T, hd]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, hd]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, hd]
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         write_idx = (slot_t[:, None].expand(B, T), pos)
         for i, L in enumerate(self.layers):
             h = self._rms(x, L["ln1"])
-            qkv = F.linear(h, L["qkv"], L["qkv_bias"])  # [B, T, (H + 2KV) hd]
-            q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
-            q = q.view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
-            k = k.view(B, T, KV, hd).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qkv = F.linear(h, L["qkv"], L["qkv_bias"]).view(B, T, H + 2 * KV, hd)
+            qk = qkv[:, :, : H + KV]
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
+            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV:]  # [B, T, heads, hd]
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.index_put_(write_idx, k.transpose(1, 2))  # cache layout [S, L, KV, hd]
-            vc.index_put_(write_idx, v.view(B, T, KV, hd))
+            kc.index_put_(write_idx, k)  # cache layout [S, L, KV, hd]
+            vc.index_put_(write_idx, v)
             if contiguous:
                 keys = kc[slots[0]: slots[0] + B, :Lk]
                 vals = vc[slots[0]: slots[0] + B, :Lk]
@@ -190,7 +187,7 @@ class LlamaRunner(Runner):
                 keys = kc.index_select(0, slot_t)[:, :Lk]
                 vals = vc.index_select(0, slot_t)[:, :Lk]
             attn = F.scaled_dot_product_attention(
-                q, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
                 enable_gqa=KV != H, scale=1.0 / math.sqrt(hd))  # [B, H, T, hd]
             x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * hd), L["o"])
             h = self._rms(x, L["ln2"])

@@ -54,6 +54,19 @@ def embedded():
     return load_model(None, quiet=True)
 
 
+@pytest.fixture(scope="session")
+def embedded_fp32():
+    """The embedded model in float32, for exact token-identity checks.
+
+    bf16 GEMMs round differently for different batch shapes, so a batched run can resolve a
+    near-tie differently from a single run (with or without speculation); fp32 does not show
+    this on the benchmark tasks.
+    """
+    from constrained_spec.models import load_model
+
+    return load_model(None, dtype="float32", quiet=True)
+
+
 def load_tasks() -> list[dict]:
     path = BENCH_DIR / "tasks.jsonl"
     if not path.exists():

@@ -3,7 +3,8 @@
 - Every task returns an output that validates against its schema / regex / choices, or raises
   IncompleteOutputError: never an invalid output.
 - Greedy (temperature 0) outputs are token-identical with speculation off (one request at a
-  time) and on, for each drafter, with all tasks (mixed schemas) in ONE batch.
+  time) and on, for each drafter, with the tasks (mixed schemas) batched. Run in float32: in
+  bf16 a different batch shape alone (no speculation involved) can flip a near-tie.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def run_all(embedded, speculative, batch: bool):
 
 
 @pytest.fixture(scope="module")
-def baseline(embedded):
-    return run_all(embedded, False, batch=False)
+def baseline(embedded_fp32):
+    return run_all(embedded_fp32, False, batch=False)
 
 
 def test_every_task_validates_or_is_incomplete(baseline):
@@ -73,12 +74,12 @@ def test_every_task_validates_or_is_incomplete(baseline):
 
 
 @pytest.mark.parametrize("mode", ["forced", "ngram", "forced+ngram"])
-def test_greedy_speculation_is_token_identical_on_tasks(embedded, baseline, mode):
+def test_greedy_speculation_is_token_identical_on_tasks(embedded_fp32, baseline, mode):
     spec = {"forced": SpeculativeConfig(method=None),
             "ngram": SpeculativeConfig(method="ngram", forced=False),
             "forced+ngram": SpeculativeConfig(method="ngram")}[mode]
     tasks = load_tasks()
-    results = run_all(embedded, spec, batch=True)
+    results = run_all(embedded_fp32, spec, batch=True)
     forwards_off = forwards_on = 0
     for task, a, b in zip(tasks, baseline, results):
         ids_a = a.token_ids if not isinstance(a, BaseException) else a.token_ids

@@ -1,0 +1,141 @@
+"""Speculation benchmark: tokens/s and acceptance length per drafter on the benchmark tasks.
+
+One run, one machine, the embedded model, greedy decoding. For every task the modes run
+back to back in a rotating order (cancels drift), each on a warm compile cache. Reported per
+mode: tokens/s (emitted tokens over wall time, prefill included), acceptance length, the
+share of step time spent in grammar work, and the speed-up over speculation off.
+
+    python benchmarks/speculation.py [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
+from constrained_spec.stats import SpecStats
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TASKS = ROOT.parent / "shared" / "bench" / "tasks.jsonl"
+# Tasks whose values are copied from the prompt (the rest invent their values).
+EXTRACTION = {"person_extract", "event_extract", "invoice_extract", "address_extract",
+              "product_extract", "contacts_list", "medication", "job_post", "log_parse",
+              "flight_search", "weather_call"}
+
+MODES = {
+    "off": False,
+    "forced": SpeculativeConfig(method=None),
+    "ngram": SpeculativeConfig(method="ngram", forced=False),
+    "forced+ngram": SpeculativeConfig(method="ngram"),
+}
+
+
+def task_schema(task: dict):
+    return {"json_schema": lambda: task["schema"], "regex": lambda: Regex(task["regex"]),
+            "choice": lambda: list(task["choices"])}[task["kind"]]()
+
+
+def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
+    model = load_model(None, quiet=True)
+    gens = {m: Generator(model, speculative=s) for m, s in modes.items()}
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    names = list(modes)
+    for ti, task in enumerate(tqdm(tasks, desc="tasks", file=sys.stderr)):
+        for rep in range(repeats):
+            order = names[(ti + rep) % len(names):] + names[: (ti + rep) % len(names)]
+            for m in order:
+                t0 = time.perf_counter()
+                res = gens[m].batch([task["prompt"]], schemas=[task_schema(task)], return_result=True,
+                                    max_tokens=task["max_tokens"])[0]
+                wall = time.perf_counter() - t0
+                stats = res.stats if hasattr(res, "stats") and res.stats is not None else SpecStats()
+                rows[m].append(dict(task=task["id"], wall=wall, stats=stats,
+                                    ok=not isinstance(res, BaseException),
+                                    ids=getattr(res, "token_ids", None)))
+    return rows
+
+
+def summarize(rows: dict, subset=None) -> dict:
+    out = {}
+    for m, rs in rows.items():
+        rs = [r for r in rs if subset is None or r["task"] in subset]
+        if not rs:
+            continue
+        tokens = sum(r["stats"].emitted_tokens for r in rs)
+        wall = sum(r["wall"] for r in rs)
+        forwards = sum(r["stats"].target_forwards for r in rs)
+        step = sum(r["stats"].step_s for r in rs)
+        grammar = sum(r["stats"].grammar_s for r in rs)
+        per_task = [r["stats"].emitted_tokens / r["wall"] for r in rs if r["wall"] > 0]
+        out[m] = dict(tok_s=tokens / wall, acc_len=tokens / max(forwards, 1),
+                      grammar_share=grammar / step if step else 0.0,
+                      tok_s_median=statistics.median(per_task),
+                      tok_s_iqr=(statistics.quantiles(per_task, n=4) if len(per_task) > 1 else [0, 0, 0]),
+                      valid=sum(r["ok"] for r in rs) / len(rs), n=len(rs))
+    return out
+
+
+def table(summary: dict, title: str) -> str:
+    base = summary.get("off", {}).get("tok_s")
+    lines = [f"**{title}**", "",
+             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length | speed-up vs off | grammar share of step | completed valid |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for m, s in summary.items():
+        q = s["tok_s_iqr"]
+        lines.append(f"| {m} | {s['tok_s']:.1f} | {s['tok_s_median']:.1f} [{q[0]:.1f}, {q[2]:.1f}] | "
+                     f"{s['acc_len']:.2f} | {s['tok_s'] / base:.2f}x | {100 * s['grammar_share']:.1f}% | "
+                     f"{100 * s['valid']:.0f}% |" if base else "")
+    return "\n".join(lines)
+
+
+def hardware() -> str:
+    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, python {platform.python_version()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=Path, default=DEFAULT_TASKS)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="append/replace the section in this markdown file")
+    args = ap.parse_args()
+    tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
+    tasks = tasks[: args.limit] if args.limit else tasks
+    rows = run(tasks, MODES, args.repeats)
+    # losslessness check on the side: greedy outputs must be identical across modes
+    mismatches = [r["task"] for m in rows for r, b in zip(rows[m], rows["off"]) if r["ids"] != b["ids"]]
+    model = load_model(None, quiet=True)
+    text = "\n\n".join([
+        f"Hardware: {hardware()}; model dtype {model.dtype}; {len(tasks)} tasks x {args.repeats}; "
+        f"greedy; outputs identical to speculation off: {'yes' if not mismatches else 'NO: ' + ', '.join(sorted(set(mismatches)))}",
+        table(summarize(rows), "All tasks"),
+        table(summarize(rows, EXTRACTION), "Extraction tasks (values copied from the prompt)"),
+        table(summarize(rows, {t['id'] for t in tasks} - EXTRACTION), "Generation tasks"),
+    ])
+    print(text)
+    if args.out:
+        write_section(args.out, "## Speculation on the benchmark tasks", text)
+
+
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Replace (or append) one ``## heading`` section of a markdown file."""
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    start = old.find(heading + "\n")
+    if start >= 0:
+        nxt = old.find("\n## ", start + len(heading))
+        old = old[:start].rstrip() + ("\n\n" + old[nxt + 1:] if nxt >= 0 else "\n")
+    path.write_text(old.rstrip() + f"\n\n{heading}\n\n{body}\n")
+
+
+if __name__ == "__main__":
+    main()
