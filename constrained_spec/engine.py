@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 # prompt tokens per prefill forward (batch x padded length), to bound activation memory
 _PREFILL_TOKENS = 4096
+# forced / n-gram alternations per step (each round must extend the proposal)
+_MAX_DRAFT_ROUNDS = 4
 
 
 @dataclass
@@ -173,10 +175,7 @@ class Engine:
             states.append(DraftState(r.id, r.context(), GrammarCursor(r.matcher, rows, grammar_time),
                                      r.params, r.generator, drafter_state=r.drafter_state))
         t0 = time.perf_counter()
-        if self.forced is not None:
-            self.forced.propose([s for s in states if s.cursor.constrained])
-        if self.drafter is not None and self.k > 0:
-            self.drafter.propose(states, self.k)
+        self._draft(states)
         num_rows = [s.cursor.finish() for s in states]
         draft_time = time.perf_counter() - t0 - grammar_time[0]
         # ---- 2. one target forward for everyone ---------------------------------------------
@@ -205,6 +204,23 @@ class Engine:
             st.target_forward_s += forward_time / len(reqs)
             st.verification_s += verify_time / len(reqs)
             st.step_s += total / len(reqs)
+
+    def _draft(self, states: list[DraftState]) -> None:
+        """Forced tokens, then the model drafter; for drafters that can resume anywhere (n-gram),
+        alternate the two while either extends the proposal: a copied value, the forced
+        punctuation and key after it, the next copied value, ... in one step."""
+        active = states
+        for _ in range(_MAX_DRAFT_ROUNDS):
+            before = [len(s.tokens) for s in active]
+            if self.forced is not None:
+                self.forced.propose([s for s in active if s.cursor.constrained])
+            if self.drafter is not None and self.k > 0:
+                self.drafter.propose(active, self.k)
+            if not getattr(self.drafter, "resumable", False):
+                return
+            active = [s for s, n in zip(active, before) if len(s.tokens) > n and not s.cursor.exhausted]
+            if not active:
+                return
 
     def _verify(self, reqs: Sequence[Request], states: Sequence[DraftState], bitmask: torch.Tensor,
                 num_rows: Sequence[int], logits: torch.Tensor) -> Any:
@@ -257,7 +273,7 @@ class Engine:
     def _commit(self, r: Request, s: DraftState, emitted: list[int], n_acc: int) -> None:
         st = r.stats
         st.drafted_tokens += len(s.tokens)
-        st.forced_tokens += min(s.num_forced, n_acc)
+        st.forced_tokens += sum(1 for i in s.forced_at if i < n_acc)
         st.forced_drafted += s.num_forced
         st.accepted_tokens += n_acc
         st.record_positions(len(s.tokens), n_acc)

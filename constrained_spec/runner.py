@@ -151,7 +151,8 @@ class LlamaRunner(Runner):
         T = max(len(t) for t in tokens)
         starts = [self._lengths[s] for s in slots]
         ends = [st + len(t) for st, t in zip(starts, tokens)]
-        self._ensure_capacity(max(slots) + 1, max(ends))
+        # padded rows write up to start + T - 1: the cache must hold them too
+        self._ensure_capacity(max(slots) + 1, max(starts) + T)
         dev = self.device
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, t in enumerate(tokens):

@@ -103,6 +103,7 @@ class DraftState:
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor | None] = field(default_factory=list)
     num_forced: int = 0
+    forced_at: list[int] = field(default_factory=list)  # proposal positions that are forced tokens
     drafter_state: Any = None  # per-request memory a model drafter keeps between steps
 
     def push(self, token: int, q: torch.Tensor | None = None) -> bool:

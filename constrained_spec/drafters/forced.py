@@ -23,15 +23,17 @@ class ForcedDrafter:
         cap = self.max_tokens if k is None else k
         for st in states:
             # jump-forward may stop at a tokenization boundary; ask again after each batch
-            while len(st.tokens) < cap and not st.cursor.exhausted:
+            while st.num_forced < cap and not st.cursor.exhausted:
                 forced = st.cursor.forced_tokens()
                 if not forced:
                     break
                 pushed = 0
-                for tok in forced[: cap - len(st.tokens)]:
+                budget = cap - st.num_forced
+                for tok in forced[:budget]:
                     if not st.push(tok):
                         break
+                    st.forced_at.append(len(st.tokens) - 1)
                     pushed += 1
                 st.num_forced += pushed
-                if pushed < len(forced):
+                if pushed < min(len(forced), budget):
                     break

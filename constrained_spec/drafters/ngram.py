@@ -30,6 +30,7 @@ def lookup(context: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
 
 class NgramDrafter:
     name = "ngram"
+    resumable = True  # stateless: can continue any proposal, e.g. after forced tokens
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n

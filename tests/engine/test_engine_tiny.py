@@ -174,3 +174,14 @@ def test_forbidden_draft_is_never_accepted_or_emitted(tiny_model, tiny_tok, temp
         assert forbidden not in r.output_ids
         assert r.stats.accepted_tokens == 0 and r.stats.drafted_tokens > 0
         assert r.finish_reason == "stop" and len(r.output_ids) == 6
+
+
+def test_lean_runner_padded_rows_fit_at_cache_capacity_edge(tiny_model):
+    # a short row padded to a long neighbour writes beyond its own end: that must fit
+    lean = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    a, b = lean.new_slot(), lean.new_slot()
+    toks = lambda n: [1 + i % 30 for i in range(n)]  # noqa: E731
+    lean.forward([a, b], [toks(19), toks(199)], [1, 1])
+    lean.forward([a], [toks(235)], [1])  # a now ends 2 short of a capacity edge (256)
+    out = lean.forward([b, a], [toks(9), [1]], [9, 1])
+    assert out.shape[0] == 10 and torch.isfinite(out).all()
