@@ -107,8 +107,12 @@ def main() -> None:
     ap.add_argument("--tasks", type=Path, default=DEFAULT_TASKS)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (1 avoids stalls when another process shares the cores)")
     ap.add_argument("--out", type=Path, default=None, help="append/replace the section in this markdown file")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
     tasks = tasks[: args.limit] if args.limit else tasks
     rows = run(tasks, MODES, args.repeats)

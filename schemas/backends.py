@@ -6,7 +6,18 @@ Both backends get a rewritten copy of the user's schema, never the original:
   unanchored (``"^[A-Z]"`` means "starts with a capital"), but both backends match the whole
   string, which would turn that pattern into "exactly one capital". ``p`` becomes
   ``.*(?:p).*`` minus the side(s) anchored by ``^`` / ``$``, per top-level alternative.
-* xgrammar: integer bounds that are not whole numbers are rounded inward (xgrammar raises);
+* both: draft 4's boolean ``exclusiveMinimum`` / ``exclusiveMaximum`` become numeric bounds.
+* ``format: date`` (both), ``date-time``, ``ipv4`` and ``hostname`` (xgrammar) become an
+  exact pattern (the backends' own grammars would write Feb 30, year 0000, "10.0.0.01" or a
+  64-character label, which final validation rejects), unless the node has a keyword the backend ranks before a pattern
+  (pre-flight reports that case).
+* xgrammar: a group's ``?`` in patterns (and patternProperties keys) is written ``{0,1}``
+  (xgrammar mis-compiles ``(...)?`` in JSON strings, see `xgrammar_pattern`); object / array
+  ``const`` and ``enum`` values are spelled out as schemas (xgrammar
+  writes them compactly, ignoring the layout); integer bounds that are not whole numbers are
+  rounded inward and bounds past 64 bits are clamped (xgrammar raises on both); a node where
+  allOf with several subschemas wins becomes ``{}`` (what xgrammar generates for it anyway,
+  without failing on what it would have converted);
   arrays / objects that declare no items / properties at all get ``items: {}`` /
   ``additionalProperties: {}`` (strict mode would otherwise allow only ``[]`` / ``{}``).
 * outlines: annotations and unknown keywords are dropped and ``true`` subschemas become
@@ -184,6 +195,23 @@ def search_pattern(pattern: str, *, any_text: str, dot: str | None = None) -> st
     return leading_flags + joined
 
 
+def xgrammar_pattern(pattern: str) -> str:
+    """`pattern` with every group's ``?`` quantifier written ``{0,1}``.
+
+    xgrammar 0.2.9 mis-compiles an optional group inside a JSON string pattern: ``x(-[a-z]+)?``
+    accepts "xa" (the group's first character is skipped) and ``(-[a-z]+)?`` accepts any word;
+    ``{0,1}`` is compiled correctly (``Grammar.from_regex`` is not affected).
+    """
+    pieces = scan_regex(pattern)
+    out = []
+    for i, (kind, text) in enumerate(pieces):
+        if kind == "char" and text == "?" and i and pieces[i - 1][0] == "close":
+            out.append("{0,1}")
+        else:
+            out.append(text)
+    return "".join(out)
+
+
 def _types_of(node: dict) -> set[str]:
     t = node.get("type")
     return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
@@ -197,10 +225,77 @@ def _drop_false_properties(node: dict) -> None:
         node["properties"] = {k: v for k, v in props.items() if v is not False}
 
 
+def _literal_schema(value: Any) -> Any:
+    """A schema whose only instance is `value`, spelled out structurally (see below)."""
+    if isinstance(value, dict):
+        return {"type": "object", "properties": {k: _literal_schema(v) for k, v in value.items()},
+                "required": list(value), "additionalProperties": False}
+    if isinstance(value, list):
+        return {"type": "array", "prefixItems": [_literal_schema(v) for v in value], "items": False,
+                "minItems": len(value)}
+    return {"const": value}
+
+
+# RFC 3339 full-date, calendar-exact: 30-day months, Feb 29 in leap years only, no year 0000
+# (what ``datetime.date.fromisoformat`` and so jsonschema's "date" checker accept; checked on
+# every YYYY-MM-DD of years 0000-9999). Both backends' own "date" only check the syntax.
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+FULL_DATE = (rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+             rf"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+# xgrammar's own date-time time part (hh:mm:ss[.frac] then Z or an offset), after FULL_DATE.
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:Z|[+\-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+# Formats a backend's own grammar lets invalid values through: the exact pattern instead.
+# ipv4: xgrammar allows leading zeros ("10.0.0.01"), which Python's ipaddress (jsonschema's
+# check) refuses as ambiguous (octal).
+# hostname: xgrammar's labels have no length limit; RFC 1123 allows 63 characters (the total
+# of 253 is not expressible here; it would take four 63-character labels).
+_LABEL = r"[a-z0-9](?:[a-z0-9\-]{0,61}[a-z0-9])?"
+FORMAT_PATTERNS = {"date": f"^{FULL_DATE}$", "date-time": f"^{FULL_DATE}T{_TIME}$",
+                   "ipv4": rf"^(?:{_OCTET}\.){{3}}{_OCTET}$",
+                   "hostname": rf"^{_LABEL}(?:\.{_LABEL})*$"}
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _exact_formats(node: dict, precedence_keys: tuple[str, ...], formats: tuple[str, ...]) -> None:
+    """format date / date-time -> the calendar-exact pattern, unless a keyword the backend puts
+    before a pattern (its own precedence) is there; pre-flight reports that case."""
+    fmt = node.get("format")
+    if fmt in formats and not any(k in node for k in precedence_keys):
+        del node["format"]
+        node["pattern"] = FORMAT_PATTERNS[fmt]
+
+
+def _draft4_bounds(node: dict) -> None:
+    """Draft 4's boolean exclusiveMinimum / exclusiveMaximum (a flag on minimum / maximum) ->
+    the numeric form of later drafts, which is all either backend reads."""
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(flag), bool):
+            if node.pop(flag) and isinstance(node.get(bound), (int, float)):
+                node[flag] = node.pop(bound)
+
+
 def _xgrammar_rewrite(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
+    # xgrammar writes object / array const and enum values in its own compact form ('{"a":1}'),
+    # whatever the separators / indent: spelled out as schemas they follow the layout. const /
+    # enum win over their siblings in xgrammar (and pre-flight checks the values against them),
+    # so replacing the node keeps the semantics; $ref wins over both, so it is left alone.
+    winner = next((k for k in ("$ref", "const", "enum", "anyOf", "oneOf", "allOf") if k in node), None)
+    if winner == "allOf" and isinstance(node["allOf"], list) and len(node["allOf"]) > 1:
+        # xgrammar generates any JSON value for allOf with several subschemas (pre-flight
+        # reports it), but still converts them and fails on some (a false subschema): say it
+        return {}
+    if "$ref" not in node:
+        if "const" in node:
+            if isinstance(node["const"], (dict, list)):
+                return _literal_schema(node["const"])
+        elif isinstance(node.get("enum"), list) and any(isinstance(v, (dict, list)) for v in node["enum"]):
+            return {"anyOf": [_literal_schema(v) for v in node["enum"]]}
     _drop_false_properties(node)
+    _draft4_bounds(node)
     types = _types_of(node)
     # strict_mode forbids items / properties the schema does not declare. That is what we want
     # for declared objects, but a bare {"type": "array", "minItems": 1} would become "[] only"
@@ -212,11 +307,25 @@ def _xgrammar_rewrite(node: Any) -> Any:
             k in node for k in ("properties", "additionalProperties", "patternProperties",
                                 "unevaluatedProperties", "propertyNames")):
         node["additionalProperties"] = {}
+    _exact_formats(node, ("pattern",), ("date", "date-time", "ipv4", "hostname"))
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         rewritten = search_pattern(pattern, any_text=".*")
-        if rewritten is not None:
-            node["pattern"] = rewritten
+        node["pattern"] = xgrammar_pattern(rewritten if rewritten is not None else pattern)
+    if isinstance(node.get("patternProperties"), dict):
+        node["patternProperties"] = {xgrammar_pattern(k): v for k, v in node["patternProperties"].items()}
+    if "integer" in types:
+        # xgrammar raises on integer bounds past 64 bits; clamping them only narrows.
+        for key, bound in (("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > bound:
+                del node[key]
+                node["maximum"] = min(bound, node.get("maximum", bound))
+        for key, bound in (("minimum", INT64_MIN), ("exclusiveMinimum", INT64_MIN)):
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < bound:
+                del node[key]
+                node["minimum"] = max(bound, node.get("minimum", bound))
     if node.get("type") == "integer":
         # xgrammar raises on fractional integer bounds; these roundings keep the same integers.
         for key, rnd in (("minimum", math.ceil), ("maximum", math.floor)):
@@ -244,6 +353,9 @@ def _outlines_rewrite(node: Any) -> Any:
     # pydantic's schema for Any): keep only keywords that constrain instances.
     for key in [k for k in node if k not in _OUTLINES_KEEP]:
         del node[key]
+    _draft4_bounds(node)
+    # date-time stays outlines' own (reported: it accepts times without an offset)
+    _exact_formats(node, ("pattern", "minLength", "maxLength"), ("date",))
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         rewritten = search_pattern(pattern, any_text=OUTLINES_STRING_CHAR + "*", dot=OUTLINES_STRING_CHAR)

@@ -19,13 +19,14 @@ keywords restrict nothing and are never reported.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
 from constrained_spec.errors import SchemaError
 
-from .backends import convert_json_schema, scan_regex, search_pattern
+from .backends import FORMAT_PATTERNS, convert_json_schema, scan_regex, search_pattern
 from .spec import SchemaSpec, to_pointer
 from .support import (
     ANNOTATIONS,
@@ -578,6 +579,11 @@ class _XGrammarWalker(_Walker):
             for k in (["pattern"] if "pattern" in node else []) + lengths:
                 self.add(k, to_pointer(path + [k]), "ignored",
                          f"xgrammar enforces format {fmt!r} and drops {k!r} next to it")
+            if fmt in FORMAT_PATTERNS and "pattern" in node:
+                self.add("format", to_pointer(path + ["format"]), "ignored",
+                         f"next to 'pattern', format {fmt!r} is checked for its syntax only "
+                         "(Feb 30, an ipv4 octet with a leading zero or a 64-character hostname "
+                         "label is possible); drop the pattern")
             return
         if fmt is not None:
             self.add("format", to_pointer(path + ["format"]), "ignored",
@@ -590,6 +596,25 @@ class _XGrammarWalker(_Walker):
             for issue in _regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
                                        "xgrammar", in_json=True):
                 self.add(issue.keyword, issue.pointer, issue.level, issue.message)
+
+    def pattern_bypass(self, node: dict, path: list[Any]) -> None:
+        """xgrammar lets a declared property's name through a patternProperties key pattern too
+        (its value then follows the pattern's schema, or the key comes twice)."""
+        props, patterns = node.get("properties"), node.get("patternProperties")
+        if not isinstance(props, dict) or not isinstance(patterns, dict):
+            return
+        for name, sub in props.items():
+            for pattern, psub in patterns.items():
+                try:
+                    hit = re.fullmatch(pattern, name) is not None  # xgrammar matches key patterns whole
+                except re.error:
+                    hit = True
+                if hit and sub is not False and psub != sub:
+                    self.add("patternProperties", to_pointer(path + ["properties", name]), "ignored",
+                             f"xgrammar also accepts the key {name!r} through patternProperties "
+                             f"{pattern!r}, so its value may follow that schema instead (or the "
+                             "key may appear twice); make the pattern exclude declared names")
+                    break
 
     def t_integer(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
         m = node.get("multipleOf")
@@ -624,6 +649,7 @@ class _XGrammarWalker(_Walker):
     def t_object(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
         self.walk_map(node, "properties", path, stack)
         self.walk_map(node, "patternProperties", path, stack)
+        self.pattern_bypass(node, path)
         self.required_undeclared(node, path)
         if isinstance(node.get("additionalProperties"), dict):
             self.walk(node["additionalProperties"], path + ["additionalProperties"], stack)

@@ -6,8 +6,8 @@ them become a frozen `SchemaSpec` with one of four kinds (json_schema / regex / 
 the JSON layout to write JSON in, the object final parsing converts to (`target`), and a stable
 content hash (`key`) the grammar cache uses.
 
-Normalisation checks what can be checked without a backend: JSON well-formedness, the JSON Schema
-metaschema, that a regex compiles, that choices are non-empty and distinct, that EBNF parses. What
+Normalisation checks what can be checked without a backend: JSON well-formedness, size and depth
+limits (`MAX_SCHEMA_VALUES`, `MAX_SCHEMA_DEPTH`), the JSON Schema metaschema, that a regex compiles, that choices are non-empty and distinct, that EBNF parses. What
 a *backend* enforces is the pre-flight report's business (`preflight.py`), not this module's.
 """
 
@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from constrained_spec.errors import SchemaError
 
-__all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema"]
+__all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema",
+           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def normalize_schema(schema: Any, *, layout: JsonLayout = JsonLayout()) -> Schem
     if isinstance(schema, (bytes, bytearray)):
         return _from_json_text(bytes(schema).decode("utf-8", errors="replace"), layout)
     if isinstance(schema, dict):
+        check_json_document(schema)  # before deepcopy: it recurses, and NaN / sets must not pass
         return _from_json_schema(copy.deepcopy(schema), layout, target=None)
     if isinstance(schema, (list, tuple)):
         return _from_choices(list(schema), target=tuple(schema), what="choices")
@@ -200,6 +202,9 @@ def _from_json_text(text: str, layout: JsonLayout) -> SchemaSpec:
     stripped = text.lstrip()
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise SchemaError(f"the JSON Schema text nests deeper than {MAX_SCHEMA_DEPTH} levels",
+                          pointer="") from None
     except json.JSONDecodeError as exc:
         if stripped.startswith("{"):
             raise SchemaError(
@@ -218,8 +223,58 @@ def _from_json_text(text: str, layout: JsonLayout) -> SchemaSpec:
 def _from_json_schema(js: Any, layout: JsonLayout, *, target: Any) -> SchemaSpec:
     if not isinstance(js, dict):
         raise SchemaError(f"a JSON Schema must be an object, got {type(js).__name__}", pointer="")
+    check_json_document(js)
     check_json_schema(js)
     return SchemaSpec(kind="json_schema", json_schema=js, layout=layout, target=target)
+
+
+#: Limits on a JSON Schema document, checked before anything else looks at it. Deeper documents
+#: overflow Python's recursion limit in the metaschema check, the pre-flight walkers and final
+#: validation; bigger ones take many seconds to check and convert (10,000 properties: ~20 s),
+#: and their description alone would not fit in a small model's context. The largest schema of
+#: JSONSchemaBench (6,245 real-world schemas) has 1,874 JSON values and nests 63 levels deep.
+MAX_SCHEMA_DEPTH = 128
+MAX_SCHEMA_VALUES = 10_000
+
+
+def check_json_document(js: Any) -> None:
+    """Raise `SchemaError` (with a pointer) unless `js` is a plain JSON document within the
+    limits: at most `MAX_SCHEMA_DEPTH` levels of nesting and `MAX_SCHEMA_VALUES` values, string
+    keys only, finite numbers only (NaN / Infinity are not JSON), JSON types only."""
+    count = 0
+    largest: tuple[int, list[Any]] = (0, [])
+    stack: list[tuple[Any, list[Any]]] = [(js, [])]
+    while stack:
+        value, path = stack.pop()
+        count += 1
+        if len(path) >= MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (JSON "
+                              "objects / arrays inside each other); flatten it, or use $defs and "
+                              "$ref for recursive structures", pointer=to_pointer(path))
+        if isinstance(value, dict):
+            if len(value) > largest[0]:
+                largest = (len(value), path)
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise SchemaError(f"schema keys must be strings, got {type(k).__name__} {k!r}",
+                                      pointer=to_pointer(path))
+                stack.append((v, path + [k]))
+        elif isinstance(value, list):
+            if len(value) > largest[0]:
+                largest = (len(value), path)
+            stack.extend((v, path + [i]) for i, v in enumerate(value))
+        elif isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                raise SchemaError(f"{value} is not a JSON number", pointer=to_pointer(path))
+        elif not (value is None or isinstance(value, (str, int, bool))):
+            raise SchemaError(f"{type(value).__name__} {value!r:.60} is not a JSON value "
+                              "(use dicts, lists, str, int, float, bool and None)",
+                              pointer=to_pointer(path))
+        if count > MAX_SCHEMA_VALUES:
+            raise SchemaError(
+                f"the schema has more than {MAX_SCHEMA_VALUES:,} JSON values (the largest object "
+                f"or array so far, at {to_pointer(largest[1]) or '/'}, has {largest[0]:,} members); "
+                "split it into smaller schemas", pointer=to_pointer(largest[1]))
 
 
 def check_json_schema(js: dict) -> None:
@@ -232,11 +287,29 @@ def check_json_schema(js: dict) -> None:
     except Exception as exc:  # unknown $schema URI
         raise SchemaError(f"unknown $schema {js.get('$schema')!r}: {exc}", keyword="$schema",
                           pointer="/$schema") from exc
-    error = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(js))
+    # "regex" format: final validation runs patterns through Python's re, which raises on one
+    # it cannot compile; better refused here, with the pattern's pointer
+    checker = jsonschema.FormatChecker(formats=("regex",))
+    try:
+        error = jsonschema.exceptions.best_match(
+            cls(cls.META_SCHEMA, format_checker=checker).iter_errors(js))
+    except RecursionError:  # check_json_document bounds the depth; a deep caller stack remains
+        raise SchemaError("the schema nests too deeply to be checked", pointer="") from None
     if error is None:
         return
     path = list(error.absolute_path)
     keyword = next((p for p in reversed(path) if isinstance(p, str)), error.validator)
+    if error.validator == "format" and error.validator_value == "regex":
+        try:
+            re.compile(error.instance)
+            reason = "not a regular expression"
+        except (re.error, TypeError) as exc:
+            reason = str(exc)
+        if path and path[-1] != "pattern":  # a patternProperties / propertyNames key
+            keyword = "patternProperties" if "patternProperties" in path else str(keyword)
+        raise SchemaError(f"invalid regular expression {error.instance!r}: {reason} (patterns "
+                          "must compile with Python's re, which final validation uses)",
+                          keyword=str(keyword), pointer=to_pointer(path))
     raise SchemaError(f"invalid JSON Schema: {error.message}", keyword=str(keyword),
                       pointer=to_pointer(path))
 

@@ -176,3 +176,13 @@ TYPE_KEYWORDS = {
 #   {}`` are added before conversion).
 # * C++ warnings about dropped keywords go to stderr; the pre-flight report is the structured
 #   form of the same information.
+# * A group's ``?`` inside a JSON string pattern (or a patternProperties key) is mis-compiled:
+#   ``x(-[a-z]+)?`` accepts "xa", ``(-[a-z]+)?`` any word. ``{0,1}`` is right (worked around:
+#   backends.xgrammar_pattern). ``Grammar.from_regex`` is not affected.
+# * Object / array const and enum values are written compactly whatever the separators / indent
+#   (worked around: spelled out as schemas). Scalar const numbers are re-printed (1.0 -> 1;
+#   integers past 64 bits lose digits: 12345678901234567890 -> 1.2345678901234567e+19, which
+#   final validation then rejects; denormals too: 5e-324 -> 4.94065645841247e-324).
+# * format date / date-time check the syntax only (Feb 30, year 0000; worked around: a
+#   calendar-exact pattern). Integer bounds past 64 bits and draft 4's boolean
+#   exclusiveMinimum / exclusiveMaximum raise (worked around: clamped / converted).

@@ -3,7 +3,8 @@
 Grammar-constrained decoding narrows what the model can write, but the pre-flight report lists
 keywords a backend does not enforce; this is where they are checked. json_schema outputs go
 through ``json.loads``, jsonschema (the schema's ``$schema`` draft, default 2020-12, with format
-checking) and, for a Pydantic target, ``model_validate_json``.
+checking; `formats.py` fills in the formats jsonschema leaves to optional packages) and, for a
+Pydantic target, ``model_validate_json``.
 """
 
 from __future__ import annotations
@@ -68,10 +69,17 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
 def _parse_json(spec: SchemaSpec, text: str) -> Any:
     try:
         value = json.loads(text)
+        errors = sorted(_validator(spec).iter_errors(value), key=lambda e: list(e.absolute_path))
     except json.JSONDecodeError as exc:
         raise OutputValidationError(f"output is not valid JSON: {exc.msg} at line {exc.lineno} "
                                     f"column {exc.colno}", text=text, errors=[str(exc)]) from exc
-    errors = sorted(_validator(spec).iter_errors(value), key=lambda e: list(e.absolute_path))
+    except RecursionError:
+        # a recursive schema lets the model nest values until max_tokens; past Python's
+        # recursion limit neither json nor jsonschema can check the output
+        raise OutputValidationError(
+            "output nests too deeply to be validated (Python's recursion limit); lower "
+            "max_tokens or bound the recursion in the schema", text=text,
+            errors=["nesting too deep to validate"]) from None
     if errors:
         from .spec import to_pointer
 
@@ -99,17 +107,24 @@ def _validator(spec: SchemaSpec) -> Any:
     with _LOCK:
         v = _VALIDATORS.get(spec.key)
     if v is None:
-        import jsonschema
-        from jsonschema.validators import validator_for
-
-        schema = spec.json_schema or {}
-        cls = validator_for(schema, default=jsonschema.Draft202012Validator)
-        v = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        v = json_validator(spec.json_schema or {})
         with _LOCK:
             if len(_VALIDATORS) > 256:
                 _VALIDATORS.clear()
             _VALIDATORS[spec.key] = v
     return v
+
+
+def json_validator(schema: dict) -> Any:
+    """The jsonschema validator final validation uses: the schema's ``$schema`` draft (default
+    2020-12) with format checking, including the formats of `formats.FORMAT_CHECKS`."""
+    import jsonschema
+    from jsonschema.validators import validator_for
+
+    from .formats import format_checker
+
+    cls = validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=format_checker(cls))
 
 
 def _grammar_accepts(spec: SchemaSpec, text: str) -> bool:

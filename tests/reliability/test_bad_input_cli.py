@@ -1,0 +1,126 @@
+"""Bad input on the command line, in process: one error line on stderr, nothing on stdout, the
+exit code of the error's type, and no model loaded for a bad schema or option. With --batch,
+bad lines become error records while the good lines run."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from constrained_spec.cli import main
+from constrained_spec.schemas.spec import MAX_SCHEMA_DEPTH
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def load(*a, **k):
+        raise AssertionError("a model was loaded for bad input")
+
+    monkeypatch.setattr("constrained_spec.models.load_model", load)
+    monkeypatch.setattr("constrained_spec.api.load_model", load)
+
+
+def run(argv, capsys, stdin: str | None = None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def deep_schema(depth: int) -> str:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return json.dumps(schema)
+
+
+@pytest.mark.parametrize("flags, where", [
+    (["--schema", '{"type": "object", "properties": '], "malformed JSON"),
+    (["--schema", "[1, 2, 3]"], "a JSON Schema is an object"),
+    (["--schema", '{"type": "strin"}'], "/type"),
+    (["--schema", '{"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}'],
+     "/properties/a/$ref"),
+    (["--schema", '{"$ref": "other.json#/x"}'], "/$ref"),
+    (["--schema", deep_schema(MAX_SCHEMA_DEPTH)], f"deeper than {MAX_SCHEMA_DEPTH}"),
+    (["--schema", json.dumps({"type": "object", "properties": {f"p{i}": {} for i in range(12_000)}})],
+     "/properties"),
+    (["--schema", '{"type": "string", "pattern": "(unclosed"}'], "/pattern"),
+    (["--regex", "(unclosed"], "invalid regular expression"),
+    (["--schema", "name, age integer"], "age"),
+])
+def test_bad_schema_exits_3_with_one_line_naming_where(flags, where, capsys, no_model):
+    code, out, err = run(["generate", "a prompt", *flags], capsys)
+    assert code == 3
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("constrained-spec: schema error:")
+    assert where in lines[0]
+
+
+@pytest.mark.parametrize("flags, where", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--max-tokens", "-3"], "max_tokens"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--top-p", "nan"], "top_p"),
+    (["--speculative-config", '{"method": "medusa"}'], "speculative.method"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'],
+     "num_speculative_tokens"),
+    (["--speculative-config", "not json"], "--speculative-config"),
+])
+def test_bad_option_exits_2_with_one_line_naming_the_option(flags, where, capsys, no_model):
+    code, out, err = run(["generate", "a prompt", "--schema", "name", *flags], capsys)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and where in lines[0]
+
+
+def test_unknown_speculative_algorithm_is_refused_by_the_parser(capsys, no_model):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "a prompt", "--speculative-algorithm", "medusa"])
+    assert info.value.code == 2
+    assert "medusa" in capsys.readouterr().err
+
+
+def test_empty_prompt_on_stdin_exits_2(capsys, monkeypatch, no_model):
+    code, out, err = run(["generate", "--schema", "name"], capsys, stdin="  \n", monkeypatch=monkeypatch)
+    assert code == 2 and out == "" and "prompt" in err
+
+
+def test_schema_check_reports_bad_schemas_with_exit_3(capsys, no_model):
+    code, out, err = run(["schema-check", '{"type": "object", "properties": {"a": {"$ref": "#/x"}}}'],
+                         capsys)
+    assert code == 3 and "/properties/a/$ref" in out + err
+    code, out, err = run(["schema-check", "--json", '{"type": "number", "minimum": NaN}'], capsys)
+    assert code == 3 and "/minimum" in err
+
+
+@pytest.mark.model
+def test_batch_runs_good_lines_and_reports_bad_ones(tmp_path, capsys, embedded, monkeypatch):
+    from constrained_spec import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: embedded)
+    lines = [
+        '{"prompt": "Is water wet? Answer yes or no.", "schema": {"enum": ["yes", "no"]}}',
+        '{"prompt": "x", "schema": {"type": 5}}',
+        '{"prompt": "x", "schema": {"$ref": "#/nope"}}',
+        '{"prompt": "", "schema": {"enum": ["yes", "no"]}}',
+        '{"prompt": "' + "word " * (embedded.max_context + 10) + '", "schema": {"enum": ["a"]}}',
+        "{broken",
+        '{"prompt": "Is fire cold? Answer yes or no.", "schema": {"enum": ["yes", "no"]}}',
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    code, out, err = run(["generate", "--batch", str(path), "--max-tokens", "8", "--quiet"], capsys)
+    assert code == 7
+    records = [json.loads(x) for x in out.splitlines()]
+    assert len(records) == len(lines)
+    assert records[0] in ("yes", "no") and records[6] in ("yes", "no")
+    types = [r["error"]["type"] if isinstance(r, dict) and "error" in r else None for r in records]
+    assert types == [None, "SchemaError", "SchemaError", "ConfigError", "PromptTooLongError",
+                     "ConfigError", None]
+    assert [r["error"]["line"] for r in records if isinstance(r, dict) and "error" in r] == [2, 3, 4, 5, 6]

@@ -1,0 +1,96 @@
+"""A fixed sample of the JSONSchemaBench coverage sweep (benchmarks/coverage.py), in seconds:
+our layer (normalize -> pre-flight -> compile -> accepts_text) never accepts an invalid
+instance that the pre-flight report did not declare, and keeps valid instances acceptable.
+
+The full sweep (all 6,245 schemas, against raw xgrammar and outlines-core) is the benchmark;
+this runs 5 seeded schemas per split with a one-character-per-token vocabulary (text
+acceptance does not depend on the vocabulary) and the same rules.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "shared" / "bench" / "jsonschemabench"
+PER_SPLIT = 5
+
+
+@pytest.fixture(scope="module")
+def sample_results(coverage_mod):
+    if not BENCH.is_dir():
+        pytest.skip(f"JSONSchemaBench data not found at {BENCH} (shared/bench is absent)")
+    ctx = coverage_mod.Context(coverage_mod.tokenizer_vocab("ascii"))
+    results = []
+    for split in coverage_mod.SPLITS:
+        if not (BENCH / f"{split}.jsonl.gz").exists():
+            continue
+        for row in coverage_mod.sample_rows(coverage_mod.load_split(split, BENCH), PER_SPLIT, seed=1):
+            results.append((row, coverage_mod.evaluate(ctx, row, "ours", time_limit=30.0)))
+    return results
+
+
+def test_sample_no_invalid_instance_accepted_undeclared(sample_results):
+    silent = [(row["id"], res["counts"]["silent_ids"]) for row, res in sample_results
+              if res.get("status") == "compiled" and res["counts"]["silent"]]
+    assert not silent, f"invalid instances accepted without a pre-flight declaration: {silent}"
+
+
+def test_sample_no_invalid_instance_accepted_undeclared_lenient(sample_results):
+    silent = [(row["id"], res["counts_lenient"]["silent_ids"]) for row, res in sample_results
+              if res.get("status") == "compiled" and res["counts_lenient"]["silent"]]
+    assert not silent, f"lenient mode: invalid instances accepted undeclared: {silent}"
+
+
+def test_sample_compiles_and_accepts_valid_instances(sample_results):
+    n = len(sample_results)
+    compiled = [res for _, res in sample_results if res.get("status") == "compiled"]
+    assert n >= 40
+    assert len(compiled) >= 0.95 * n, [
+        (row["id"], res.get("status"), res.get("error")) for row, res in sample_results
+        if res.get("status") != "compiled"]
+    valid_ok = sum(res["counts"]["valid_ok"] for res in compiled)
+    valid_rejected = sum(res["counts"]["valid_rejected"] for res in compiled)
+    # rejections of valid instances are narrowings (strict mode's undeclared keys, escapes in
+    # length-limited strings); they must stay the exception
+    assert valid_rejected <= 0.1 * (valid_ok + valid_rejected)
+
+
+def test_sample_never_hangs_or_crashes(sample_results):
+    bad = [(row["id"], res.get("status"), res.get("error")) for row, res in sample_results
+           if res.get("status") in ("crash", "timeout")]
+    assert not bad
+
+
+def test_declared_rule_follows_refs_and_anyof_branches(coverage_mod):
+    """The "declared" rule: an issue's pointer is a prefix of the error's keyword location, with
+    $ref hops placed in the document, and anyOf errors explained by one branch."""
+    import jsonschema
+
+    schema = {"$defs": {"tag": {"type": "string", "format": "color"}},
+              "type": "object",
+              "properties": {"tags": {"type": "array", "items": {"$ref": "#/$defs/tag"},
+                                      "uniqueItems": True},
+                             "v": {"anyOf": [{"type": "integer", "not": {"const": 3}},
+                                             {"type": "string"}]}}}
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(
+        {"tags": ["a", "a"], "v": 3}))
+    decl = coverage_mod.Declarations(schema, ["/properties/tags/uniqueItems",
+                                              "/properties/v/anyOf/0/not"])
+    assert errors and all(decl.explains(e) for e in errors)
+    assert not coverage_mod.Declarations(schema, ["/properties/tags/uniqueItems"]).explains(
+        next(e for e in errors if e.validator == "anyOf"))
+    paths = coverage_mod.document_paths(schema, ["properties", "tags", "items", "type"])
+    assert any(walk[-1] == ["$defs", "tag", "type"] for walk in paths)
+
+
+def test_instances_are_written_in_declared_property_order(coverage_mod):
+    schema = {"type": "object", "properties": {"b": {"type": "integer"},
+                                               "a": {"type": "object", "properties": {
+                                                   "y": {"type": "integer"}, "x": {}}}}}
+    validator = coverage_mod.make_validator(schema)
+    text = coverage_mod.instance_text(schema, validator, {"a": {"x": 1, "y": 2.0}, "b": 1, "z": 0})
+    assert text == '{"b": 1, "a": {"y": 2, "x": 1}, "z": 0}'
+    assert json.loads(text) == {"a": {"x": 1, "y": 2}, "b": 1, "z": 0}

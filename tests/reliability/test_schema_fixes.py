@@ -1,0 +1,130 @@
+"""Regressions for defects the JSONSchemaBench sweep found in the grammar layer: each one let
+the matcher accept an instance the schema forbids, refuse one it allows, or crash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from constrained_spec.errors import SchemaError
+from constrained_spec.grammar import compile_spec
+from constrained_spec.schemas import JsonLayout, normalize_schema, preflight
+
+
+def matcher(schema, tok, backend="xgrammar", layout=JsonLayout()):
+    return compile_spec(normalize_schema(schema, layout=layout), tok, backend=backend).new_matcher()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_format_date_is_calendar_exact(ascii_tok, backend):
+    m = matcher({"type": "string", "format": "date"}, ascii_tok, backend)
+    ok = ["2024-02-29", "2000-02-29", "1999-12-31", "0001-01-01"]
+    bad = ["2023-02-29", "1900-02-29", "2022-04-31", "2022-02-30", "0000-01-01", "2022-13-01"]
+    assert all(m.accepts_text(json.dumps(d)) for d in ok)
+    assert not any(m.accepts_text(json.dumps(d)) for d in bad)
+
+
+def test_format_date_time_is_calendar_exact_on_xgrammar(ascii_tok):
+    m = matcher({"type": "string", "format": "date-time"}, ascii_tok)
+    assert m.accepts_text('"2024-02-29T23:59:60.25+01:00"')
+    assert not m.accepts_text('"2023-02-29T10:00:00Z"')
+    assert not m.accepts_text('"2023-01-01T10:00:00"')  # RFC 3339 needs the offset
+
+
+def test_date_format_next_to_a_pattern_is_declared(ascii_tok):
+    issues = preflight(normalize_schema({"type": "string", "format": "date", "pattern": "^2"}))
+    assert ("format", "/format") in {(i.keyword, i.pointer) for i in issues.ignored}
+
+
+def test_integer_bounds_past_64_bits_are_clamped_not_refused(ascii_tok):
+    m = matcher({"type": "integer", "minimum": -1e30, "maximum": 9223372036854776000}, ascii_tok)
+    assert m.accepts_text("9223372036854775807") and m.accepts_text("-9223372036854775808")
+    assert not m.accepts_text("9223372036854775808")  # narrowed, never wider
+
+
+def test_draft4_boolean_exclusive_bounds(ascii_tok):
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer",
+              "minimum": 0, "exclusiveMinimum": True, "maximum": 10, "exclusiveMaximum": False}
+    m = matcher(schema, ascii_tok)
+    assert [m.accepts_text(t) for t in ("0", "1", "10", "11")] == [False, True, True, False]
+
+
+@pytest.mark.parametrize("layout", [JsonLayout(), JsonLayout(indent=2)])
+def test_object_and_array_const_and_enum_follow_the_layout(ascii_tok, layout):
+    schema = {"type": "object", "required": ["c", "e"], "properties": {
+        "c": {"const": {"a": [1, {"b": None}], "s": "x"}},
+        "e": {"enum": [[1, 2], {"k": "v"}, "plain"]}}}
+    m = matcher(schema, ascii_tok, layout=layout)
+    for e in ([1, 2], {"k": "v"}, "plain"):
+        assert m.accepts_text(layout.dumps({"c": {"a": [1, {"b": None}], "s": "x"}, "e": e}))
+    assert not m.accepts_text(layout.dumps({"c": {"a": [1], "s": "x"}, "e": "plain"}))
+
+
+@pytest.mark.parametrize("pattern, ok, bad", [
+    ("^x(-[a-z]+)?$", ["x", "x-ab"], ["xa", "xab", "x-"]),
+    ("^(-[a-z]+)?(-[0-9]+)?$", ["", "-ab", "-1", "-a-1"], ["ab", "properties", "a-1"]),
+    ("^v(\\.[0-9]+)??$", ["v", "v.1"], ["v1"]),
+])
+def test_optional_groups_in_patterns_are_not_skipped(ascii_tok, pattern, ok, bad):
+    m = matcher({"type": "string", "pattern": pattern}, ascii_tok)
+    assert all(m.accepts_text(json.dumps(s)) for s in ok)
+    assert not any(m.accepts_text(json.dumps(s)) for s in bad)
+
+
+def test_optional_groups_in_pattern_property_names_are_not_skipped(ascii_tok):
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^[a-z]{2}(-[A-Z]{2})?$": {"type": "string"}}}
+    m = matcher(schema, ascii_tok)
+    assert m.accepts_text('{"en": "x", "en-GB": "y"}')
+    assert not m.accepts_text('{"properties": "x"}')
+
+
+def test_schema_document_limits_name_the_place():
+    with pytest.raises(SchemaError) as info:
+        normalize_schema({"type": "object", "properties": {"a": {"enum": [float("nan")]}}})
+    assert info.value.pointer == "/properties/a/enum/0"
+    with pytest.raises(SchemaError) as info:
+        normalize_schema({"type": "object", "properties": {"a": {"default": {1, 2}}}})
+    assert info.value.pointer == "/properties/a/default"
+
+
+FORMATS = ["date", "date-time", "time", "ipv4", "ipv6", "uuid", "email", "hostname", "uri",
+           "uri-reference", "uri-template", "duration", "json-pointer", "relative-json-pointer"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_strings_the_grammar_writes_for_a_format_pass_final_validation(ascii_tok, fmt):
+    """Random walks through the grammar (uniform over allowed tokens) until it may end: the
+    output must pass final validation, or the grammar is looser than the checker (xgrammar's
+    ipv4 allowed "10.0.0.01", which Python's ipaddress refuses)."""
+    import random
+
+    import torch
+
+    from constrained_spec.errors import OutputValidationError
+    from constrained_spec.schemas import parse_output
+
+    spec = normalize_schema({"type": "string", "format": fmt})
+    compiled = compile_spec(spec, ascii_tok)
+    rng = random.Random(fmt)
+    words = (ascii_tok.vocab_size + 31) // 32
+    bitmask = torch.zeros((1, words), dtype=torch.int32)
+    failures = []
+    for _ in range(40):
+        m, text = compiled.new_matcher(), []
+        for _ in range(80):
+            m.fill_bitmask(bitmask)
+            allowed = [i for i in range(ascii_tok.vocab_size) if (int(bitmask[0, i >> 5]) >> (i & 31)) & 1]
+            if 0 in allowed and (len(allowed) == 1 or (len(text) > 8 and rng.random() < 0.3)):
+                break
+            token = rng.choice([t for t in allowed if t != 0])
+            assert m.accept(token)
+            text.append(ascii_tok.decoded[token].decode())
+        else:
+            continue
+        try:
+            parse_output(spec, "".join(text))
+        except OutputValidationError:
+            failures.append("".join(text))
+    assert not failures, failures[:5]
