@@ -14,7 +14,7 @@ import re
 
 import jsonschema
 import pytest
-from conftest import load_tasks
+from cs_testlib import load_tasks
 
 from constrained_spec import Generator, IncompleteOutputError, Regex, SpeculativeConfig
 

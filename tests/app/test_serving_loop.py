@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import CHARS
+from cs_testlib import CHARS
 from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import Regex, normalize_schema
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import CHARS
+from cs_testlib import CHARS
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter

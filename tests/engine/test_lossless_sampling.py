@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import CHARS
+from cs_testlib import CHARS
 from scipy.stats import chisquare
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
