@@ -16,8 +16,9 @@ Both backends get a rewritten copy of the user's schema, never the original:
   ``const`` and ``enum`` values are spelled out as schemas (xgrammar
   writes them compactly, ignoring the layout); integer bounds that are not whole numbers are
   rounded inward and bounds past 64 bits are clamped (xgrammar raises on both); a node where
-  allOf with several subschemas wins becomes ``{}`` (what xgrammar generates for it anyway,
-  without failing on what it would have converted);
+  allOf with several subschemas wins becomes the ``enum`` of the values it accepts when a
+  member fixes them (``enum`` / ``const``; exact, see `all_of_values`), else ``{}`` (what
+  xgrammar generates for it anyway, without failing on what it would have converted);
   arrays / objects that declare no items / properties at all get ``items: {}`` /
   ``additionalProperties: {}`` (strict mode would otherwise allow only ``[]`` / ``{}``).
 * outlines: annotations and unknown keywords are dropped and ``true`` subschemas become
@@ -283,7 +284,7 @@ def _xgrammar_rewrite(node: Any) -> Any:
     # whatever the separators / indent: spelled out as schemas they follow the layout. const /
     # enum win over their siblings in xgrammar (and pre-flight checks the values against them),
     # so replacing the node keeps the semantics; $ref wins over both, so it is left alone.
-    winner = next((k for k in ("$ref", "const", "enum", "anyOf", "oneOf", "allOf") if k in node), None)
+    winner = next((k for k in XGRAMMAR_ORDER if k in node), None)
     if winner == "allOf" and isinstance(node["allOf"], list) and len(node["allOf"]) > 1:
         # xgrammar generates any JSON value for allOf with several subschemas (pre-flight
         # reports it), but still converts them and fails on some (a false subschema): say it
@@ -372,10 +373,84 @@ def _outlines_rewrite(node: Any) -> Any:
     return node
 
 
+XGRAMMAR_ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")  # which keyword wins
+
+
+def _local_target(root: Any, ref: Any) -> Any:
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    node = root
+    for raw in ref[2:].split("/") if ref != "#" else []:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def all_of_values(node: Any, root: Any) -> list | None:
+    """For a node where several-subschema ``allOf`` wins in xgrammar (which would generate any
+    value): when a member fixes the values (``enum`` / ``const``, through local ``$ref``s), the
+    values the whole node accepts -- an exact replacement, ``{"enum": values}``. Else None."""
+    if not isinstance(node, dict) or next((k for k in XGRAMMAR_ORDER if k in node), None) != "allOf":
+        return None
+    members = node["allOf"]
+    if not isinstance(members, list) or len(members) < 2:
+        return None
+    candidates = None
+    for member in members:
+        for _ in range(8):
+            if isinstance(member, dict) and "$ref" in member and not ("enum" in member or "const" in member):
+                member = _local_target(root, member["$ref"])
+            else:
+                break
+        if isinstance(member, dict) and ("const" in member or "enum" in member):
+            candidates = [member["const"]] if "const" in member else member["enum"]
+            break
+    if not isinstance(candidates, list):
+        return None
+    from .validate import json_validator
+
+    try:
+        validator = json_validator(root).evolve(schema=node)
+        values, seen = [], set()
+        for v in candidates:
+            key = json.dumps(v, sort_keys=True)
+            if key not in seen and validator.is_valid(v):
+                seen.add(key)
+                values.append(v)
+    except Exception:  # a subschema jsonschema cannot evaluate: leave the node to xgrammar
+        return None
+    return values or None
+
+
+def _fold_all_of_values(node: Any, root: Any) -> Any:
+    """Top-down copy of `node` with every `all_of_values` node replaced by its enum."""
+    values = all_of_values(node, root)
+    if values is not None:
+        return {"enum": values}
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k in SCHEMA_KEYWORDS:
+            out[k] = [_fold_all_of_values(x, root) for x in v] if isinstance(v, list) else _fold_all_of_values(v, root)
+        elif k in SCHEMA_LIST_KEYWORDS and isinstance(v, list):
+            out[k] = [_fold_all_of_values(x, root) for x in v]
+        elif k in SCHEMA_MAP_KEYWORDS and isinstance(v, dict):
+            out[k] = {name: _fold_all_of_values(x, root) for name, x in v.items()}
+        else:
+            out[k] = v
+    return out
+
+
 def backend_schema(schema: dict, backend: str) -> dict:
     """The rewritten copy of `schema` that `backend`'s converter is given (see module doc)."""
     if backend == "xgrammar":
-        return map_schema(schema, _xgrammar_rewrite)
+        return map_schema(_fold_all_of_values(schema, schema), _xgrammar_rewrite)
     if backend == "outlines":
         return map_schema(schema, _outlines_rewrite)
     raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Literal
 
 from constrained_spec.errors import SchemaError
 
-from .backends import FORMAT_PATTERNS, convert_json_schema, scan_regex, search_pattern
+from .backends import FORMAT_PATTERNS, all_of_values, convert_json_schema, scan_regex, search_pattern
 from .spec import SchemaSpec, to_pointer
 from .support import (
     ANNOTATIONS,
@@ -540,6 +540,8 @@ class _XGrammarWalker(_Walker):
         elif winner in ("anyOf", "oneOf", "allOf"):
             branches = node[winner]
             if winner == "allOf" and len(branches) > 1:
+                if all_of_values(node, self.root) is not None:
+                    return  # a member fixes the values: generated as their exact enum
                 self.add("allOf", to_pointer(path + ["allOf"]), "ignored",
                          "xgrammar generates any JSON value for allOf with several subschemas; "
                          "merge them into one schema")

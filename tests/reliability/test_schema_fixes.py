@@ -128,3 +128,17 @@ def test_strings_the_grammar_writes_for_a_format_pass_final_validation(ascii_tok
         except OutputValidationError:
             failures.append("".join(text))
     assert not failures, failures[:5]
+
+
+def test_all_of_with_a_fixed_set_of_values_becomes_their_exact_enum(ascii_tok):
+    """xgrammar generates any value for several-subschema allOf; when a member is an enum /
+    const, the values the whole allOf accepts are generated instead (and nothing is declared)."""
+    schema = {"$defs": {"e": {"enum": ["ab", "abcd", 3, {"k": 1}]}},
+              "allOf": [{"$ref": "#/$defs/e"}, {"not": {"type": "integer"}},
+                        {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "object"}]}]}
+    assert preflight(normalize_schema(schema)).ok
+    m = matcher(schema, ascii_tok)
+    assert [m.accepts_text(t) for t in ('"ab"', '{"k": 1}', '"abcd"', "3", '"x"')] == [
+        True, True, False, False, False]
+    unsatisfiable = {"allOf": [{"enum": [1]}, {"not": {"enum": [1]}}]}
+    assert "allOf" in {i.keyword for i in preflight(normalize_schema(unsatisfiable)).ignored}
