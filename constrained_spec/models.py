@@ -178,13 +178,14 @@ class LoadedModel:
     path: Path | None = None
     _runner: Any = field(default=None, repr=False)
     _tok_data: Any = field(default=None, repr=False)
+    _int4: Any = field(default=None, repr=False)  # packed exact 4-bit weights (runner.int4_weights)
 
     @property
     def runner(self) -> Any:
         if self._runner is None:
             from .runner import make_runner
 
-            self._runner = make_runner(self.model, dtype=self.dtype, device=self.device)
+            self._runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
         return self._runner
 
     @property
@@ -226,6 +227,7 @@ def load_model(
     *,
     dtype: DtypeChoice = "auto",
     device: str | torch.device | None = None,
+    int4: bool | None = None,
     quiet: bool = False,
 ) -> LoadedModel:
     """Resolve any accepted ``model`` argument to a :class:`LoadedModel` (cached per process).
@@ -233,6 +235,11 @@ def load_model(
     Accepted: ``None`` / ``"default"`` (the embedded model), a local HF checkpoint folder, a
     ``.gguf`` file, a loaded ``transformers`` model (pass its ``tokenizer`` too, or a
     ``(model, tokenizer)`` tuple), or a :class:`LoadedModel`.
+
+    ``int4``: on the CPU in bfloat16, linear weights that are exactly 4-bit (a checkpoint
+    dequantized from a Q4_1 GGUF, like the embedded model) run on torch's int4 kernel -- the
+    file's own values, a quarter of the bytes (see `constrained_spec.runner`). None (default):
+    when exact, unless ``CONSTRAINED_SPEC_INT4=0``; False: always dense.
     """
     if isinstance(model, LoadedModel):
         return model
@@ -254,7 +261,9 @@ def load_model(
                            device=next(model.parameters()).device, dtype=mdtype,
                            vocab_size=_logits_width(model))
     spec = "default" if model is None else str(model)
-    key = (spec, str(dtype), str(dev))
+    if int4 is None:
+        int4 = os.environ.get("CONSTRAINED_SPEC_INT4", "1") not in ("0", "false", "False", "")
+    key = (spec, f"{dtype}/int4={int4}", str(dev))
     if key in _LOADED:
         return _LOADED[key]
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -284,12 +293,19 @@ def load_model(
     except Exception as e:  # transformers raises many kinds; say which model failed and why
         raise ModelLoadError(f"could not load model {spec!r}: {type(e).__name__}: {e}") from e
     hf.eval()
+    packs = None
+    if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
+        from .runner import int4_weights
+
+        packs = int4_weights(hf)  # from the float32 weights, before any cast
     chosen = _choose_dtype(dtype, dev, hf, path if is_default else None)
+    if chosen != torch.bfloat16:
+        packs = None
     hf.to(device=dev, dtype=chosen)
     logger.info("loaded %s in %.1fs (%s on %s)", spec, time.perf_counter() - t0, chosen, dev)
     loaded = LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
                          device=dev, dtype=chosen, vocab_size=_logits_width(hf),
-                         is_default=is_default, path=path)
+                         is_default=is_default, path=path, _int4=packs)
     _LOADED[key] = loaded
     return loaded
 
