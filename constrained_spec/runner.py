@@ -36,7 +36,7 @@ _LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
 
 
 def make_runner(model: Any, *, dtype: torch.dtype, device: torch.device,
-                int4: dict[str, Any] | None = None) -> "Runner":
+                int4: dict[str, Any] | None = None) -> Runner:
     """The fastest runner that supports ``model``'s architecture (``int4``: see `int4_weights`)."""
     if is_llama_family(model):
         return LlamaRunner(model, dtype=dtype, device=device, int4=int4)
@@ -77,9 +77,10 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
 
 def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
     a, m = layer.self_attn, layer.mlp
-    return dict(qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                o=a.o_proj.weight, gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                down=m.down_proj.weight)
+    return {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            "o": a.o_proj.weight,
+            "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            "down": m.down_proj.weight}
 
 
 def int4_weights(model: Any) -> dict[str, Any] | None:
@@ -177,8 +178,8 @@ class LlamaRunner(Runner):
             bias = None
             if a.q_proj.bias is not None:
                 bias = w(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
-            entry: dict[str, Any] = dict(ln1=w(layer.input_layernorm.weight), qkv_bias=bias,
-                                         ln2=w(layer.post_attention_layernorm.weight))
+            entry: dict[str, Any] = {"ln1": w(layer.input_layernorm.weight), "qkv_bias": bias,
+                                         "ln2": w(layer.post_attention_layernorm.weight)}
             for name, weight in _layer_weights(layer).items():
                 packed = int4.get(f"{i}.{name}") if use_int4 else None
                 entry[name] = w(weight)

@@ -210,9 +210,9 @@ def _rejection_sample_torch(
     0 .. t-1), so a batch that rejects early costs little. Elementwise `torch.where` over
     [rows, V] is avoided: on CPU it runs ~20x slower than arithmetic (measured).
     """
-    all_greedy = greedy is True
     greedy, uniform, exp_noise = _prepare(target_logits, draft_tokens, cu_num_drafts,
                                           draft_probs, greedy, uniform, exp_noise, generator)
+    all_greedy = exp_noise is None  # _prepare draws noise unless every request is greedy
     device = target_logits.device
     num_requests = cu_num_drafts.shape[0] - 1
     num_drafts, vocab = draft_tokens.shape[0], target_logits.shape[1]
@@ -302,9 +302,9 @@ def rejection_sample_triton(
     check_triton_can_run(target_logits.device)
     from . import _triton
 
-    all_greedy = greedy is True
     greedy, uniform, exp_noise = _prepare(target_logits, draft_tokens, cu_num_drafts,
                                           draft_probs, greedy, uniform, exp_noise, generator)
+    all_greedy = exp_noise is None  # _prepare draws noise unless every request is greedy
     device = target_logits.device
     num_requests = cu_num_drafts.shape[0] - 1
     num_rows, vocab = target_logits.shape
@@ -371,10 +371,11 @@ def _prepare(
         all_greedy = greedy
         greedy = torch.full((num_requests,), greedy, dtype=torch.bool, device=device)
     else:
-        all_greedy = False
         if greedy.shape != (num_requests,):
             raise ValueError(f"greedy must be a bool or [{num_requests}], "
                              f"got {tuple(greedy.shape)}")
+        # a host tensor is checked for free; a device one would cost a sync (noise is drawn)
+        all_greedy = greedy.device.type == "cpu" and bool(greedy.all())
         greedy = greedy.to(device=device, dtype=torch.bool)
     if uniform is None:
         uniform = torch.rand(num_drafts, generator=generator, device=device)

@@ -7,9 +7,15 @@ import copy
 
 import pytest
 import torch
-
-from constrained_spec.runner import INT4_GROUP, LlamaRunner, _linear, int4_weights, pack_int4
 from cs_testlib import tiny_llama
+
+from constrained_spec.runner import (
+    INT4_GROUP,
+    LlamaRunner,
+    _linear,
+    int4_weights,
+    pack_int4,
+)
 
 CPU = torch.device("cpu")
 
