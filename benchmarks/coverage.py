@@ -70,7 +70,6 @@ import argparse
 import gzip
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import random
@@ -80,9 +79,12 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Iterable
+
+# benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
+sys.path.append(str(Path(__file__).resolve().parent))
+from _workers import Pool
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench" / "jsonschemabench"
 SPLITS = ("Github_trivial", "Github_easy", "Glaiveai2K", "BFCL", "Handwritten", "Synthesized",
@@ -91,6 +93,9 @@ SYSTEMS = ("ours", "xgrammar", "outlines")
 SEPARATORS = (", ", ": ")
 OUTLINES_WHITESPACE = "[ ]?"  # schemas.backends.outlines_whitespace for the default layout
 RESULTS_HEADING = "## Schema coverage (JSONSchemaBench)"
+# imported once by the forkserver, so a replaced worker is ready in about a second
+WORKER_PRELOAD = ["constrained_spec.grammar", "constrained_spec.schemas", "transformers", "xgrammar",
+                  "outlines_core", "jsonschema"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,104 +664,6 @@ def _worker_main(conn: Any, vocab: tuple, systems: tuple[str, ...], limits: dict
             os._exit(0)
 
 
-class Pool:
-    """Worker processes fed one schema at a time; hung or dead workers are replaced."""
-
-    def __init__(self, n: int, vocab: tuple, systems: tuple[str, ...], limits: dict[str, float],
-                 quiet_stderr: bool = True) -> None:
-        self.args = (vocab, systems, limits, quiet_stderr)
-        self.systems = systems
-        # a schema gets each system's limit, plus matching / validation time, plus start-up
-        self.hard_limit = sum(limits[s] for s in systems) + 120.0
-        # forkserver: workers start from a process that imported the heavy modules once, so a
-        # replaced worker is ready in about a second (the tokenizer is still loaded per worker)
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["constrained_spec.grammar", "constrained_spec.schemas",
-                                         "transformers", "xgrammar", "outlines_core", "jsonschema"])
-        self.workers: list[dict] = [self._start() for _ in range(n)]
-
-    def _start(self) -> dict:
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker_main, args=(child, *self.args), daemon=True)
-        proc.start()
-        child.close()
-        return {"proc": proc, "conn": parent, "task": None, "since": 0.0, "parts": {},
-                "ready": False}
-
-    def run(self, rows: list[tuple[int, dict]], on_done: Any) -> None:
-        todo = list(reversed(rows))
-        busy = 0
-        while todo or busy:
-            for w in self.workers:
-                if w["ready"] and w["task"] is None and todo:
-                    w["task"] = todo.pop()
-                    w["since"] = time.monotonic()
-                    w["parts"] = {}
-                    w["conn"].send(w["task"])
-                    busy += 1
-            conns = [w["conn"] for w in self.workers]
-            ready = wait(conns, timeout=1.0)
-            for w in list(self.workers):
-                replace = False
-                if w["conn"] in ready:
-                    try:
-                        kind, index, system, payload = w["conn"].recv()
-                    except (EOFError, OSError):
-                        kind = "dead"
-                    if kind == "ready":
-                        w["ready"] = True
-                    elif kind == "part":
-                        w["parts"][system] = payload
-                    elif kind == "done":
-                        on_done(w["task"], w["parts"])
-                        w["task"] = None
-                        busy -= 1
-                        replace = bool(payload)
-                    else:  # the worker died (segfault, out of memory)
-                        replace = True
-                        if w["task"] is not None:
-                            self._fail(w, "crash", on_done)
-                            busy -= 1
-                elif w["task"] is not None and time.monotonic() - w["since"] > self.hard_limit:
-                    self._fail(w, "hang", on_done)
-                    busy -= 1
-                    replace = True
-                elif not w["proc"].is_alive() and w["conn"] not in ready:
-                    replace = True
-                    if w["task"] is not None:
-                        self._fail(w, "crash", on_done)
-                        busy -= 1
-                if replace:
-                    self._replace(w)
-
-    def _fail(self, w: dict, status: str, on_done: Any) -> None:
-        parts = dict(w["parts"])
-        for system in self.systems:
-            parts.setdefault(system, {"status": status,
-                                      "error": f"worker {status} after {self.hard_limit:.0f} s"
-                                      if status == "hang" else "worker process died"})
-        on_done(w["task"], parts)
-        w["task"] = None
-
-    def _replace(self, w: dict) -> None:
-        if w["proc"].is_alive():
-            w["proc"].kill()
-        w["proc"].join(timeout=5)
-        w["conn"].close()
-        self.workers[self.workers.index(w)] = self._start()
-
-    def close(self) -> None:
-        for w in self.workers:
-            try:
-                w["conn"].send(None)
-            except OSError:
-                pass
-        for w in self.workers:
-            w["proc"].join(timeout=5)
-            if w["proc"].is_alive():
-                w["proc"].kill()
-
-
 # --------------------------------------------------------------------------------------------
 # aggregation and reporting
 # --------------------------------------------------------------------------------------------
@@ -921,7 +828,10 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
 
     vocab = tokenizer_vocab(tokenizer)
     limits = {"ours": time_limit, "xgrammar": time_limit, "outlines": outlines_time_limit}
-    pool = Pool(min(workers or os.cpu_count() or 1, max(1, len(rows))), vocab, systems, limits)
+    # a schema gets each system's limit, plus matching / validation time, plus start-up
+    pool = Pool(min(workers or os.cpu_count() or 1, max(1, len(rows))), _worker_main,
+                (vocab, systems, limits, True), systems,
+                hard_limit=sum(limits[s] for s in systems) + 120.0, preload=WORKER_PRELOAD)
     try:
         pool.run(rows, on_done)
     finally:

@@ -12,6 +12,7 @@ from .config import SamplingParams, SpeculativeConfig
 from .errors import (
     ConfigError,
     ConstrainedSpecError,
+    GenerationError,
     IncompleteOutputError,
     ModelLoadError,
     OutputValidationError,
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "generate", "Generator", "GenerationResult", "SpeculativeConfig", "SamplingParams",
-    "Regex", "Grammar", "JsonLayout", "ConstrainedSpecError", "SchemaError",
+    "Regex", "Grammar", "JsonLayout", "ConstrainedSpecError", "SchemaError", "GenerationError",
     "IncompleteOutputError", "OutputValidationError", "ModelLoadError", "ConfigError",
     "PromptTooLongError", "LoadedModel", "load_model", "SpecStats",
 ]

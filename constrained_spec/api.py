@@ -4,6 +4,12 @@
 
 Every completed output is validated (jsonschema + Pydantic) before it is returned; running
 out of ``max_tokens`` first raises :class:`IncompleteOutputError` with the partial text.
+
+Output-quality levers for small models (benchmarks/RESULTS.md, "Output quality levers"): the
+JSON layout and the prompt keep the model's own distribution and are on by default; the
+repetition guard (``no_repeat_ngram_size``, ``repetition_penalty``), bounded strings / arrays
+(``max_string_length``, ``max_items``) and sampling retries (``max_retries``) change what is
+generated and are off unless asked for.
 """
 
 from __future__ import annotations
@@ -13,12 +19,27 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from constrained_spec.grammar import compile_spec
-from constrained_spec.schemas import JsonLayout, SchemaSpec, check_schema, normalize_schema, parse_output
+from constrained_spec.schemas import (
+    JsonLayout,
+    SchemaSpec,
+    bound_schema,
+    check_schema,
+    normalize_schema,
+    parse_output,
+)
 
-from .config import SamplingParams, SpeculativeConfig, resolve_speculative
+from .config import SamplingParams, SpeculativeConfig, _is_real, resolve_speculative
 from .drafters import make_drafter
 from .engine import Engine, Request
-from .errors import ConfigError, ConstrainedSpecError, IncompleteOutputError, PromptTooLongError
+from .errors import (
+    ConfigError,
+    ConstrainedSpecError,
+    GenerationError,
+    IncompleteOutputError,
+    OutputValidationError,
+    PromptTooLongError,
+    SchemaError,
+)
 from .models import LoadedModel, load_model
 from .prompts import Messages, encode_prompt
 from .stats import SpecStats
@@ -43,6 +64,52 @@ class GenerationResult(Generic[T]):
     token_ids: list[int]
     finish_reason: str
     stats: SpecStats = field(default_factory=SpecStats)
+    attempts: int = 1  # generations run for this value (see ``max_retries``)
+
+
+#: Temperature of the retries after a failed first attempt (``max_retries``), unless the
+#: request already samples at its own temperature. Moderate: far enough from greedy to leave
+#: its loop, close enough to keep the model's likely tokens.
+DEFAULT_RETRY_TEMPERATURE = 0.7
+#: Seed of retry k (k >= 1) when the request has none: ``DEFAULT_RETRY_SEED + k`` (with a seed
+#: s: ``s + k``), so retried generations are reproducible.
+DEFAULT_RETRY_SEED = 0
+# errors a retry can cure: the output ran out of tokens or failed final validation
+_RETRYABLE = (IncompleteOutputError, OutputValidationError)
+# Generator options a call may override besides SamplingParams fields
+_SPEC_OPTIONS = ("max_string_length", "max_items")
+_CALL_OPTIONS = ("max_retries", "retry_temperature")
+
+
+def _check_count(value: Any, option: str, *, minimum: int, allow_none: bool) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"must be an integer >= {minimum}{' or None' if allow_none else ''}, "
+                          f"got {value!r}", option=option)
+    return value
+
+
+def _resolve_layout(layout: Any) -> JsonLayout | None:
+    """A JsonLayout, None (the default), or its fields as a dict (from JSON options)."""
+    if layout is None or isinstance(layout, JsonLayout):
+        return layout
+    if isinstance(layout, dict) and set(layout) <= {"indent", "separators"}:
+        seps = layout.get("separators")
+        try:
+            return JsonLayout(indent=layout.get("indent"),
+                              separators=tuple(seps) if isinstance(seps, list) else seps)
+        except SchemaError as e:
+            raise ConfigError(str(e), option="layout") from None
+    raise ConfigError(f"must be a JsonLayout or a dict of its fields (indent, separators), got "
+                      f"{layout!r:.60}", option="layout")
+
+
+def _check_retry_temperature(value: Any) -> float:
+    if not _is_real(value) or not 0.0 < value <= 100.0:
+        raise ConfigError(f"must be a number in (0, 100] (a greedy retry would repeat the failed "
+                          f"attempt), got {value!r}", option="retry_temperature")
+    return float(value)
 
 
 def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None,
@@ -79,7 +146,26 @@ class Generator(Generic[T]):
         ``None``: describe the schema in a system message; a string: your system message;
         ``False``: none.
     layout:
-        How JSON is written (:class:`JsonLayout`).
+        How JSON is written (:class:`JsonLayout`); default :data:`DEFAULT_LAYOUT`, the layout
+        the embedded model writes on its own (measured).
+    repetition_penalty, no_repeat_ngram_size:
+        The opt-in repetition guard (off: 1.0 and 0). It changes the sampled distribution;
+        speculation stays exact for the changed one. Positions where the grammar forces the
+        continuation are left alone. See :class:`SamplingParams`.
+    max_string_length, max_items:
+        Opt-in bounds compiled into the grammar: ``maxLength`` / ``maxItems`` on every string /
+        array of the schema that has none (``None``: off). Final validation is still against
+        your schema; what was added is on ``report.added_bounds``.
+    max_retries:
+        Opt-in: after an :class:`IncompleteOutputError` or :class:`OutputValidationError`,
+        generate again up to this many times (0: off) and return the first valid output. The
+        first attempt uses your sampling settings (greedy by default); retry k samples at
+        ``retry_temperature`` (your temperature if you sample) with seed ``seed + k`` (seed
+        None: ``k``). ``attempts`` and the summed stats are on the result (or on the last
+        error when all fail). Not combinable with ``on_tokens`` streaming.
+    retry_temperature:
+        Temperature of the retries when the request is greedy (default
+        :data:`DEFAULT_RETRY_TEMPERATURE`).
     """
 
     def __init__(self, model: Any = None, *, schema: Any = None, max_tokens: int = 512,
@@ -87,12 +173,24 @@ class Generator(Generic[T]):
                  seed: int | None = None, speculative: SpeculativeConfig | bool | None = None,
                  backend: Backend = "xgrammar", schema_mode: SchemaMode = "default",
                  system_prompt: str | bool | None = None, layout: JsonLayout | None = None,
-                 tokenizer: Any = None, max_batch_size: int = 64) -> None:
+                 tokenizer: Any = None, max_batch_size: int = 64,
+                 repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
+                 max_string_length: int | None = None, max_items: int | None = None,
+                 max_retries: int = 0,
+                 retry_temperature: float = DEFAULT_RETRY_TEMPERATURE) -> None:
         if backend not in ("xgrammar", "outlines"):
             raise ConfigError(f"unknown grammar backend {backend!r}; use 'xgrammar' or 'outlines'",
                               option="backend")
+        layout = _resolve_layout(layout)
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                                       seed=seed, max_tokens=max_tokens)
+                                       seed=seed, max_tokens=max_tokens,
+                                       repetition_penalty=repetition_penalty,
+                                       no_repeat_ngram_size=no_repeat_ngram_size)
+        self.max_string_length = _check_count(max_string_length, "max_string_length", minimum=1,
+                                              allow_none=True)
+        self.max_items = _check_count(max_items, "max_items", minimum=1, allow_none=True)
+        self.max_retries = _check_count(max_retries, "max_retries", minimum=0, allow_none=False)
+        self.retry_temperature = _check_retry_temperature(retry_temperature)
         self.speculative = resolve_speculative(speculative)
         self.backend = backend
         self.schema_mode = schema_mode
@@ -101,6 +199,11 @@ class Generator(Generic[T]):
         self.max_batch_size = max_batch_size
         # schema problems surface before any model is loaded
         self.spec = self._prepare_spec(schema)
+        #: the spec the grammar is compiled from: ``spec`` plus any bounds (max_string_length,
+        #: max_items); outputs are validated against ``spec``
+        self.grammar_spec, added = self._bound(self.spec, {})
+        if self.spec is not None:
+            self.report.added_bounds = added
         self.model = load_model(model, tokenizer)
         self.drafter = make_drafter(self.speculative, self.model)
         self.compiled = self._compile(self.spec)
@@ -112,10 +215,18 @@ class Generator(Generic[T]):
         self.report = check_schema(spec, self.backend, self.schema_mode)
         return spec
 
-    def _compile(self, spec: SchemaSpec | None) -> Any:
+    def _bound(self, spec: SchemaSpec | None, options: dict[str, Any]) -> tuple[Any, list[Any]]:
+        if spec is None:
+            return None, []
+        return bound_schema(spec, max_string_length=options.get("max_string_length", self.max_string_length),
+                            max_items=options.get("max_items", self.max_items))
+
+    def _compile(self, spec: SchemaSpec | None, options: dict[str, Any] | None = None) -> Any:
+        """Compile ``spec`` with the bounds of this Generator (or of ``options``)."""
         if spec is None:
             return None
-        return compile_spec(spec, self.model.tokenizer_data, backend=self.backend)
+        grammar_spec, _ = self._bound(spec, options or {})
+        return compile_spec(grammar_spec, self.model.tokenizer_data, backend=self.backend)
 
     @property
     def _lookahead(self) -> int:
@@ -129,8 +240,9 @@ class Generator(Generic[T]):
                  return_result: bool = False, **overrides: Any) -> Any:
         """Generate for one prompt (-> value) or a list of prompts (-> list, one batch).
 
-        ``overrides`` change sampling for this call: max_tokens, temperature, top_p, top_k, seed.
-        Errors are raised; for a list the first failing item's error is raised after the whole
+        ``overrides`` change this call's options: max_tokens, temperature, top_p, top_k, seed,
+        repetition_penalty, no_repeat_ngram_size, max_string_length, max_items, max_retries,
+        retry_temperature. Errors are raised; for a list the first failing item's error is raised after the whole
         batch ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
@@ -151,26 +263,55 @@ class Generator(Generic[T]):
         """Run ``prompts`` as one batch; per item a value / result, or the error it raised.
 
         ``schemas`` gives each prompt its own schema (compiled and cached per schema);
-        ``on_tokens(index, token_ids)`` streams tokens as they are accepted.
+        ``on_tokens(index, token_ids)`` streams tokens as they are accepted. With
+        ``max_retries``, the items that failed run again as one batch per retry.
         """
+        retries = _check_count(overrides.pop("max_retries", self.max_retries), "max_retries",
+                               minimum=0, allow_none=False)
+        retry_temperature = _check_retry_temperature(
+            overrides.pop("retry_temperature", self.retry_temperature))
+        if retries and on_tokens is not None:
+            raise ConfigError("cannot be combined with on_tokens streaming: the tokens of a failed "
+                              "attempt would already be streamed", option="max_retries")
         results: list[Any] = [None] * len(prompts)
-        requests: list[tuple[int, Request, SchemaSpec | None]] = []
-        for i, prompt in enumerate(prompts):
-            try:
-                cb = (lambda toks, i=i: on_tokens(i, toks)) if on_tokens else None
-                schema = schemas[i] if schemas is not None else _SAME
-                req, spec = self.make_request(prompt, schema=schema, on_tokens=cb, **overrides)
-                requests.append((i, req, spec))
-            except ConstrainedSpecError as e:
-                results[i] = e
-        self.new_engine().run([r for _, r, _ in requests])
-        for i, req, spec in requests:
-            results[i] = self.finalize(req, spec, return_result)
+        stats: list[SpecStats | None] = [None] * len(prompts)
+        todo = list(range(len(prompts)))
+        for attempt in range(retries + 1):
+            options = overrides if attempt == 0 else self._retry_options(overrides, attempt,
+                                                                          retry_temperature)
+            requests: list[tuple[int, Request, SchemaSpec | None]] = []
+            for i in todo:
+                try:
+                    cb = (lambda toks, i=i: on_tokens(i, toks)) if on_tokens else None
+                    schema = schemas[i] if schemas is not None else _SAME
+                    req, spec = self.make_request(prompts[i], schema=schema, on_tokens=cb, **options)
+                    requests.append((i, req, spec))
+                except ConstrainedSpecError as e:
+                    results[i] = e
+            self.new_engine().run([r for _, r, _ in requests])
+            for i, req, spec in requests:
+                results[i] = self.finalize(req, spec, return_result)
+                stats[i] = req.stats if stats[i] is None else stats[i].merge(req.stats)
+            todo = [i for i, _, _ in requests if isinstance(results[i], _RETRYABLE)]
+            if not todo:
+                break
+        if retries:
+            for item, st in zip(results, stats):
+                _record_attempts(item, st)
         if not return_exceptions:
             for item in results:
                 if isinstance(item, BaseException):
                     raise item
         return results
+
+    def _retry_options(self, overrides: dict[str, Any], attempt: int,
+                       temperature: float) -> dict[str, Any]:
+        """The options of retry ``attempt`` (>= 1): sampled, with a seed derived per attempt."""
+        merged = {**self.sampling.__dict__, **overrides}
+        seed = merged.get("seed")
+        return {**overrides,
+                "temperature": merged["temperature"] if merged["temperature"] > 0 else temperature,
+                "seed": (DEFAULT_RETRY_SEED if seed is None else seed) + attempt}
 
     # -- building blocks (also used by servers that run their own engine loop) --------------
     def make_request(self, prompt: str | Messages, *, schema: Any = _SAME,
@@ -181,13 +322,22 @@ class Generator(Generic[T]):
         ``schema`` defaults to the Generator's own (compiled once); another schema is
         normalised, checked and compiled here (compiles are cached). Raises
         :class:`ConstrainedSpecError` subclasses for bad input, before any compute.
+        ``overrides``: any :class:`SamplingParams` field, ``max_string_length``, ``max_items``.
         """
+        bounds = {k: overrides.pop(k) for k in _SPEC_OPTIONS if k in overrides}
+        unknown = sorted(set(overrides) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            known = sorted([*SamplingParams.__dataclass_fields__, *_SPEC_OPTIONS, *_CALL_OPTIONS])
+            raise ConfigError(f"unknown option {unknown[0]!r}; a call can set {', '.join(known)}",
+                              option=unknown[0])
         params = SamplingParams(**{**self.sampling.__dict__, **overrides})
-        if schema is _SAME:
+        _check_count(bounds.get("max_string_length"), "max_string_length", minimum=1, allow_none=True)
+        _check_count(bounds.get("max_items"), "max_items", minimum=1, allow_none=True)
+        if schema is _SAME and not bounds:
             spec, compiled = self.spec, self.compiled
         else:
-            spec = self._prepare_spec(schema)
-            compiled = self._compile(spec)
+            spec = self.spec if schema is _SAME else self._prepare_spec(schema)
+            compiled = self._compile(spec, bounds)
         ids = _encode_with_check(self.model, prompt, spec, self.system_prompt, params.max_tokens,
                                  self._lookahead)
         matcher = compiled.new_matcher() if compiled is not None else None
@@ -209,7 +359,7 @@ class Generator(Generic[T]):
         if req.finish_reason == "cancelled":
             return ConstrainedSpecError("the request was cancelled")
         if req.finish_reason != "stop":
-            return ConstrainedSpecError(f"generation failed: {req.error}")
+            return self._generation_error(req, text)
         try:
             value = parse_output(spec, text) if spec is not None else text
         except ConstrainedSpecError as e:
@@ -220,6 +370,28 @@ class Generator(Generic[T]):
             return GenerationResult(value=value, text=text, token_ids=list(req.output_ids),
                                     finish_reason=req.finish_reason, stats=req.stats)
         return value
+
+    @staticmethod
+    def _generation_error(req: Request, text: str) -> GenerationError:
+        """The typed error of a request that ended in "error", with its partial output."""
+        err = req.error
+        if not isinstance(err, GenerationError):  # set outside the engine's own guards
+            err = GenerationError.from_exception("engine", err, token_ids=req.output_ids,
+                                                 stats=req.stats)
+        err.partial_text = text
+        return err
+
+
+def _record_attempts(item: Any, stats: SpecStats | None) -> None:
+    """Put the summed stats of every attempt, and their number, on a result or error."""
+    if stats is None:
+        return
+    if isinstance(item, GenerationResult):
+        item.stats, item.attempts = stats, stats.attempts
+    elif isinstance(item, ConstrainedSpecError):
+        if hasattr(item, "stats"):
+            item.stats = stats
+        item.attempts = stats.attempts  # type: ignore[attr-defined]
 
 
 @overload

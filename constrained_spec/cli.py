@@ -34,6 +34,7 @@ from .dsl import dsl_to_schema, wrap_multi
 from .errors import (
     ConfigError,
     ConstrainedSpecError,
+    GenerationError,
     IncompleteOutputError,
     ModelLoadError,
     OutputValidationError,
@@ -589,7 +590,7 @@ def _read_batch_lines(path: str) -> list[str]:
 def error_record(exc: BaseException, line: int) -> dict[str, Any]:
     """The JSON record written for a failed ``--batch`` line."""
     error: dict[str, Any] = {"type": type(exc).__name__, "message": _one_line(str(exc)), "line": line}
-    if isinstance(exc, IncompleteOutputError):
+    if isinstance(exc, (IncompleteOutputError, GenerationError)) and exc.partial_text is not None:
         error["partial_text"] = exc.partial_text
     elif isinstance(exc, OutputValidationError):
         error["text"] = exc.text

@@ -17,6 +17,8 @@ METHODS: tuple[str, ...] = ("ngram", "eagle3", "mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 8
 # Chosen by measurement on the embedded model (benchmarks/RESULTS.md, "n-gram k sweep").
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+MAX_REPETITION_PENALTY = 10.0
+MAX_NO_REPEAT_NGRAM_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class SpeculativeConfig:
     num_speculative_tokens:
         Drafts proposed by ``method`` per step (1..8), after any forced tokens.
     model:
-        The drafter's weights where the method needs them (a path), ``None`` for the default.
+        The drafter's weights where the method needs them. For ``"draft_model"`` (required): a
+        smaller causal LM sharing the target's tokenizer, as a checkpoint folder, a ``.gguf``
+        file, a ``(transformers_model, tokenizer)`` pair or a ``LoadedModel``.
     forced:
         Propose the grammar's forced continuation as drafts (q = 1). On by default.
     max_forced_tokens:
@@ -40,7 +44,7 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod | None = "ngram"
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    model: str | None = None
+    model: Any = None  # a path, or for draft_model also (model, tokenizer) / LoadedModel
     forced: bool = True
     max_forced_tokens: int = 16
     prompt_lookup_max: int = 4
@@ -55,6 +59,10 @@ class SpeculativeConfig:
                 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
             raise ConfigError(f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}, got "
                               f"{self.num_speculative_tokens!r}", option="speculative.num_speculative_tokens")
+        if self.method == "draft_model" and self.model is None:
+            raise ConfigError("method 'draft_model' needs a draft model: a checkpoint folder, a "
+                              ".gguf file or a (model, tokenizer) pair sharing the target's "
+                              "tokenizer", option="speculative.model")
         if not isinstance(self.max_forced_tokens, int) or self.max_forced_tokens < 0:
             raise ConfigError("must be a non-negative integer", option="speculative.max_forced_tokens")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -92,13 +100,23 @@ def resolve_speculative(speculative: Any) -> SpeculativeConfig | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen; ``temperature == 0`` is greedy."""
+    """How tokens are chosen; ``temperature == 0`` is greedy.
+
+    ``repetition_penalty`` and ``no_repeat_ngram_size`` form the opt-in repetition guard
+    (``sampling.apply_repetition_guard``): they change the model's distribution, identically
+    at every verified position, so speculation stays exact for the modified distribution.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     max_tokens: int = 512
+    # > 1: the logits of tokens already in the output are divided (positive) or multiplied
+    # (negative) by it, as in transformers / CTRL; 1.0 = off
+    repetition_penalty: float = 1.0
+    # n > 0: a token that would repeat an n-gram already in the output is banned; 0 = off
+    no_repeat_ngram_size: int = 0
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
@@ -112,10 +130,24 @@ class SamplingParams:
             raise ConfigError(f"must be a positive integer, got {self.max_tokens!r}", option="max_tokens")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"must be an integer or None, got {self.seed!r}", option="seed")
+        if not _is_real(self.repetition_penalty) or not (
+                1.0 <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ConfigError(f"must be a number in [1, {MAX_REPETITION_PENALTY:g}] (1 = off; 1.1 to "
+                              f"1.3 is typical), got {self.repetition_penalty!r}",
+                              option="repetition_penalty")
+        n = self.no_repeat_ngram_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NO_REPEAT_NGRAM_SIZE:
+            raise ConfigError(f"must be an integer in 0..{MAX_NO_REPEAT_NGRAM_SIZE} (0 = off), got "
+                              f"{n!r}", option="no_repeat_ngram_size")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the repetition guard changes the distribution."""
+        return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
 
 
 def _is_real(x: Any) -> bool:

@@ -14,6 +14,12 @@ One step, for all running requests at once (DESIGN.md, "One decoding step"):
 
 Cache invariant: between steps the cache holds ``prompt + output[:-1]``; the last token
 (the *pending* token, the prompt's last token before the first step) is fed with the drafts.
+
+Faults stay with their request: an exception from one request's own work (its matcher while
+drafting or committing, the drafter on its proposal, its ``on_tokens`` callback) finishes that
+request alone with ``finish_reason == "error"`` and a :class:`GenerationError` naming the
+stage; one from the shared forward or verification finishes the requests of that step. The
+engine stays usable either way: finished requests' slots are freed by ``reap``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from constrained_spec.kernels import apply_bitmask, rejection_sample
 from .config import SamplingParams, SpeculativeConfig
 from .drafters.base import DraftState, Drafter, GrammarCursor
 from .drafters.forced import ForcedDrafter
-from .sampling import process_logits
+from .errors import GenerationError
+from .sampling import apply_repetition_guard, process_logits
 from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -89,6 +96,7 @@ class Engine:
         self.words = (self.vocab_size + 31) // 32
         self.running: list[Request] = []
         self._next_id = 0
+        self.failed_steps = 0  # steps whose shared forward / verification raised
 
     # -- admission ------------------------------------------------------------------------
     def add(self, reqs: Sequence[Request]) -> None:
@@ -101,16 +109,24 @@ class Engine:
             elif not req.params.greedy:
                 req.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
             req.slot = self.runner.new_slot()
-        # prefill in chunks of similar size: padding a short prompt to a long one wastes compute
-        order = sorted(reqs, key=lambda r: len(r.prompt_ids))
-        chunk: list[Request] = []
-        for req in order:
-            chunk.append(req)
-            if len(chunk) * len(req.prompt_ids) >= _PREFILL_TOKENS:
+        try:
+            # prefill in chunks of similar size: padding a short prompt to a long one wastes compute
+            order = sorted(reqs, key=lambda r: len(r.prompt_ids))
+            chunk: list[Request] = []
+            for req in order:
+                chunk.append(req)
+                if len(chunk) * len(req.prompt_ids) >= _PREFILL_TOKENS:
+                    self._prefill(chunk)
+                    chunk = []
+            if chunk:
                 self._prefill(chunk)
-                chunk = []
-        if chunk:
-            self._prefill(chunk)
+        except BaseException:
+            # all or nothing: a failed prefill admits none of them and leaks no cache slot
+            for req in reqs:
+                if req.slot >= 0:
+                    self.runner.free_slot(req.slot)
+                    req.slot = -1
+            raise
         for req in reqs:
             self.running.append(req)
             if req.matcher is not None and req.matcher.must_stop():
@@ -136,18 +152,36 @@ class Engine:
         while waiting or self.running:
             free = self.max_batch_size - len(self.running)
             if waiting and free > 0:
-                self.add(waiting[:free])
-                waiting = waiting[free:]
-            self.step()
+                admitted, waiting = waiting[:free], waiting[free:]
+                try:
+                    self.add(admitted)
+                except Exception as e:  # the batched prefill: add() admitted none of them
+                    logger.exception("prefill failed; ending its %d requests", len(admitted))
+                    for r in admitted:
+                        self._fail(r, "admit", e)
+                    done.extend(admitted)
+            try:
+                self.step()
+            except Exception as e:  # outside the per-request guards: end this step's requests
+                logger.exception("engine step failed; ending its %d requests", len(self.running))
+                self.failed_steps += 1
+                for r in self.running:
+                    if not r.finished:
+                        self._fail(r, "step", e)
             done.extend(r for r in self.running if r.finished)
             self.reap()
         return done
 
     def reap(self) -> None:
-        """Free the slots of finished requests and drop them from the running set."""
+        """Free the slots of finished requests (and their drafter's memory: a draft model's
+        cache slot) and drop them from the running set."""
+        release = getattr(self.drafter, "release", None)
         for r in self.running:
             if r.finished:
                 self.runner.free_slot(r.slot)
+                if release is not None and r.drafter_state is not None:
+                    release(r.drafter_state)
+                    r.drafter_state = None
         self.running = [r for r in self.running if not r.finished]
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -168,32 +202,48 @@ class Engine:
         max_rows = 1 + self.k + (self.forced.max_tokens if self.forced else 0)
         bitmask = torch.empty((len(reqs), max_rows, self.words), dtype=torch.int32)
         grammar_time = [0.0]
-        states = []
-        for i, r in enumerate(reqs):
-            budget = r.params.max_tokens - len(r.output_ids)  # drafts beyond it cannot be emitted
-            rows = bitmask[i, : min(max_rows, budget + 1) if budget >= 1 else 1]
-            states.append(DraftState(r.id, r.context(), GrammarCursor(r.matcher, rows, grammar_time),
-                                     r.params, r.generator, drafter_state=r.drafter_state))
         t0 = time.perf_counter()
-        self._draft(states)
-        num_rows = [s.cursor.finish() for s in states]
+        drafted = self._draft_each(reqs, bitmask, grammar_time)
         draft_time = time.perf_counter() - t0 - grammar_time[0]
-        # ---- 2. one target forward for everyone ---------------------------------------------
-        t0 = time.perf_counter()
-        logits = self.runner.forward([r.slot for r in reqs],
-                                     [[r.pending] + s.tokens for r, s in zip(reqs, states)],
-                                     num_rows)  # [sum(K_r + 1), V]
-        forward_time = time.perf_counter() - t0
-        # ---- 3. mask, sampling params, rejection sampling -----------------------------------
-        t0 = time.perf_counter()
-        result = self._verify(reqs, states, bitmask, num_rows, logits)
-        verify_time = time.perf_counter() - t0
+        if len(drafted) < len(reqs):  # a request whose own drafting failed has left the step
+            keep = [i for i, _, _ in drafted]
+            reqs, bitmask = [reqs[i] for i in keep], bitmask[keep]
+            if not reqs:
+                return
+        states = [s for _, s, _ in drafted]
+        num_rows = [n for _, _, n in drafted]
+        stage = "forward"
+        try:
+            # ---- 2. one target forward for everyone -----------------------------------------
+            t0 = time.perf_counter()
+            logits = self.runner.forward([r.slot for r in reqs],
+                                         [[r.pending] + s.tokens for r, s in zip(reqs, states)],
+                                         num_rows)  # [sum(K_r + 1), V]
+            forward_time = time.perf_counter() - t0
+            # ---- 3. mask, sampling params, rejection sampling -------------------------------
+            stage = "verify"
+            t0 = time.perf_counter()
+            result = self._verify(reqs, states, bitmask, num_rows, logits)
+            verify_time = time.perf_counter() - t0
+        except Exception as e:
+            # shared by every request of the step: none can go on (their slots are freed at
+            # the next reap; the runner's lengths only matter for requests that go on)
+            logger.exception("the batched %s failed; ending the %d requests of this step",
+                             stage, len(reqs))
+            self.failed_steps += 1
+            for r in reqs:
+                self._fail(r, stage, e)
+            return
         # ---- 4. commit --------------------------------------------------------------------
         t0 = time.perf_counter()
         for b, (r, s) in enumerate(zip(reqs, states)):
             n_acc = int(result.num_accepted[b])
             emitted = [int(t) for t in result.output_tokens[b, : n_acc + 1]]
-            self._commit(r, s, emitted, n_acc)
+            try:
+                self._commit(r, s, emitted, n_acc)
+            except Exception as e:  # its matcher: this request alone
+                logger.exception("request %s failed while committing tokens", r.id)
+                self._fail(r, "commit", e)
         commit_time = time.perf_counter() - t0
         total = time.perf_counter() - step_start
         for r, s in zip(reqs, states):
@@ -204,6 +254,58 @@ class Engine:
             st.target_forward_s += forward_time / len(reqs)
             st.verification_s += verify_time / len(reqs)
             st.step_s += total / len(reqs)
+
+    def _draft_each(self, reqs: Sequence[Request], bitmask: torch.Tensor,
+                    grammar_time: list[float]) -> list[tuple[int, DraftState, int]]:
+        """``(index in reqs, draft state, mask rows)`` of every request whose drafting worked.
+
+        Drafting runs batched. If it raises (a request's matcher, or the drafter), every
+        request drafts again on its own, from fresh forks of its matcher (the real matcher is
+        never touched while drafting), and only those that fail alone are failed. Drafts do
+        not change what is emitted (verification decides), so the retry changes no output;
+        only a sampled drafter's random draws differ from an undisturbed run.
+        """
+        max_rows = bitmask.shape[1]
+
+        def new_state(i: int, r: Request) -> DraftState:
+            budget = r.params.max_tokens - len(r.output_ids)  # drafts beyond it cannot be emitted
+            rows = bitmask[i, : min(max_rows, budget + 1) if budget >= 1 else 1]
+            cursor = GrammarCursor(r.matcher, rows, grammar_time, note_forced=r.params.guarded)
+            return DraftState(r.id, r.context(), cursor, r.params, r.generator,
+                              drafter_state=r.drafter_state, prompt_len=len(r.prompt_ids))
+
+        def draft(rs: Sequence[Request], states: list[DraftState]) -> None:
+            try:
+                self._draft(states)
+            finally:  # what a model drafter keeps per request (its cache slot) stays with it
+                for r, s in zip(rs, states):
+                    r.drafter_state = s.drafter_state
+
+        try:
+            states = [new_state(i, r) for i, r in enumerate(reqs)]
+            draft(reqs, states)
+            return [(i, s, s.cursor.finish()) for i, s in enumerate(states)]
+        except Exception:
+            if len(reqs) > 1:
+                logger.warning("drafting %d requests together failed; drafting them one by one",
+                               len(reqs), exc_info=True)
+        drafted = []
+        for i, r in enumerate(reqs):
+            try:
+                s = new_state(i, r)
+                draft([r], [s])
+                drafted.append((i, s, s.cursor.finish()))
+            except Exception as e:
+                logger.exception("request %s failed while drafting", r.id)
+                self._fail(r, "draft", e)
+        return drafted
+
+    def _fail(self, r: Request, stage: str, exc: BaseException) -> None:
+        """End ``r`` with a typed error (its slot is freed at the next reap); the tokens it
+        already emitted stay on the error. Overrides a finish reason set in the same step: the
+        consumer may not have received the last tokens."""
+        r.finish_reason = "error"
+        r.error = GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
 
     def _draft(self, states: list[DraftState]) -> None:
         """Forced tokens, then the model drafter; for drafters that can resume anywhere (n-gram),
@@ -232,6 +334,13 @@ class Engine:
         constrained = [s.cursor.constrained for s in states]
         if any(constrained):
             apply_bitmask(logits, flat_mask.to(dev), row_index.to(dev))
+        if any(r.params.guarded for r in reqs):
+            # each row with its own prefix (output + the drafts before it): as without speculation
+            logits = apply_repetition_guard(
+                logits, [r.output_ids + s.tokens for r, s in zip(reqs, states)],
+                [len(r.output_ids) for r in reqs], [r.params for r in reqs],
+                [[s.cursor.forced_rows.get(j, False) for j in range(n)]
+                 for s, n in zip(states, num_rows)])
         reps = torch.tensor(num_rows)
         temps = torch.repeat_interleave(torch.tensor([r.params.temperature for r in reqs]), reps)
         top_k = torch.repeat_interleave(torch.tensor([r.params.top_k for r in reqs]), reps)
@@ -284,14 +393,13 @@ class Engine:
                 break
             if tok < 0:
                 # no token is allowed here (all-masked row): the grammar reached a dead end
-                self._finish(r, "error")
-                r.error = RuntimeError("no token allowed by the grammar")
+                self._fail(r, "commit", RuntimeError("no token allowed by the grammar"))
                 break
             if r.matcher is not None:
                 if not r.matcher.accept(tok):
                     # cannot happen for a masked verifier; refuse loudly rather than emit garbage
-                    self._finish(r, "error")
-                    r.error = RuntimeError(f"token {tok} rejected by the grammar after verification")
+                    self._fail(r, "commit", RuntimeError(
+                        f"token {tok} rejected by the grammar after verification"))
                     break
             if tok in r.eos_token_ids and (r.matcher is None or r.matcher.is_terminated()):
                 self._finish(r, "stop")
@@ -306,6 +414,10 @@ class Engine:
         # (when fewer tokens were kept the request has finished and its cache no longer matters)
         self.runner.truncate(r.slot, start + 1 + n_acc)
         if kept and r.on_tokens is not None:
-            r.on_tokens(kept)
+            try:
+                r.on_tokens(kept)
+            except Exception as e:
+                logger.exception("the on_tokens callback of request %s failed", r.id)
+                self._fail(r, "callback", e)
         if not r.finished and len(r.output_ids) >= r.params.max_tokens:
             self._finish(r, "length")

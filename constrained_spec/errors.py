@@ -13,6 +13,8 @@ from typing import Any
 class ConstrainedSpecError(Exception):
     """Base class of every error raised by constrained_spec."""
 
+    attempts: int = 1  # generations run before this error was raised (``max_retries``)
+
 
 class SchemaError(ConstrainedSpecError, ValueError):
     """The schema cannot be enforced: malformed, unsupported keyword, or too slow to compile."""
@@ -57,6 +59,35 @@ class OutputValidationError(ConstrainedSpecError):
         self.errors = errors
         self.stats = stats
         super().__init__(message)
+
+
+class GenerationError(ConstrainedSpecError):
+    """A request failed while it was generated; the other requests of its batch went on.
+
+    ``stage`` says where: ``"draft"`` (its grammar matcher or the drafter, for this request),
+    ``"commit"`` (its matcher accepting the verified tokens), ``"callback"`` (its ``on_tokens``
+    callback), ``"forward"`` / ``"verify"`` (the shared batched target forward or verification:
+    every request of that step fails), ``"admit"`` (prefill). The original exception is
+    ``__cause__``; the output generated before the failure is on ``token_ids`` (and
+    ``partial_text`` once decoded).
+    """
+
+    def __init__(self, message: str, *, stage: str, token_ids: list[int] | None = None,
+                 partial_text: str | None = None, stats: Any = None) -> None:
+        self.stage = stage
+        self.token_ids = list(token_ids or [])
+        self.partial_text = partial_text
+        self.stats = stats
+        super().__init__(message)
+
+    @classmethod
+    def from_exception(cls, stage: str, exc: BaseException | None, *,
+                       token_ids: list[int] | None = None, stats: Any = None) -> GenerationError:
+        """The error for ``exc`` raised at ``stage`` (kept as ``__cause__``)."""
+        what = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        err = cls(f"generation failed ({stage}){what}", stage=stage, token_ids=token_ids, stats=stats)
+        err.__cause__ = exc
+        return err
 
 
 class ModelLoadError(ConstrainedSpecError):

@@ -136,6 +136,11 @@ class Runner:
     def length(self, slot: int) -> int:
         return self._lengths[slot]
 
+    @property
+    def slots_in_use(self) -> int:
+        """Slots handed out by `new_slot` and not freed yet."""
+        return len(self._lengths)
+
     def truncate(self, slot: int, length: int) -> None:
         if not 0 <= length <= self._lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self._lengths[slot]} to {length}")

@@ -21,9 +21,12 @@ are in the loop at once (running + waiting), so ``max_queue`` requests wait when
 is taken. ``submit`` refuses past that (all of a multi-request submit or none of it).
 
 Isolation: a request that fails to be admitted fails alone (the batch is admitted again one
-by one); a streaming consumer that went away cancels only its request. A step that raises
-cannot tell which request caused it, so it ends the requests of that step with
-``finish_reason == "error"`` and the loop keeps serving.
+by one); inside a step the engine fails only the request whose grammar, drafter or
+``on_tokens`` callback raised (a :class:`~constrained_spec.errors.GenerationError` on
+``Request.error``), and a failure of the shared target forward ends the requests of that
+step only; a streaming consumer that went away cancels only its request. A step that still
+raises (a bug) ends the requests of that step with ``finish_reason == "error"``; in every
+case the loop keeps serving, and finished requests' slots go back to the runner.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import Request
-from .errors import ConstrainedSpecError
+from .errors import ConstrainedSpecError, GenerationError
 from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -159,7 +162,8 @@ class Ticket:
 
     # -- engine thread side ---------------------------------------------------------------
     def _on_tokens(self, ids: list[int]) -> None:
-        # never raises: an exception here would end the whole engine step, neighbours included
+        # never raises, whatever engine runs it: a user callback that fails ends its own
+        # request ("error", as the Engine itself does), never the step of its neighbours
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self._owner.metrics._add_tokens(len(ids))
@@ -170,10 +174,10 @@ class Ticket:
         if self._user_callback is not None:
             try:
                 self._user_callback(ids)
-            except Exception:
-                logger.exception("on_tokens callback of request %s failed; cancelling it",
-                                 self.request.id)
-                self.request.cancelled = True
+            except Exception as e:
+                logger.exception("on_tokens callback of request %s failed", self.request.id)
+                r = self.request
+                r.finish_reason, r.error = "error", EngineLoop._error("callback", e, r)
 
     def _notify_finished(self) -> None:
         try:
@@ -269,6 +273,12 @@ class EngineLoop:
         """Requests admitted to the engine and not yet handed back."""
         return len(self._active)
 
+    @property
+    def slots_in_use(self) -> int | None:
+        """KV-cache slots the engine's runner holds (running requests; more means a leak);
+        None if the runner does not say."""
+        return getattr(getattr(self.engine, "runner", None), "slots_in_use", None)
+
     # -- handlers' side -------------------------------------------------------------------
     def submit(self, requests: Sequence[Request]) -> list[Ticket]:
         """Queue ``requests`` (from a coroutine); all are queued, or none and QueueFullError."""
@@ -352,7 +362,7 @@ class EngineLoop:
             except Exception as e:
                 logger.exception("request %s could not be admitted", r.id)
                 self._free_slot(r)
-                r.finish_reason, r.error = "error", e
+                r.finish_reason, r.error = "error", self._error("admit", e, r)
         self._check_admitted(reqs)
 
     def _check_admitted(self, reqs: list[Request]) -> None:
@@ -360,7 +370,12 @@ class EngineLoop:
         running = {id(r) for r in self.engine.running}
         for r in reqs:
             if not r.finished and id(r) not in running:
-                r.finish_reason, r.error = "error", RuntimeError("the engine did not admit the request")
+                r.finish_reason, r.error = "error", self._error(
+                    "admit", RuntimeError("the engine did not admit the request"), r)
+
+    @staticmethod
+    def _error(stage: str, exc: BaseException, r: Request) -> GenerationError:
+        return GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
 
     def _free_slot(self, r: Request) -> None:
         if r.slot >= 0:
@@ -369,17 +384,19 @@ class EngineLoop:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        failed_before = getattr(self.engine, "failed_steps", 0)
         failed = False
         try:
-            self.engine.step()
+            self.engine.step()  # fails a request alone where it can tell which one failed
         except Exception as e:
             failed = True
-            # the failing request cannot be told apart from its neighbours after a partial step
+            # a bug outside the engine's guards: the failing request cannot be told apart
             logger.exception("engine step failed; ending the %d requests of this step",
                              len(self.engine.running))
             for r in self.engine.running:
                 if not r.finished:
-                    r.finish_reason, r.error = "error", e
+                    r.finish_reason, r.error = "error", self._error("step", e, r)
+        failed = failed or getattr(self.engine, "failed_steps", 0) != failed_before
         self.metrics._add_step(time.perf_counter() - t0, failed=failed)
 
     def _reap(self) -> None:

@@ -56,6 +56,7 @@ from constrained_spec.config import METHODS
 from constrained_spec.errors import (
     ConfigError,
     ConstrainedSpecError,
+    GenerationError,
     IncompleteOutputError,
     OutputValidationError,
     PromptTooLongError,
@@ -107,6 +108,8 @@ def api_error(exc: BaseException, *, schema_param: str | None = "response_format
                         code="invalid_value")
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, GenerationError):  # this request alone failed; the server goes on
+        return APIError(500, str(exc), type="server_error", code="generation_failed")
     if isinstance(exc, OutputValidationError):
         return APIError(500, f"the output failed final validation: {exc}", type="server_error",
                         code="output_validation_failed")
@@ -747,6 +750,8 @@ def metrics_registry(server: Server) -> Any:
                                     "Generated tokens per second over the last 10 s",
                                     value=s["tokens_per_s"])
             yield CounterMetricFamily(p + "engine_steps", "Batched engine steps", value=s["steps"])
+            yield CounterMetricFamily(p + "engine_failed_steps", "Engine steps whose shared target "
+                                      "forward or verification failed", value=s["failed_steps"])
             yield CounterMetricFamily(p + "engine_step_seconds", "Time spent in engine steps",
                                       value=s["step_s"])
             yield CounterMetricFamily(p + "target_forwards", "Target forwards, counted per request "
@@ -769,6 +774,11 @@ def metrics_registry(server: Server) -> Any:
                                     value=server.loop.waiting)
             yield GaugeMetricFamily(p + "running_requests", "Requests in the running batch",
                                     value=server.loop.running)
+            slots = server.loop.slots_in_use
+            if slots is not None:
+                yield GaugeMetricFamily(p + "kv_slots_in_use", "KV-cache slots held by the model "
+                                        "runner (running requests; more would be a leak)",
+                                        value=slots)
             lat = HistogramMetricFamily(p + "request_latency_seconds", "Time from queueing to the "
                                         "end of generation")
             lat.add_metric([], [(str(b), n) for b, n in s["latency_buckets"]], s["latency_sum"])

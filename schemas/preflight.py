@@ -69,6 +69,8 @@ class PreflightReport:
 
     backend: str
     issues: list[PreflightIssue] = field(default_factory=list)
+    # keywords the grammar adds on request (max_string_length / max_items): `bounds.AddedBound`
+    added_bounds: list[Any] = field(default_factory=list)
 
     @property
     def unsupported(self) -> list[PreflightIssue]:
@@ -85,9 +87,9 @@ class PreflightReport:
 
     def format(self) -> str:
         """Human-readable: one line per issue (or one line saying all is enforced)."""
-        if not self.issues:
-            return f"{self.backend}: every keyword is enforced"
-        return "\n".join(issue.format() for issue in self.issues)
+        lines = [issue.format() for issue in self.issues] or [
+            f"{self.backend}: every keyword is enforced"]
+        return "\n".join(lines + [b.format() for b in self.added_bounds])
 
 
 # --------------------------------------------------------------------------------------------

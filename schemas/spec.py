@@ -51,15 +51,22 @@ class JsonLayout:
 
     The grammar allows exactly this layout (no free whitespace), so the model cannot wander off
     into runs of spaces and newlines, and outputs are byte-identical to
-    ``json.dumps(value, indent=indent, separators=separators, ensure_ascii=False)``.
+    ``json.dumps(value, indent=indent, separators=separators, ensure_ascii=False)``. The
+    grammar also ends where the JSON value ends: no trailing whitespace or newline can follow.
+
+    ``separators`` defaults as in ``json.dumps``: ``(", ", ": ")`` on one line, ``(",", ": ")``
+    when indented (no space before each newline).
     """
 
     indent: int | None = None
-    separators: tuple[str, str] = (", ", ": ")
+    separators: tuple[str, str] = None  # type: ignore[assignment]  # None -> json.dumps' default
 
     def __post_init__(self) -> None:
-        if self.indent is not None and (not isinstance(self.indent, int) or self.indent < 0):
+        if self.indent is not None and (isinstance(self.indent, bool) or not isinstance(self.indent, int)
+                                        or self.indent < 0):
             raise SchemaError(f"JsonLayout.indent must be None or a non-negative int, got {self.indent!r}")
+        if self.separators is None:
+            object.__setattr__(self, "separators", (", ", ": ") if self.indent is None else (",", ": "))
         seps = self.separators
         if (not isinstance(seps, tuple) or len(seps) != 2
                 or any(not isinstance(s, str) for s in seps)

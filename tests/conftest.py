@@ -24,6 +24,15 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def tiny_loaded():
+    """A LoadedModel over a tiny random Llama and a byte-level BPE: the public API and the
+    server on any text, milliseconds per token."""
+    from cs_testlib import tiny_loaded_model
+
+    return tiny_loaded_model()
+
+
+@pytest.fixture(scope="session")
 def embedded():
     """The embedded default model, loaded once for the whole session."""
     from constrained_spec.models import load_model

@@ -17,13 +17,14 @@ CHARS = ['<eos>', '{', '}', '"', ':', ',', ' ', '[', ']', 'a', 'b', 'c', 'd', 'e
          'l', 's', 'ab', '"a', '": ', 'xyz']
 
 
-def tiny_llama(vocab_size: int = len(CHARS) + 2, seed: int = 0, layers: int = 2):
+def tiny_llama(vocab_size: int = len(CHARS) + 2, seed: int = 0, layers: int = 2,
+               max_positions: int = 512):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False)
+                      max_position_embeddings=max_positions, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # sharpen the random distribution a little so greedy paths vary
         model.lm_head.weight.mul_(8.0)
@@ -35,3 +36,62 @@ def load_tasks() -> list[dict]:
     if not path.exists():
         pytest.skip(f"benchmark tasks not found at {path} (shared/bench is absent)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def byte_level_bpe():
+    """A tiny byte-level BPE tokenizer (the SmolLM2 / Llama-3 / Qwen family), built in memory:
+    the 256 byte symbols, three merges, ``<|endoftext|>`` = 0. Encodes any text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    merges = [("Ġ", "a"), ('"', ":"), ("{", '"')]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    model = tokenizers.models.BPE(vocab=vocab, merges=merges)
+    tk = tokenizers.Tokenizer(model)
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>")
+
+
+def tiny_loaded_model(seed: int = 0):
+    """A LoadedModel over a tiny random Llama and :func:`byte_level_bpe` (fp32, CPU): the whole
+    public API and the server run on it in milliseconds per token, on any prompt text."""
+    from constrained_spec.models import load_model
+
+    tok = byte_level_bpe()
+    model = tiny_llama(vocab_size=len(tok) + 2, seed=seed, max_positions=2048)
+    for cfg in (model.config, model.generation_config):  # Llama's default eos id 2 is a byte here
+        cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
+    return load_model((model, tok))
+
+
+def bigram_llama(table: torch.Tensor, max_positions: int = 2048):
+    """A Llama whose next-token logits depend on the last token alone: ``logits = table[last]``
+    (float [V, V]). Attention and MLP write nothing (zero output projections), the embeddings
+    are one-hot and the head reads the table, so loops can be built by construction."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    V = table.shape[0]
+    hidden = 64 * ((V + 63) // 64)  # one-hot embeddings need vocab_size <= hidden_size
+    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_positions, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = torch.zeros(V, hidden)
+        emb[torch.arange(V), torch.arange(V)] = 1.0
+        model.model.embed_tokens.weight.copy_(emb)
+        # rms_norm(one-hot) = sqrt(hidden) * one-hot, so head[y, x] = table[x, y] / sqrt(hidden)
+        head = torch.zeros(V, hidden)
+        head[:, :V] = table.T / hidden ** 0.5
+        model.lm_head.weight.copy_(head)
+    return model

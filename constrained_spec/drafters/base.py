@@ -23,7 +23,8 @@ import torch
 class GrammarCursor:
     """A throw-away fork of a matcher that records one bitmask row per visited position."""
 
-    def __init__(self, matcher: Any | None, rows: torch.Tensor, timer: list[float]) -> None:
+    def __init__(self, matcher: Any | None, rows: torch.Tensor, timer: list[float], *,
+                 note_forced: bool = False) -> None:
         # rows: int32 [max_rows, W], this request's slice of the step's bitmask buffer
         self._fork = matcher.fork() if matcher is not None else None
         self._rows = rows
@@ -31,6 +32,17 @@ class GrammarCursor:
         self._pos = 0  # drafts pushed so far
         self._timer = timer
         self._dead = False  # a push was refused: no position beyond this one is valid
+        # note_forced: record, per row, whether the grammar forces the continuation there (the
+        # repetition guard leaves such rows alone); forced_rows[i] is set when row i is filled
+        self._note_forced = note_forced and self._fork is not None
+        self.forced_rows: dict[int, bool] = {}
+        self._forced_cache: tuple[int, list[int]] | None = None
+        if self._fork is None:
+            # free text: every row allows everything. Filled now, not lazily: push() never
+            # reads a row here, and the verifier masks every row of a batch that mixes free
+            # text with schemas (an unfilled row is whatever the buffer held)
+            rows.fill_(-1)
+            self._filled = rows.shape[0] - 1
 
     @property
     def constrained(self) -> bool:
@@ -45,6 +57,8 @@ class GrammarCursor:
                 t0 = time.perf_counter()
                 self._fork.fill_bitmask(self._rows, self._pos)
                 self._timer[0] += time.perf_counter() - t0
+                if self._note_forced:
+                    self.forced_rows[self._pos] = bool(self.forced_tokens())
             self._filled = self._pos
         return self._rows[self._pos]
 
@@ -76,9 +90,12 @@ class GrammarCursor:
     def forced_tokens(self) -> list[int]:
         if self._fork is None:
             return []
+        if self._forced_cache is not None and self._forced_cache[0] == self._pos:
+            return self._forced_cache[1]
         t0 = time.perf_counter()
         out = self._fork.forced_tokens()
         self._timer[0] += time.perf_counter() - t0
+        self._forced_cache = (self._pos, out)
         return out
 
     def finish(self) -> int:
@@ -105,6 +122,7 @@ class DraftState:
     num_forced: int = 0
     forced_at: list[int] = field(default_factory=list)  # proposal positions that are forced tokens
     drafter_state: Any = None  # per-request memory a model drafter keeps between steps
+    prompt_len: int = 0  # context[prompt_len:] is the output so far
 
     def push(self, token: int, q: torch.Tensor | None = None) -> bool:
         if not self.cursor.push(token):
@@ -113,9 +131,39 @@ class DraftState:
         self.q.append(q)
         return True
 
+    def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a SAMPLING drafter draws its next draft from: its raw logits (float [V]) masked
+        by the grammar at this position, then the repetition guard and temperature / top-k /
+        top-p: the processing the verifier applies to the target's row there. q is
+        ``sampling.probs_from_logits`` of the result (pass it to :meth:`push`); greedy requests
+        take its argmax and push a point mass (q = None)."""
+        from constrained_spec.kernels import apply_bitmask
+
+        from ..sampling import apply_repetition_guard, process_logits
+
+        out = logits.float().clone()[None]  # [1, V]
+        row = self.cursor.row()
+        if self.cursor.constrained:
+            apply_bitmask(out, row[None].to(out.device))
+        prm = self.params
+        if prm.guarded:
+            history = self.context[self.prompt_len:] + self.tokens
+            exempt = [self.cursor.forced_rows.get(len(self.tokens), False)]
+            out = apply_repetition_guard(out, [history], [len(history)], [prm], [exempt])
+        out = process_logits(out, torch.tensor([float(prm.temperature)], device=out.device),
+                             torch.tensor([prm.top_k], device=out.device),
+                             torch.tensor([float(prm.top_p)], device=out.device))
+        return out[0]
+
 
 class Drafter(Protocol):
-    """A plug-in that proposes up to ``k`` drafts per request, continuing after forced ones."""
+    """A plug-in that proposes up to ``k`` drafts per request, continuing after forced ones.
+
+    Optional: ``resumable = True`` when it can continue any proposal (the engine then
+    alternates it with forced tokens); ``release(drafter_state)``, called when a request
+    finished, for a drafter that keeps per-request memory in ``DraftState.drafter_state``
+    (the engine keeps that value on the request between steps).
+    """
 
     name: str
 

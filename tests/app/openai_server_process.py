@@ -1,15 +1,22 @@
-"""Start ``examples/openai_server.py`` as a real process on a free loopback port (test helper)."""
+"""Start ``examples/openai_server.py`` on a free loopback port (test helpers): as a real process
+(:func:`start_server`, embedded model), or in this process on a model of the test's choosing
+(:func:`serve_in_thread`, e.g. the tiny Llama; the test can then reach into the server)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 
@@ -76,3 +83,43 @@ def start_server(*flags: str, timeout: float = 240.0) -> ServerProcess:
         if "address already in use" not in last_error.lower():
             break
     raise RuntimeError(f"the server did not start:\n{last_error}")
+
+
+def import_example() -> ModuleType:
+    """``examples/openai_server.py`` as a module (``examples`` is not a package); loaded once."""
+    name = "openai_server_example"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, timeout: float = 60.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; yields its base URL.
+
+    The socket is bound here and handed to uvicorn, so no other process can take the port
+    between choosing and binding it. The app's lifespan (the engine loop) runs inside.
+    """
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="uvicorn-test-server")
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()

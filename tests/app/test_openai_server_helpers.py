@@ -4,21 +4,15 @@ parsing, the error envelope and the key / size guard (milliseconds each)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+from openai_server_process import import_example
 
 from constrained_spec.errors import ConfigError, SchemaError
 from constrained_spec.serving import QueueFullError
 
-_PATH = Path(__file__).resolve().parents[2] / "examples" / "openai_server.py"
-_spec = importlib.util.spec_from_file_location("openai_server_example", _PATH)
-srv = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = srv
-_spec.loader.exec_module(srv)
+srv = import_example()
 
 VOCAB = ["Hello", " E", "N", "D", " more", "é"[:1], "\ufffd"]
 

@@ -19,6 +19,7 @@ from constrained_spec.schemas import Regex, normalize_schema
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
 from constrained_spec.engine import Engine, Request
+from constrained_spec.errors import GenerationError
 from constrained_spec.runner import LlamaRunner
 from constrained_spec.serving import EngineLoop, QueueFullError
 
@@ -217,7 +218,8 @@ def test_a_request_that_cannot_be_admitted_fails_alone():
         return [await t.wait() for t in tickets]
 
     (r1, bad, r2), _, engine = serve(body)
-    assert bad.finish_reason == "error" and isinstance(bad.error, ValueError)
+    assert bad.finish_reason == "error" and isinstance(bad.error, GenerationError)
+    assert bad.error.stage == "admit" and isinstance(bad.error.__cause__, ValueError)
     assert r1.finish_reason == r2.finish_reason == "length"
     assert engine.runner.slots == set()
 
@@ -235,7 +237,7 @@ def test_a_failing_step_keeps_the_loop_serving():
     assert loop.metrics.snapshot()["failed_steps"] == 1
 
 
-def test_a_failing_token_callback_cancels_only_its_request():
+def test_a_failing_token_callback_fails_only_its_request():
     async def body(loop, engine):
         bad = req(1, max_tokens=50)
         bad.on_tokens = lambda ids: 1 / 0
@@ -243,7 +245,8 @@ def test_a_failing_token_callback_cancels_only_its_request():
         return [await t.wait() for t in tickets]
 
     (bad, good), _, _ = serve(body)
-    assert bad.finish_reason == "cancelled"
+    assert bad.finish_reason == "error" and bad.error.stage == "callback"
+    assert isinstance(bad.error.__cause__, ZeroDivisionError)
     assert good.finish_reason == "length" and good.output_ids == [0, 1, 2, 3, 4]
 
 

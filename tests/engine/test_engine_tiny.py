@@ -185,3 +185,21 @@ def test_lean_runner_padded_rows_fit_at_cache_capacity_edge(tiny_model):
     lean.forward([a], [toks(235)], [1])  # a now ends 2 short of a capacity edge (256)
     out = lean.forward([b, a], [toks(9), [1]], [9, 1])
     assert out.shape[0] == 10 and torch.isfinite(out).all()
+
+
+def test_free_text_in_a_batch_with_schemas_is_unmasked(tiny_model, tiny_tok, monkeypatch):
+    """The verifier masks every row of a batch that holds any schema: a free-text request's
+    rows must allow everything, whatever the step's bitmask buffer held before."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=30)
+    free = ids(list("abababab"))
+    alone = run(tiny_model, tiny_tok, None, [free], params, spec)[0]
+    compiled = compile_spec(normalize_schema(Regex(r"(ab|c)+d{2,4}")), tiny_tok)
+    empty = torch.empty
+    # the buffer is allocated uninitialised: make that "whatever it held" all-disallowing
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).zero_())
+    eng = make_engine(tiny_model, spec)
+    mixed = Request(list(free), None, params, EOS)
+    eng.run([Request(ids(list("abab")), compiled.new_matcher(), params, EOS), mixed])
+    assert alone.stats.drafted_tokens > 0  # drafts were made: rows past the first were used
+    assert (mixed.output_ids, mixed.finish_reason) == (alone.output_ids, alone.finish_reason)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 from constrained_spec.grammar import TokenizerData, compile_spec
 from constrained_spec.schemas import JsonLayout, normalize_schema
+from cs_testlib import byte_level_bpe
 
 
 def test_from_tokens_basics_and_padding():
@@ -30,27 +30,8 @@ def test_from_tokens_rejects_bad_arguments():
         TokenizerData.from_tokens(["<eos>", "a"], 0, vocab_size=1)
 
 
-def _byte_level_bpe():
-    """A tiny byte-level BPE tokenizer (the SmolLM2 / Llama-3 / Qwen family), built in memory."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<|endoftext|>": 0}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    merges = [("Ġ", "a"), ('"', ":"), ("{", '"')]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    model = tokenizers.models.BPE(vocab=vocab, merges=merges)
-    tk = tokenizers.Tokenizer(model)
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = tokenizers.decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>")
-
-
 def test_from_hf_byte_level_bpe_decodes_bytes_for_both_backends():
-    hf = _byte_level_bpe()
+    hf = byte_level_bpe()
     tok = TokenizerData.from_hf(hf, vocab_size=len(hf) + 5)
     assert tok.eos_token_ids == (0,) and tok.vocab_size == len(hf) + 5
     assert tok.decoded[hf.convert_tokens_to_ids("Ġa")] == b" a"

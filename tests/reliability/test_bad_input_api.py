@@ -232,15 +232,29 @@ def test_recursive_schema_generates_or_reports_incomplete(embedded):
 def test_unavailable_speculative_method_is_a_config_error(embedded):
     with pytest.raises(ConfigError) as info:
         Generator(embedded, schema={"type": "string"},
-                  speculative=SpeculativeConfig(method="draft_model", model="/no/such/model"))
+                  speculative=SpeculativeConfig(method="eagle3", model="/no/such/model"))
     assert info.value.option == "speculative.method"
 
 
-@pytest.mark.skip(reason="SpeculativeConfig(method='draft_model') is not implemented yet "
-                         "(drafters.make_drafter raises ConfigError); the check that the draft "
-                         "model's tokenizer matches the target's belongs in that drafter")
-def test_draft_model_with_a_different_tokenizer_is_a_config_error():
-    pass
+@pytest.mark.model
+def test_missing_draft_model_is_a_config_error_naming_it(embedded):
+    with pytest.raises(ConfigError, match="/no/such/model") as info:
+        Generator(embedded, schema={"type": "string"},
+                  speculative=SpeculativeConfig(method="draft_model", model="/no/such/model"))
+    assert info.value.option == "speculative.model"
+    with pytest.raises(ConfigError) as info:
+        SpeculativeConfig(method="draft_model")  # no draft model: fails before any load
+    assert info.value.option == "speculative.model"
+
+
+@pytest.mark.model
+def test_draft_model_with_a_different_tokenizer_is_a_config_error(embedded, tiny_loaded):
+    # a tiny model with a byte-level BPE of 259 tokens drafting for SmolLM2 (49152 tokens)
+    with pytest.raises(ConfigError, match="does not share the target's tokenizer") as info:
+        Generator(embedded, schema={"type": "string"},
+                  speculative=SpeculativeConfig(method="draft_model", model=tiny_loaded))
+    assert info.value.option == "speculative.model"
+    assert "token id 1 is '<|im_start|>' for the target and '!' for the draft model" in str(info.value)
 
 
 def test_bad_schema_text_round_trip_keeps_json_pointer_escaping(no_model):

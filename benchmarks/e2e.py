@@ -1,0 +1,939 @@
+"""End-to-end benchmark against peers: same machine, same model file, same prompts, one run.
+
+Systems (each in its own persistent worker process, which loads its model once):
+
+* ``transformers+xgrammar``: ``model.generate`` with ``xgrammar.contrib.hf.LogitsProcessor``;
+* ``transformers+outlines``: ``outlines.Generator`` over ``outlines.from_transformers``;
+* ``llama.cpp``: llama-cpp-python on the GGUF itself, the task's JSON Schema as a GBNF grammar
+  (``LlamaGrammar.from_json_schema``; regex tasks through its pattern-to-GBNF converter, choices
+  as alternatives; ``\\d \\w \\s``, which that converter lacks, written as classes first). It
+  parses the grammar at the start of every request (inside the timed part; no compile column);
+* ``ours ...``: ``constrained_spec.Generator`` with speculation off, each drafter, and the
+  best combination (the table ``OURS_VARIANTS``; ``--ours-variant NAME=JSON`` adds rows with any
+  Generator keyword arguments).
+
+The model is the embedded SmolLM2-135M-Instruct GGUF: llama.cpp runs the Q4_1 file as is, the
+torch systems run its dequantised checkpoint (``constrained_spec.load_model``) in one dtype
+(``--dtype``; ``auto`` = what constrained_spec picks on this machine). Every system gets the same
+token ids: the task's prompt with the schema described in a system message by our prompt builder,
+through the tokenizer's chat template (systems that tokenize for themselves, outlines and ours,
+are checked to arrive at the same ids).
+Greedy decoding, the task's ``max_tokens``, ``--threads`` CPU threads in every system. A missing
+peer package skips that system with a note (``pip install -c constraints.txt -r
+benchmarks/requirements-peers.txt`` installs them all). Grammars use each peer's defaults
+(xgrammar and outlines allow their default JSON whitespace; ours writes compact JSON).
+
+For every task (and repeat) the systems run one after another, in an order rotated per task, so
+machine drift spreads evenly. Each request first compiles its grammar (cached per task in the
+worker: the ``compile`` column), then generates; the clock for tokens/s and time to first token
+starts after the compile. Definitions, per system:
+
+* **tokens**: output tokens, the end-of-sequence token not counted. Peers get
+  ``max_tokens + 1`` new tokens so the closing EOS fits (ours stops on the grammar's end
+  without one); one that has not emitted EOS within ``max_tokens`` content tokens did not finish.
+* **tokens/s**: tokens / wall time of the request (prefill included): median over requests with
+  [q1, q3], and over all requests (total tokens / total time). Ratios use the all-requests
+  figure, on the tasks both systems ran: to ``ours off`` and to the fastest peer. Loops at
+  ``max_tokens`` are fast for prompt-lookup drafting (it predicts a repetition well), so the
+  figure over the completed-valid requests only is given too.
+* **TTFT**: from the start of the request to the first emitted token (a transformers streamer,
+  llama.cpp's token generator, our ``on_tokens`` callback).
+* **acceptance length**: tokens emitted per target forward (1 for systems that do not
+  speculate). A variant with ``max_retries`` counts every attempt here and in its wall time (its
+  tokens are the returned output's), and has no TTFT (retries cannot stream).
+* **valid**: the output text passes an independent check here (JSON tasks: ``json.loads`` +
+  jsonschema with format checking; regex tasks: ``re.fullmatch``; choice tasks: membership).
+* **completed valid**: finished before ``max_tokens`` and valid.
+* **loop**: did not finish within ``max_tokens`` and the text ends in a repetition: for some
+  period ``p <= 64`` the last ``max(3 * p, 24)`` characters are ``p``-periodic (the output ends in
+  at least three copies of a block of up to 64 characters), as written or after every run of
+  digits is replaced by ``0`` (so counters such as ``"id": 7}, {"id": 8`` repeat too).
+* **verbatim fields** (extraction tasks only, ``speculation.EXTRACTION``): of the leaf string
+  and number values of every output that parses as JSON, the share found verbatim in the task's
+  prompt (strings: non-empty substrings; numbers: equal to a number written in the prompt).
+* **peak RSS**: the worker process's ``ru_maxrss`` at the end (model load included).
+
+    python benchmarks/e2e.py --limit 3                       # quick look, prints the tables
+    python benchmarks/e2e.py --out benchmarks/RESULTS.md --out-json e2e.json   # the full run
+    python benchmarks/e2e.py --systems "ours off,ours forced+ngram,ours k=8" \\
+        --ours-variant 'ours k=8={"speculative": {"method": "ngram", "num_speculative_tokens": 8}}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import select
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (not a package)
+from _results import write_section  # noqa: E402 (after the sys.path line)
+
+RESULTS_HEADING = "## End-to-end against peers"
+PEERS = ("transformers+xgrammar", "transformers+outlines", "llama.cpp")
+BASELINE = "ours off"  # system (d): our engine without speculation
+#: Our rows: name -> ``constrained_spec.Generator`` keyword arguments, as JSON values
+#: (``speculative`` takes what ``--speculative-config`` takes, or false). The modes of
+#: speculation.py; forced+ngram is the best combination (and the default).
+OURS_VARIANTS: dict[str, dict[str, Any]] = {
+    "ours off": {"speculative": False},
+    "ours forced": {"speculative": {"method": None}},
+    "ours ngram": {"speculative": {"method": "ngram", "forced": False}},
+    "ours forced+ngram": {"speculative": {"method": "ngram"}},
+}
+PACKAGES = ("constrained_spec", "torch", "transformers", "tokenizers", "xgrammar", "outlines",
+            "outlines_core", "llama_cpp_python", "jsonschema", "numpy", "matplotlib")
+LOOP_MAX_PERIOD, LOOP_MIN_SPAN, LOOP_COPIES = 64, 24, 3
+
+
+def _speculation() -> Any:
+    """benchmarks/speculation.py: the task set, its extraction ids, ``task_schema``. Imported
+    lazily: it imports torch, which the llama.cpp worker must not carry (peak RSS)."""
+    import speculation
+
+    return speculation
+
+
+# --- checks on one output (pure; tested in tests/test_benchmark_e2e.py) ---------------------
+def check_output(task: dict, text: str) -> bool:
+    """Whether ``text`` is a valid answer for ``task``, checked independently of any system."""
+    if task["kind"] == "regex":
+        return re.fullmatch(task["regex"], text) is not None
+    if task["kind"] == "choice":
+        return text in task["choices"]
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    cls = jsonschema.validators.validator_for(task["schema"])
+    return cls(task["schema"], format_checker=cls.FORMAT_CHECKER).is_valid(value)
+
+
+def ends_in_loop(text: str, *, max_period: int = LOOP_MAX_PERIOD, min_span: int = LOOP_MIN_SPAN,
+                 copies: int = LOOP_COPIES) -> bool:
+    """Whether ``text`` ends in a repetition (the module docstring's definition of a loop)."""
+    for s in (text, re.sub(r"\d+", "0", text)):
+        for p in range(1, max_period + 1):
+            span = max(copies * p, min_span)
+            if len(s) < span:
+                break
+            tail = s[-span:]
+            if tail[:-p] == tail[p:]:
+                return True
+    return False
+
+
+def leaf_values(value: Any) -> Iterator[str | int | float]:
+    """The non-empty strings and the numbers (not booleans) inside a JSON value."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaf_values(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from leaf_values(v)
+    elif isinstance(value, str):
+        if value:
+            yield value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield value
+
+
+def verbatim_fields(value: Any, prompt: str) -> tuple[int, int]:
+    """(leaf values found verbatim in ``prompt``, leaf values) of a JSON value."""
+    numbers = {float(m) for m in re.findall(r"(?<![\d.])-?\d+(?:\.\d+)?", prompt)}
+    hits = total = 0
+    for leaf in leaf_values(value):
+        total += 1
+        hits += (leaf in prompt) if isinstance(leaf, str) else (float(leaf) in numbers)
+    return hits, total
+
+
+_SHORTHANDS = {"d": ("[0-9]", "0-9"), "w": ("[A-Za-z0-9_]", "A-Za-z0-9_"),
+               "s": ("[ \\t\\n\\r\\x0b\\x0c]", " \\t\\n\\r\\x0b\\x0c")}  # (outside a class, inside one)
+
+
+def expand_shorthands(regex: str) -> str:
+    """``\\d``, ``\\w``, ``\\s`` written as explicit classes (their ASCII meaning).
+
+    llama-cpp-python's regex-to-GBNF converter (a Python port of llama.cpp's) reads ``\\d`` as
+    an escaped literal ``d``; without this, patterns with shorthands fail or mean something else.
+    """
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            out.append(_SHORTHANDS[nxt][in_class] if nxt in _SHORTHANDS else regex[i:i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+        elif c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def expand_shorthands_in_patterns(schema: Any) -> Any:
+    """A copy of a JSON Schema with :func:`expand_shorthands` applied to every ``pattern``."""
+    if isinstance(schema, dict):
+        return {k: expand_shorthands(v) if k == "pattern" and isinstance(v, str)
+                else expand_shorthands_in_patterns(v) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [expand_shorthands_in_patterns(v) for v in schema]
+    return schema
+
+
+def evaluate(task: dict, record: dict) -> dict:
+    """The per-output measures of one record: valid, completed valid, loop, verbatim fields."""
+    text, finished = record["text"], record["finished"]
+    valid = check_output(task, text)
+    out = dict(valid=valid, completed_valid=finished and valid,
+               loop=not finished and ends_in_loop(text), verbatim=None)
+    if task["id"] in _speculation().EXTRACTION and task["kind"] == "json_schema":
+        try:
+            out["verbatim"] = verbatim_fields(json.loads(text), task["prompt"])
+        except ValueError:
+            pass
+    return out
+
+
+# --- summary and rendering (pure) ------------------------------------------------------------
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def _all_tok_s(rs: list[dict]) -> float:
+    wall = sum(r["wall_s"] for r in rs)
+    return sum(r["tokens"] for r in rs) / wall if wall > 0 else 0.0
+
+
+def summarize(records: list[dict], systems: list[str]) -> dict[str, dict]:
+    """Per system: the table's figures over its finished requests (records with ``text``).
+
+    ``records`` carry ``system``, ``task``, ``tokens``, ``wall_s``, ``ttft_s``, ``compile_s``,
+    ``forwards`` and the fields of :func:`evaluate`; skipped or failed requests carry ``error``.
+    """
+    out: dict[str, dict] = {}
+    by_sys = {s: [r for r in records if r["system"] == s and "error" not in r] for s in systems}
+    peers = [s for s in systems if s in PEERS and by_sys[s]]
+    for s in systems:
+        rs = by_sys[s]
+        if not rs:
+            continue
+        per = [r["tokens"] / r["wall_s"] for r in rs if r["wall_s"] > 0]
+        ttft = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+        verb = [r["verbatim"] for r in rs if r.get("verbatim")]
+        forwards = sum(r["forwards"] for r in rs)
+        emitted = sum(r.get("emitted", r["tokens"]) for r in rs)
+        ok = [r for r in rs if r["completed_valid"]]
+        row = dict(n=len(rs), tok_s=_all_tok_s(rs), tok_s_q=_quartiles(per) if per else (0, 0, 0),
+                   tok_s_ok=_all_tok_s(ok) if ok else None,
+                   ttft_ms=1000 * statistics.median(ttft) if ttft else None,
+                   acc_len=emitted / forwards if forwards else None,
+                   valid=_share(rs, "valid"), completed_valid=_share(rs, "completed_valid"),
+                   loop=_share(rs, "loop"), wall_s=sum(r["wall_s"] for r in rs),
+                   verbatim=(sum(h for h, _ in verb) / sum(t for _, t in verb)
+                             if sum(t for _, t in verb) else None),
+                   verbatim_n=sum(t for _, t in verb),
+                   compile_ms=1000 * statistics.median(r["compile_s"] for r in rs))
+        row["vs_baseline"] = _ratio(by_sys, s, BASELINE)
+        best = max(peers, key=lambda p: _all_tok_s(by_sys[p]), default=None)
+        row["vs_best_peer"] = _ratio(by_sys, s, best) if best else None
+        row["best_peer"] = best
+        out[s] = row
+    return out
+
+
+def _share(rs: list[dict], key: str) -> float:
+    return sum(bool(r[key]) for r in rs) / len(rs)
+
+
+def _ratio(by_sys: dict[str, list[dict]], s: str, ref: str | None) -> float | None:
+    """tokens/s of ``s`` over ``ref``'s, on the (task, repeat) pairs both ran."""
+    if not ref or not by_sys.get(ref) or not by_sys.get(s):
+        return None
+    keys = {(r["task"], r["rep"]) for r in by_sys[s]} & {(r["task"], r["rep"]) for r in by_sys[ref]}
+    mine = [r for r in by_sys[s] if (r["task"], r["rep"]) in keys]
+    theirs = [r for r in by_sys[ref] if (r["task"], r["rep"]) in keys]
+    base = _all_tok_s(theirs)
+    return _all_tok_s(mine) / base if mine and base else None
+
+
+def render_table(summary: dict[str, dict], peak_rss_mb: dict[str, float | None]) -> str:
+    """The markdown table of :func:`summarize`'s figures, one row per system."""
+    def pct(x: float | None) -> str:
+        return "—" if x is None else f"{100 * x:.0f}%"
+
+    def num(x: float | None, fmt: str, suffix: str = "") -> str:
+        return "—" if x is None else f"{x:{fmt}}{suffix}"
+
+    head = ["system", "tokens/s median [q1, q3]", "tokens/s (all)", "tokens/s (completed valid)",
+            f"vs {BASELINE}",
+            "vs best peer", "TTFT median ms", "acceptance length", "valid", "completed valid",
+            "loop", "verbatim fields (extraction)", "peak RSS MB", "compile median ms",
+            "wall s", "requests"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for s, r in summary.items():
+        q1, med, q3 = r["tok_s_q"]
+        verbatim = "—" if r["verbatim"] is None else f"{pct(r['verbatim'])} of {r['verbatim_n']}"
+        lines.append("| " + " | ".join([
+            s, f"{med:.1f} [{q1:.1f}, {q3:.1f}]", f"{r['tok_s']:.1f}", num(r["tok_s_ok"], ".1f"),
+            num(r["vs_baseline"], ".2f", "x"), num(r["vs_best_peer"], ".2f", "x"),
+            num(r["ttft_ms"], ".0f"), num(r["acc_len"], ".2f"), pct(r["valid"]),
+            pct(r["completed_valid"]), pct(r["loop"]), verbatim,
+            num(peak_rss_mb.get(s), ".0f"), num(r["compile_ms"], ".1f"), f"{r['wall_s']:.1f}",
+            str(r["n"])]) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, dict], path: Path, title: str) -> None:
+    """Tokens/s per system (median, [q1, q3] bars, all-requests dot) and completion rates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    ys = range(len(names))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(names) + 1.8), sharey=True)
+    med = [summary[s]["tok_s_q"][1] for s in names]
+    err = [[m - summary[s]["tok_s_q"][0] for s, m in zip(names, med)],
+           [summary[s]["tok_s_q"][2] - m for s, m in zip(names, med)]]
+    colors = ["tab:gray" if s in PEERS else "tab:blue" for s in names]
+    ax1.barh(ys, med, xerr=err, color=colors, capsize=3)
+    ax1.plot([summary[s]["tok_s"] for s in names], ys, "D", color="tab:orange", markersize=5,
+             label="all requests (total tokens / total time)")
+    for y, m in zip(ys, med):
+        ax1.annotate(f"{m:.1f}", (0, y), xytext=(3, 0), textcoords="offset points", va="center",
+                     fontsize=8, color="white")
+    ax1.set_yticks(list(ys), names)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("tokens/s (bar: median, whiskers: q1-q3)")
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=8, frameon=False)
+    cv = [100 * summary[s]["completed_valid"] for s in names]
+    lp = [100 * summary[s]["loop"] for s in names]
+    ax2.barh(ys, cv, color="tab:green", label="completed valid")
+    ax2.barh(ys, lp, left=cv, color="tab:red", label="loop at max_tokens")
+    ax2.barh(ys, [100 - a - b for a, b in zip(cv, lp)], left=[a + b for a, b in zip(cv, lp)],
+             color="lightgray", label="other (invalid, or incomplete without a loop)")
+    ax2.set_xlim(0, 100)
+    ax2.set_xlabel("% of requests")
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# --- the machine -----------------------------------------------------------------------------
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, IndexError, ValueError):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return (f"{cpu}, {cores} cores available ({os.cpu_count()} CPUs){mem}, {platform.system()} "
+            f"{platform.machine()}; load average before the run {load}")
+
+
+def versions() -> str:
+    out = [f"python {platform.python_version()}"]
+    for name in PACKAGES:
+        try:
+            out.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return ", ".join(out)
+
+
+# --- workers: one process per system ---------------------------------------------------------
+class Skip(Exception):
+    """This system (or this task for it) cannot run here; the message says why."""
+
+
+class _Clock:
+    """Collects generated ids and the time of the first one (a transformers streamer)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.ids: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate() hands the prompt to the streamer first
+            self._prompt_seen = True
+            return
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.ids.extend(int(x) for x in value.reshape(-1).tolist())
+
+    def add(self, ids: Iterable[int]) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.ids.extend(ids)
+
+    def end(self) -> None:
+        pass
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    """``root ::= "a" | "b"``: valid EBNF for xgrammar and GBNF for llama.cpp (JSON escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class _System:
+    """A worker's system: ``prepare(task)`` compiles (cached per task), ``generate`` runs it."""
+
+    eos: set[int]
+    dtype: str  # the weights' dtype as run
+
+    def prepare(self, task: dict) -> Any:
+        raise NotImplementedError
+
+    def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
+        """Generate into ``clock``; returns extra fields (``forwards``, ``finished``, ...)."""
+        raise NotImplementedError
+
+
+def _load_torch_model(dtype: str, threads: int) -> Any:
+    import torch
+
+    from constrained_spec import load_model
+
+    torch.set_num_threads(threads)
+    return load_model(None, dtype=dtype, quiet=True)
+
+
+class _HFSystem(_System):
+    """transformers ``generate``, greedy, with a logits processor from a grammar library."""
+
+    def __init__(self, dtype: str, threads: int) -> None:
+        self.loaded = _load_torch_model(dtype, threads)
+        self.model, self.tok = self.loaded.model, self.loaded.tokenizer
+        self.eos = set(self.loaded.eos_token_ids)
+        self.dtype = str(self.loaded.dtype).removeprefix("torch.")
+
+    def processor(self, prepared: Any) -> Any:
+        raise NotImplementedError
+
+    def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
+        import torch
+
+        ids = torch.tensor([prompt["ids"]])
+        eos = sorted(self.eos)
+        self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            logits_processor=[self.processor(prepared)], streamer=clock,
+                            do_sample=False, num_beams=1, max_new_tokens=task["max_tokens"] + 1,
+                            eos_token_id=eos, pad_token_id=eos[0])
+        return {}
+
+
+class XgrammarHF(_HFSystem):
+    def __init__(self, dtype: str, threads: int) -> None:
+        super().__init__(dtype, threads)
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(self.tok, vocab_size=self.loaded.vocab_size)
+        self.compiler = xgr.GrammarCompiler(info)
+
+    def prepare(self, task: dict) -> Any:
+        if task["kind"] == "json_schema":
+            return self.compiler.compile_json_schema(json.dumps(task["schema"]))
+        if task["kind"] == "regex":
+            return self.compiler.compile_regex(task["regex"])
+        return self.compiler.compile_grammar(_choice_ebnf(task["choices"]))
+
+    def processor(self, prepared: Any) -> Any:
+        import xgrammar.contrib.hf
+
+        return xgrammar.contrib.hf.LogitsProcessor(prepared)  # one per generate() call
+
+
+class OutlinesHF(_HFSystem):
+    def __init__(self, dtype: str, threads: int) -> None:
+        super().__init__(dtype, threads)
+        try:
+            import outlines
+        except ImportError as e:
+            raise Skip(f"outlines is not installed ({e}); see benchmarks/requirements-peers.txt") from e
+        self.outlines = outlines
+        self.om = outlines.from_transformers(self.model, self.tok)
+
+    def prepare(self, task: dict) -> Any:
+        from typing import Literal
+
+        types = self.outlines.types
+        if task["kind"] == "json_schema":
+            output_type: Any = types.JsonSchema(json.dumps(task["schema"]))
+        elif task["kind"] == "regex":
+            output_type = types.Regex(task["regex"])
+        else:
+            output_type = Literal[tuple(task["choices"])]
+        return self.outlines.Generator(self.om, output_type)
+
+    def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
+        from outlines.inputs import Chat
+
+        # outlines applies the chat template and tokenizes itself: the same ids, checked here
+        mine = self.om.tokenizer.encode(self.om.type_adapter.format_input(Chat(prompt["messages"])))
+        if mine[0][0].tolist() != prompt["ids"]:
+            raise RuntimeError("outlines tokenized the prompt differently")
+        eos = sorted(self.eos)
+        prepared(Chat(prompt["messages"]), max_new_tokens=task["max_tokens"] + 1, do_sample=False,
+                 num_beams=1, streamer=clock, eos_token_id=eos, pad_token_id=eos[0])
+        return {}
+
+
+class LlamaCpp(_System):
+    """llama-cpp-python on the GGUF, greedy, fed the same token ids; one token at a time."""
+
+    def __init__(self, gguf: str, threads: int) -> None:
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise Skip(f"llama-cpp-python is not installed ({e}); see "
+                       "benchmarks/requirements-peers.txt") from e
+        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=4096,
+                                   n_threads=threads, n_threads_batch=threads, seed=0,
+                                   verbose=False)
+        self.eos = {int(self.llm.token_eos())}
+        self.dtype = "Q4_1 (the GGUF)"
+
+    def prepare(self, task: dict) -> Any:
+        from llama_cpp.llama_grammar import LlamaGrammar
+
+        if task["kind"] == "json_schema":
+            schema = expand_shorthands_in_patterns(task["schema"])
+            return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        if task["kind"] == "choice":
+            return LlamaGrammar.from_string(_choice_ebnf(task["choices"]), verbose=False)
+        return LlamaGrammar.from_string(self._regex_gbnf(expand_shorthands(task["regex"])),
+                                        verbose=False)
+
+    def _regex_gbnf(self, regex: str) -> str:
+        """llama.cpp's own regex-to-GBNF conversion (its JSON Schema converter, unquoted)."""
+        from llama_cpp import llama_grammar
+
+        conv = getattr(llama_grammar, "SchemaConverter", None)
+        if conv is None:
+            raise Skip("this llama-cpp-python has no regex-to-GBNF converter")
+        try:
+            c = conv(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=True)
+        except TypeError as e:
+            raise Skip(f"this llama-cpp-python cannot convert raw regexes ({e})") from e
+        c.visit({"type": "string", "pattern": f"^{regex}$"}, "")
+        return c.format_grammar()
+
+    def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
+        self.llm.reset()  # no prefix reuse from the previous request: every system prefills
+        n = 0
+        for tok in self.llm.generate(prompt["ids"], temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                     repeat_penalty=1.0, grammar=prepared):
+            clock.add([int(tok)])
+            n += 1
+            if int(tok) in self.eos or n >= task["max_tokens"] + 1:
+                break
+        return {}
+
+
+class Ours(_System):
+    def __init__(self, dtype: str, threads: int, kwargs: dict) -> None:
+        from constrained_spec import Generator
+
+        self.gen = Generator(_load_torch_model(dtype, threads), **kwargs)
+        self.eos = set()
+        self.dtype = str(self.gen.model.dtype).removeprefix("torch.")
+
+    def prepare(self, task: dict) -> Any:
+        schema = _speculation().task_schema(task)
+        self.gen.make_request("warm the compile cache", schema=schema)  # compiles, cached
+        return schema
+
+    def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
+        from constrained_spec import GenerationResult, IncompleteOutputError, OutputValidationError
+
+        # streaming (for TTFT) cannot be combined with retries: then there is no TTFT
+        stream = {} if getattr(self.gen, "max_retries", 0) else {"on_tokens": lambda i, t: clock.add(t)}
+        res = self.gen.batch([prompt["messages"]], schemas=[prepared], return_result=True,
+                             max_tokens=task["max_tokens"], **stream)[0]
+        if isinstance(res, GenerationResult):
+            finished, text, ids = True, res.text, res.token_ids
+        elif isinstance(res, IncompleteOutputError):
+            finished, text, ids = False, res.partial_text, res.token_ids
+        elif isinstance(res, OutputValidationError):  # completed, and invalid
+            finished, text, ids = True, res.text, None
+        else:
+            raise res
+        stats = getattr(res, "stats", None)
+        if stats is not None and stats.prompt_tokens and stats.prompt_tokens != len(prompt["ids"]):
+            raise RuntimeError(f"our prompt has {stats.prompt_tokens} tokens, not {len(prompt['ids'])}")
+        tokens = len(ids) if ids else len(self.gen.model.tokenizer.encode(text, add_special_tokens=False))
+        return dict(finished=finished, text=text, tokens=tokens,
+                    emitted=stats.emitted_tokens if stats else tokens,
+                    forwards=stats.target_forwards if stats else None,
+                    attempts=getattr(res, "attempts", 1))
+
+
+def _make_system(spec: dict) -> _System:
+    name, threads, dtype = spec["name"], spec["threads"], spec["dtype"]
+    if name == "transformers+xgrammar":
+        return XgrammarHF(dtype, threads)
+    if name == "transformers+outlines":
+        return OutlinesHF(dtype, threads)
+    if name == "llama.cpp":
+        return LlamaCpp(spec["gguf"], threads)
+    return Ours(dtype, threads, spec["kwargs"])
+
+
+def _request(system: _System, cache: dict, msg: dict) -> dict:
+    task, prompt = msg["task"], msg["prompt"]
+    t0 = time.perf_counter()
+    if task["id"] not in cache:
+        cache[task["id"]] = system.prepare(task)
+    compile_s = time.perf_counter() - t0
+    clock = _Clock()
+    t1 = time.perf_counter()
+    extra = system.generate(task, prompt, cache[task["id"]], clock)
+    wall = time.perf_counter() - t1
+    if "text" not in extra:  # peers: finished iff EOS came within max_tokens content tokens
+        ids = list(clock.ids)
+        finished = bool(ids) and ids[-1] in system.eos and len(ids) - 1 <= task["max_tokens"]
+        ids = ids[:-1] if finished else ids[: task["max_tokens"]]
+        extra.update(finished=finished, tokens=len(ids), text=_decode(system, ids))
+    extra.setdefault("emitted", extra["tokens"])  # tokens of every attempt
+    if not extra.get("forwards"):
+        extra["forwards"] = extra["emitted"]  # one forward per token without speculation
+    return dict(extra, wall_s=wall, compile_s=compile_s, prompt_tokens=len(prompt["ids"]),
+                ttft_s=None if clock.first is None else clock.first - t1)
+
+
+def _decode(system: _System, ids: list[int]) -> str:
+    if isinstance(system, LlamaCpp):
+        return system.llm.detokenize(ids).decode("utf-8", errors="replace")
+    return system.tok.decode(ids)
+
+
+def worker_main(spec: dict) -> None:
+    """Serve one system over stdin/stdout JSON lines (stdout proper goes to stderr)."""
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code leaves a traceback in the worker's log
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # library prints must not corrupt the protocol
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    def send(obj: dict) -> None:
+        proto.write(json.dumps(obj) + "\n")
+
+    t0 = time.perf_counter()
+    try:
+        system = _make_system(spec)
+    except Skip as e:
+        send({"skip": str(e)})
+        return
+    except Exception as e:  # a peer that fails to load is skipped with the reason, not fatal
+        traceback.print_exc()
+        send({"skip": f"failed to load: {type(e).__name__}: {e}"})
+        return
+    send({"ready": True, "load_s": time.perf_counter() - t0, "dtype": system.dtype})
+    cache: dict[str, Any] = {}
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["op"] == "exit":
+            send({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+            return
+        try:
+            send(_request(system, cache, msg))
+        except Skip as e:
+            send({"error": str(e), "skipped": True})
+        except Exception as e:
+            traceback.print_exc()
+            send({"error": f"{type(e).__name__}: {e}"})
+
+
+class Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, spec: dict, log_dir: Path, timeout_s: float) -> None:
+        self.name, self.timeout_s = spec["name"], timeout_s
+        self.log = log_dir / (re.sub(r"[^\w.+-]+", "_", self.name) + ".log")
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
+               "MKL_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
+        self._log_file = open(self.log, "w")  # noqa: SIM115 (the worker's lifetime)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
+        self.dead: str | None = None
+        self.peak_rss_mb: float | None = None
+
+    def call(self, msg: dict | None, timeout_s: float | None = None) -> dict:
+        if self.dead:
+            return {"error": self.dead, "skipped": True}
+        try:
+            if msg is not None:
+                self.proc.stdin.write(json.dumps(msg) + "\n")
+                self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s or self.timeout_s)
+            line = self.proc.stdout.readline() if ready else None
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self.dead = ("timed out" if line is None else "the worker died") + f" (log {self.log.name})"
+            self.proc.kill()
+            return {"error": self.dead, "skipped": True}
+        return json.loads(line)
+
+    def close(self) -> None:
+        if not self.dead:
+            reply = self.call({"op": "exit"}, timeout_s=30)
+            self.peak_rss_mb = reply.get("peak_rss_mb")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log_file.close()
+
+    def log_tail(self, n: int = 5) -> str:
+        try:
+            return " | ".join(self.log.read_text().strip().splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+# --- the parent ------------------------------------------------------------------------------
+def build_prompts(tasks: list[dict]) -> dict[str, dict]:
+    """Per task: the chat messages (our schema system message) and their token ids."""
+    from transformers import AutoTokenizer
+
+    from constrained_spec.models import _converted_default_dir
+    from constrained_spec.prompts import build_messages, encode_prompt
+    from constrained_spec.schemas import normalize_schema
+
+    tok = AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
+    out = {}
+    for t in tasks:
+        messages = build_messages(t["prompt"], normalize_schema(_speculation().task_schema(t)))
+        out[t["id"]] = dict(messages=messages, ids=encode_prompt(tok, messages, None, False))
+    return out
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """``NAME=JSON_KWARGS`` of ``--ours-variant`` (the name may contain ``=``; the JSON is an object)."""
+    m = re.match(r"(.+?)=\s*(\{.*)$", text, re.DOTALL)
+    if not m or not m.group(1).strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON_KWARGS (a JSON object), got {text!r}")
+    try:
+        value = json.loads(m.group(2))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad JSON in {text!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"the kwargs of {m.group(1)!r} must be a JSON object")
+    return m.group(1).strip(), value
+
+
+def run(tasks: list[dict], specs: list[dict], repeats: int, timeout_s: float,
+        log_dir: Path) -> tuple[list[dict], dict[str, str], dict[str, dict]]:
+    """All requests, rotated per task; returns (records, notes per system, worker facts per
+    system: ``dtype``, ``load_s``, ``peak_rss_mb``)."""
+    from tqdm import tqdm
+
+    prompts = build_prompts(tasks)
+    notes: dict[str, str] = {}
+    workers: dict[str, Worker] = {}
+    facts: dict[str, dict] = {}
+    for spec in tqdm(specs, desc="load systems", file=sys.stderr):
+        w = Worker(spec, log_dir, timeout_s)
+        ready = w.call(None, timeout_s=max(timeout_s, 600))
+        if ready.get("ready"):
+            # warm-up (not recorded): the first task, short, so lazy initialisation is not timed
+            w.call({"op": "run", "task": {**tasks[0], "id": "__warmup__", "max_tokens": 8},
+                    "prompt": prompts[tasks[0]["id"]]})
+        if w.dead or not ready.get("ready"):
+            notes[spec["name"]] = ready.get("skip") or _died(w)
+            w.close()
+            continue
+        workers[spec["name"]] = w
+        facts[spec["name"]] = dict(dtype=ready.get("dtype"), load_s=ready.get("load_s"))
+    names = list(workers)
+    records: list[dict] = []
+    for ti, task in enumerate(tqdm(tasks, desc="tasks", file=sys.stderr)):
+        for rep in range(repeats):
+            k = (ti * repeats + rep) % max(len(names), 1)
+            for name in names[k:] + names[:k]:
+                if workers[name].dead:
+                    continue
+                reply = workers[name].call({"op": "run", "task": task, "prompt": prompts[task["id"]]})
+                rec = dict(system=name, task=task["id"], rep=rep, **reply)
+                if workers[name].dead:
+                    notes[name] = f"stopped at task {task['id']}: {_died(workers[name])}"
+                elif "error" in reply:
+                    key = "skipped" if reply.get("skipped") else "failed"
+                    notes.setdefault(name, "")
+                    notes[name] += f"{'; ' if notes[name] else ''}{task['id']} {key}: {reply['error']}"
+                else:
+                    rec.update(evaluate(task, rec))
+                records.append(rec)
+    for name, w in workers.items():
+        w.close()
+        facts[name]["peak_rss_mb"] = w.peak_rss_mb
+    return records, notes, facts
+
+
+def _died(w: Worker) -> str:
+    """The note for a worker that died or hung: why, its last log lines, a known cause."""
+    note = f"{w.dead}; last log lines: {w.log_tail()}"
+    if w.name == "llama.cpp":
+        note += (" (if the log shows ggml_backend_amx_mul_mat or a segfault in decode: a CPU with "
+                 "AMX in a VM that does not enable it; benchmarks/requirements-peers.txt has a "
+                 "build without AMX)")
+    return note
+
+
+def report(records: list[dict], notes: dict[str, str], facts: dict[str, dict],
+           systems: list[str], args: argparse.Namespace, n_tasks: int, header: str,
+           plot_name: str | None) -> tuple[str, dict]:
+    """The RESULTS.md section (all tasks, extraction, generation) and the all-tasks summary."""
+    rss = {s: f.get("peak_rss_mb") for s, f in facts.items()}
+    dtypes = sorted({f["dtype"] for f in facts.values() if f.get("dtype")})
+    summary = summarize(records, systems)
+    best = next((r["best_peer"] for r in summary.values() if r.get("best_peer")), None)
+    extraction = _speculation().EXTRACTION
+    ext = summarize([r for r in records if r["task"] in extraction], systems)
+    gen = summarize([r for r in records if r["task"] not in extraction], systems)
+    variants = {s: v for s, v in args.variants.items() if s in systems}
+    lines = [
+        (f"`python benchmarks/e2e.py {shlex.join(args.argv)}` — {n_tasks} tasks x {args.repeats} "
+         f"from `{args.tasks.name}`, greedy, each task's max_tokens, {args.threads} CPU thread(s) in "
+         "every system, the order of the systems rotated per task."),
+        "",
+        header + " Weights as run: " + "; ".join(
+            d + ": " + ", ".join(s for s, f in facts.items() if f.get("dtype") == d) for d in dtypes) + ".",
+        "",
+        render_table(summary, rss),
+        "",
+        f"Best peer by tokens/s: {best or '—'}. Ours: "
+        + "; ".join(f"`{s}` = `Generator(**{json.dumps(v)})`" for s, v in variants.items()) + ".",
+    ]
+    if ext:
+        lines += ["", "**Extraction tasks** (values copied from the prompt)", "", render_table(ext, rss)]
+    if gen:
+        lines += ["", "**Generation tasks**", "", render_table(gen, rss)]
+    if notes:
+        lines += ["", "Notes:"] + [f"- {s}: {n}" for s, n in notes.items()]
+    lines += ["", "Definitions (tokens, TTFT, loop, verbatim fields, ...) are in the docstring of "
+              "`benchmarks/e2e.py`" + (f"; the plot is `{plot_name}`." if plot_name else ".")]
+    return "\n".join(lines), summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker_main(json.loads(argv[1]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", type=Path, default=None,
+                    help="JSONL tasks in the ../shared/bench/tasks.jsonl format (the default)")
+    ap.add_argument("--limit", type=int, default=None, help="the first N tasks only")
+    ap.add_argument("--task-ids", default=None, help="comma-separated task ids to run")
+    ap.add_argument("--repeats", type=int, default=1, help="requests per task and system")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads in every system")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="dtype of the torch systems (auto: constrained_spec's choice here)")
+    ap.add_argument("--systems", default=None,
+                    help="comma-separated systems to run (default: all peers and ours)")
+    ap.add_argument("--ours-variant", action="append", type=parse_variant, default=[],
+                    metavar="NAME=JSON_KWARGS",
+                    help="add (or replace) a row of ours: Generator keyword arguments as JSON")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per request before a "
+                    "system is given up")
+    ap.add_argument("--out", type=Path, default=None, help="write the section into this markdown file")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="PNG plot (default: e2e.png beside --out, when --out is given)")
+    ap.add_argument("--out-json", type=Path, default=None, help="raw records (JSON)")
+    ap.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temp dir)")
+    args = ap.parse_args(argv)
+    args.argv = argv
+    args.tasks = args.tasks or _speculation().DEFAULT_TASKS
+    tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
+    if args.task_ids:
+        wanted = [t.strip() for t in args.task_ids.split(",") if t.strip()]
+        unknown = set(wanted) - {t["id"] for t in tasks}
+        if unknown:
+            ap.error(f"unknown task ids: {', '.join(sorted(unknown))}")
+        tasks = [t for t in tasks if t["id"] in wanted]
+    tasks = tasks[: args.limit] if args.limit else tasks
+    if not tasks:
+        ap.error("no tasks to run")
+    args.variants = {**OURS_VARIANTS, **dict(args.ours_variant)}
+    systems = list(PEERS) + list(args.variants)
+    if args.systems:
+        chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = set(chosen) - set(systems)
+        if unknown:
+            ap.error(f"unknown systems: {', '.join(sorted(unknown))}; known: {', '.join(systems)}")
+        systems = [s for s in systems if s in chosen]
+    from constrained_spec.models import fetch_default_gguf
+
+    gguf = str(fetch_default_gguf(quiet=True))  # resolved here: the llama.cpp worker imports no torch
+    specs = [dict(name=s, threads=args.threads, dtype=args.dtype, kwargs=args.variants.get(s), gguf=gguf)
+             for s in systems]
+
+    header = f"Hardware: {hardware()}. Versions: {versions()}."  # before the run: load average
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="e2e-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    print(f"worker logs: {log_dir}", file=sys.stderr)
+    records, notes, facts = run(tasks, specs, args.repeats, args.timeout, log_dir)
+    header += f" Run time {(time.perf_counter() - t0) / 60:.1f} min."
+    plot_path = args.plot or (args.out.parent / "e2e.png" if args.out else None)
+    plot_name = None  # named in the section only beside it (no machine paths in RESULTS.md)
+    if plot_path and args.out and plot_path.resolve().parent == args.out.resolve().parent:
+        plot_name = plot_path.name
+    text, summary = report(records, notes, facts, systems, args, len(tasks), header, plot_name)
+    print(text)
+    if args.out_json:
+        args.out_json.write_text(json.dumps(dict(argv=argv, header=header, notes=notes,
+                                                 systems=facts, records=records), indent=1))
+    if args.out:
+        write_section(args.out, RESULTS_HEADING, text)
+    if plot_path and summary:
+        plot(summary, plot_path, f"SmolLM2-135M-Instruct, greedy, {len(tasks)} tasks x {args.repeats}, "
+                                 f"{args.threads} CPU thread(s) per system")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
