@@ -26,11 +26,13 @@ For every schema of ``../shared/bench/jsonschemabench/<split>.jsonl.gz`` and eac
   (narrowing, see the coverage section) is walked up to the rejection and counted. Percentiles
   pool every row / step of a split.
 
-The budget is one target forward of the embedded model (``--forward-ms``, or measured after the
-sweep: the fastest of 30 1-token and (K+1)-token forwards on a 200-token KV cache with
-``--threads`` torch threads, i.e. the cost when no other process takes the cores; medians are
-reported too). Share = (K+1 masks, CPU time) / (1-token forward): the grammar work of one
-speculative step against the cheapest forward it accompanies.
+The budget is one target forward of the embedded model as ``load_model(None)`` runs it
+(``--forward-ms``, or measured after the sweep: the fastest of 30 1-token and (K+1)-token
+forwards on a 200-token KV cache with ``--threads`` torch threads, i.e. the cost when no other
+process takes the core; medians are reported too). One thread by default: with two on a shared
+2-core machine most forwards stall waiting for the busy core (medians of a second), so one thread
+is what such a machine measures reliably. Share = (K+1 masks, CPU time) / (1-token forward): the
+grammar work of one speculative step against the cheapest forward it accompanies.
 
 Each schema runs in a worker process (``--workers``, default: the CPU count) with a per-backend
 compile limit; a worker past it is retired, a hung or dead one replaced (``_workers.Pool``, as
@@ -447,7 +449,8 @@ def measure_forward(k: int, threads: int, context: int = 200, repeats: int = 30)
     slot = runner.new_slot()
     runner.forward([slot], [list(range(1000, 1000 + context))], [1])
     out: dict[str, Any] = {"dtype": str(model.dtype).removeprefix("torch."), "threads": threads,
-                           "context": context, "repeats": repeats}
+                           "context": context, "repeats": repeats,
+                           "int4": getattr(model, "_int4", None) is not None}
     for n in (1, k + 1):
         times = []
         for _ in range(repeats + 3):
@@ -498,8 +501,9 @@ def render(meta: dict[str, Any], table: dict, forward: dict[str, Any]) -> str:
     if forward["source"] == "measured":
         fwd = (f"{forward['ms_1']:.1f} ms for 1 token, {forward[f'ms_{k + 1}']:.1f} ms for {k + 1} "
                f"(fastest of {forward['repeats']}; medians {forward['ms_1_median']:.1f} / "
-               f"{forward[f'ms_{k + 1}_median']:.1f} ms; {forward['dtype']}, {forward['threads']} "
-               f"threads, {forward['context']}-token KV cache, load average "
+               f"{forward[f'ms_{k + 1}_median']:.1f} ms; {forward['dtype']}"
+               f"{' with exact int4 weights' if forward.get('int4') else ''}, {forward['threads']} "
+               f"thread{'s' if forward['threads'] != 1 else ''}, {forward['context']}-token KV cache, load average "
                f"{forward['load']:.1f} when measured)")
     else:
         fwd = f"{forward['ms_1']:.1f} ms (given: --forward-ms)"
@@ -558,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="processes (default: CPUs)")
     parser.add_argument("--forward-ms", type=float, default=None,
                         help="the 1-token target forward in ms (default: measured after the sweep)")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads for the forward measurement (default: 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the forward measurement (default: 1; with 2 on a "
+                             "shared 2-core machine most forwards stall on the busy core)")
     parser.add_argument("--bench-dir", type=Path, default=coverage.BENCH_DIR)
     parser.add_argument("--json", type=Path, default=None,
                         help="write the run's summary and per-schema records here")
