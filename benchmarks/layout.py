@@ -162,7 +162,7 @@ def section_tasks(model, tasks: list[dict], natural: list[dict] | None,
 
 def section_bench(model, candidates: list[JsonLayout], n: int) -> str:
     lines = [f"`python benchmarks/layout.py --parts bench --bench-limit {n}` — the seeded "
-             f"JSONSchemaBench sample of `benchmarks/validity.py` (first {n} of seed 0, prompt "
+             f"JSONSchemaBench sample of `benchmarks/validity.py` ({n} schemas drawn with seed 0, prompt "
              f"\"Generate a JSON object for: ...\"), embedded model ({model.dtype}), greedy, "
              f"speculation on, max_tokens 256, batches of 8. Hardware: {hardware()}.", "",
              "| layout | valid | incomplete (max_tokens) | invalid (declared) | invalid (silent) "

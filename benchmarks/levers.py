@@ -38,6 +38,7 @@ ROWS: dict[str, dict] = {
     "no_repeat_ngram_size=8": {"no_repeat_ngram_size": 8},
     "repetition_penalty=1.2": {"repetition_penalty": 1.2},
     "max_string_length=64, max_items=8": {"max_string_length": 64, "max_items": 8},
+    "max_retries=1": {"max_retries": 1},
     "max_retries=2": {"max_retries": 2},
 }
 
