@@ -54,7 +54,7 @@ _SAME: Any = object()  # "the Generator's own schema"
 #: How JSON is laid out by default: the compact one-line form with ", " and ": " separators.
 #: Measured on the embedded model (benchmarks/RESULTS.md, "JSON layout ..."): it indents the
 #: JSON it writes freely, but under the grammar the layout does not change how often outputs
-#: complete, and compact JSON takes 12-21% fewer tokens.
+#: complete, and compact JSON takes 6-21% fewer tokens.
 DEFAULT_LAYOUT = JsonLayout()
 
 
