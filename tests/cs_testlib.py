@@ -95,3 +95,61 @@ def bigram_llama(table: torch.Tensor, max_positions: int = 2048):
         head[:, :V] = table.T / hidden ** 0.5
         model.lm_head.weight.copy_(head)
     return model
+
+
+def exact_distribution(model, compiled, params, vocab: int, prompt: list[int]) -> dict[tuple, float]:
+    """P(sequence) for every complete token sequence after ``prompt``, by walking the grammar:
+    grammar mask, then the repetition guard when ``params`` sets one, then temperature / top-k /
+    top-p (``sampling.py``, the one definition the engine uses). Token 0 (EOS) is left out."""
+    from constrained_spec.sampling import apply_repetition_guard, process_logits
+
+    out: dict[tuple, float] = {}
+    words = (vocab + 31) // 32
+
+    def walk(prefix: list[int], matcher, prob: float) -> None:
+        if matcher.is_terminated() or matcher.must_stop():
+            key = tuple(t for t in prefix if t != 0)
+            out[key] = out.get(key, 0.0) + prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + prefix])).logits[0, -1:].float()
+        mask = torch.empty((1, words), dtype=torch.int32)
+        matcher.fill_bitmask(mask, 0)
+        allowed = torch.tensor([(int(mask[0, t >> 5]) >> (t & 31)) & 1 for t in range(vocab)],
+                               dtype=torch.bool)
+        logits[0, ~allowed] = float("-inf")
+        if params.guarded:
+            logits = apply_repetition_guard(logits, [prefix], [len(prefix)], [params],
+                                            [[bool(matcher.forced_tokens())]])
+        logits = process_logits(logits, torch.tensor([params.temperature]),
+                                torch.tensor([params.top_k]), torch.tensor([params.top_p]))
+        probs = logits.softmax(-1)[0]
+        for t in torch.nonzero(probs > 0).flatten().tolist():
+            m = matcher.fork()
+            assert m.accept(t)
+            walk(prefix + [t], m, prob * float(probs[t]))
+
+    walk([], compiled.new_matcher(), 1.0)
+    return out
+
+
+def gof(counts, exact: dict[tuple, float], n: int) -> float:
+    """Chi-square goodness-of-fit p-value of sampled sequence ``counts`` against ``exact``
+    (rare outcomes pooled so every expected count is >= 5)."""
+    from scipy.stats import chisquare
+
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for key in sorted(exact, key=lambda k: -exact[k]):
+        e = exact[key] * n
+        if e >= 5:
+            obs.append(counts.get(key, 0))
+            exp.append(e)
+        else:
+            rest_o += counts.get(key, 0)
+            rest_e += e
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    exp = [e * sum(obs) / sum(exp) for e in exp]
+    return chisquare(obs, exp).pvalue

@@ -14,16 +14,22 @@ from collections import Counter
 
 import pytest
 import torch
-from cs_testlib import CHARS, byte_level_bpe, tiny_llama
-from test_lossless_sampling import ALPHA, PROMPT, exact_distribution, gof
+from constrained_spec.grammar import compile_spec
+from constrained_spec.schemas import normalize_schema
+from cs_testlib import CHARS, byte_level_bpe, exact_distribution, gof, tiny_llama
+from test_lossless_sampling import ALPHA, PROMPT
 
-from constrained_spec import ConfigError, Generator, ModelLoadError, Regex, SpeculativeConfig
+from constrained_spec import (
+    ConfigError,
+    Generator,
+    ModelLoadError,
+    Regex,
+    SpeculativeConfig,
+)
 from constrained_spec.config import SamplingParams
 from constrained_spec.drafters import DraftModelDrafter, make_drafter
 from constrained_spec.engine import Engine, Request
-from constrained_spec.grammar import compile_spec
 from constrained_spec.runner import LlamaRunner
-from constrained_spec.schemas import normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}
 EOS = (0,)
@@ -205,7 +211,7 @@ def near_copy(model, noise: float = 1.0):
 def test_sampled_drafts_keep_the_sequence_distribution(tiny_model, tiny_tok, draft):
     compiled = compile_spec(normalize_schema(Regex("(a|b|ab|c){2,3}")), tiny_tok)
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9, max_tokens=8)
-    exact = exact_distribution(tiny_model, compiled, params, tiny_tok.vocab_size)
+    exact = exact_distribution(tiny_model, compiled, params, tiny_tok.vocab_size, PROMPT)
     n = 1500
     drafter = drafter_for(near_copy(tiny_model) if draft == "near" else tiny_model)
     eng = Engine(LlamaRunner(tiny_model, dtype=torch.float32, device=CPU),

@@ -17,8 +17,7 @@ import pytest
 import torch
 from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import Regex, normalize_schema
-from cs_testlib import CHARS, bigram_llama
-from scipy.stats import chisquare
+from cs_testlib import CHARS, bigram_llama, exact_distribution, gof
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
@@ -29,7 +28,6 @@ from constrained_spec.sampling import (
     apply_repetition_guard,
     ngram_bans,
     probs_from_logits,
-    process_logits,
 )
 
 ID = {c: i for i, c in enumerate(CHARS)}
@@ -194,36 +192,6 @@ PROMPT = [ID[c] for c in "ababcab"]
 SAMPLE_GUARD = {"no_repeat_ngram_size": 2, "repetition_penalty": 2.0}
 
 
-def exact_distribution(model, compiled, params: SamplingParams) -> dict[tuple, float]:
-    """P(sequence) under the guarded distribution, by walking the grammar one token at a time."""
-    out: dict[tuple, float] = {}
-    words = (V + 31) // 32
-
-    def walk(prefix: list[int], matcher, prob: float) -> None:
-        if matcher.is_terminated() or matcher.must_stop():
-            key = tuple(t for t in prefix if t != 0)
-            out[key] = out.get(key, 0.0) + prob
-            return
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + prefix])).logits[0, -1:].float()
-        mask = torch.empty((1, words), dtype=torch.int32)
-        matcher.fill_bitmask(mask, 0)
-        allowed = torch.tensor([(int(mask[0, t >> 5]) >> (t & 31)) & 1 for t in range(V)], dtype=torch.bool)
-        logits[0, ~allowed] = float("-inf")
-        logits = apply_repetition_guard(logits, [prefix], [len(prefix)], [params],
-                                        [[bool(matcher.forced_tokens())]])
-        logits = process_logits(logits, torch.tensor([params.temperature]), torch.tensor([params.top_k]),
-                                torch.tensor([params.top_p]))
-        probs = logits.softmax(-1)[0]
-        for t in torch.nonzero(probs > 0).flatten().tolist():
-            m = matcher.fork()
-            assert m.accept(t)
-            walk(prefix + [t], m, prob * float(probs[t]))
-
-    walk([], compiled.new_matcher(), 1.0)
-    return out
-
-
 class RandomQDrafter:
     """Samples each draft from an arbitrary distribution (random logits processed like the
     target's: grammar mask, repetition guard, temperature), so q is not a point mass."""
@@ -254,31 +222,13 @@ def sample(model, compiled, params, spec, drafter, n: int) -> tuple[Counter, lis
     return Counter(tuple(r.output_ids) for r in reqs), reqs
 
 
-def pvalue(counts: Counter, exact: dict[tuple, float], n: int) -> float:
-    assert set(counts) <= set(exact), set(counts) - set(exact)
-    obs, exp, rest_o, rest_e = [], [], 0, 0.0
-    for key in sorted(exact, key=lambda k: -exact[k]):
-        e = exact[key] * n
-        if e >= 5:
-            obs.append(counts.get(key, 0))
-            exp.append(e)
-        else:
-            rest_o += counts.get(key, 0)
-            rest_e += e
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    exp = [e * sum(obs) / sum(exp) for e in exp]
-    return chisquare(obs, exp).pvalue
-
-
 @pytest.mark.parametrize("drafter", ["ngram", "random-q"])
 def test_speculative_sampling_with_the_guard_is_exact(tiny_model, tiny_tok, drafter):
     compiled = compile_spec(normalize_schema(Regex("(a|b|ab|c){2,3}")), tiny_tok)
     params = SamplingParams(temperature=1.0, max_tokens=8, **SAMPLE_GUARD)
-    exact = exact_distribution(tiny_model, compiled, params)
+    exact = exact_distribution(tiny_model, compiled, params, V, PROMPT)
     assert abs(sum(exact.values()) - 1.0) < 1e-4
-    unguarded = exact_distribution(tiny_model, compiled, SamplingParams(temperature=1.0, max_tokens=8))
+    unguarded = exact_distribution(tiny_model, compiled, SamplingParams(temperature=1.0, max_tokens=8), V, PROMPT)
     tv = 0.5 * sum(abs(exact.get(k, 0.0) - unguarded.get(k, 0.0)) for k in set(exact) | set(unguarded))
     assert tv > 0.05  # the guard really changes the distribution being tested
     n = 2000
@@ -290,7 +240,7 @@ def test_speculative_sampling_with_the_guard_is_exact(tiny_model, tiny_tok, draf
     drafted = sum(r.stats.drafted_tokens for r in reqs)
     accepted = sum(r.stats.accepted_tokens for r in reqs)
     assert drafted > n and 0 < accepted < drafted
-    assert pvalue(counts, exact, n) > 1e-3
+    assert gof(counts, exact, n) > 1e-3
 
 
 # -- option values --------------------------------------------------------------------------------
