@@ -85,6 +85,7 @@ from typing import Any, Iterable
 # benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
 sys.path.append(str(Path(__file__).resolve().parent))
 from _workers import Pool
+from constrained_spec.schemas.backends import resolve_local_ref
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench" / "jsonschemabench"
 SPLITS = ("Github_trivial", "Github_easy", "Glaiveai2K", "BFCL", "Handwritten", "Synthesized",
@@ -120,24 +121,6 @@ def sample_rows(rows: list[dict], limit: int | None, seed: int) -> list[dict]:
 # schema helpers: local refs, the validator
 # --------------------------------------------------------------------------------------------
 
-def resolve_ref(root: Any, ref: Any) -> tuple[Any, list[Any]] | None:
-    """Target and document path of a local ref ("#", "#/a/b"); None otherwise."""
-    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-        return None
-    node, path = root, []
-    for raw in ref[2:].split("/") if ref != "#" else []:
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-            path.append(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-            path.append(int(part))
-        else:
-            return None
-    return node, path
-
-
 def make_validator(schema: Any) -> Any:
     """The library's final validator for `schema` (schemas/validate.py): its draft, formats."""
     from constrained_spec.schemas.validate import json_validator
@@ -163,7 +146,7 @@ def _expand(root: Any, validator: Any, node: Any, value: Any, depth: int = 0) ->
     if not isinstance(node, dict) or depth > 24:
         return []
     out = [node]
-    target = resolve_ref(root, node.get("$ref"))
+    target = resolve_local_ref(root, node.get("$ref"))
     if target is not None:
         out += _expand(root, validator, target[0], value, depth + 1)
     all_of = node.get("allOf")
@@ -183,7 +166,7 @@ def _expand(root: Any, validator: Any, node: Any, value: Any, depth: int = 0) ->
 def _affinity(root: Any, branch: Any, value: Any) -> int:
     seen = 0
     while isinstance(branch, dict) and "$ref" in branch and seen < 8:
-        target = resolve_ref(root, branch["$ref"])
+        target = resolve_local_ref(root, branch["$ref"])
         if target is None:
             break
         branch, seen = target[0], seen + 1
@@ -322,7 +305,7 @@ def document_paths(root: Any, schema_path: Iterable[Any], limit: int = 16) -> li
             go(node[seg], trail, path + [str(seg)], i + 1, hops)
             moved = True
         if isinstance(node, dict) and "$ref" in node and hops < 32:
-            target = resolve_ref(root, node["$ref"])
+            target = resolve_local_ref(root, node["$ref"])
             if target is not None:
                 go(target[0], trail + [path], [str(p) for p in target[1]], i, hops + 1)
             else:

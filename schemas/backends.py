@@ -376,19 +376,23 @@ def _outlines_rewrite(node: Any) -> Any:
 XGRAMMAR_ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")  # which keyword wins
 
 
-def _local_target(root: Any, ref: Any) -> Any:
+def resolve_local_ref(root: Any, ref: Any) -> tuple[Any, list[Any]] | None:
+    """Target and document path of a local ``$ref`` ("#", "#/a/b") in ``root``; None when the
+    ref is not local or points nowhere."""
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
         return None
-    node = root
+    node, path = root, []
     for raw in ref[2:].split("/") if ref != "#" else []:
         part = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
+            path.append(part)
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
+            path.append(int(part))
         else:
             return None
-    return node
+    return node, path
 
 
 def all_of_values(node: Any, root: Any) -> list | None:
@@ -404,7 +408,8 @@ def all_of_values(node: Any, root: Any) -> list | None:
     for member in members:
         for _ in range(8):
             if isinstance(member, dict) and "$ref" in member and not ("enum" in member or "const" in member):
-                member = _local_target(root, member["$ref"])
+                target = resolve_local_ref(root, member["$ref"])
+                member = target[0] if target is not None else None
             else:
                 break
         if isinstance(member, dict) and ("const" in member or "enum" in member):

@@ -26,7 +26,14 @@ from typing import Any, Iterable, Literal
 
 from constrained_spec.errors import SchemaError
 
-from .backends import FORMAT_PATTERNS, all_of_values, convert_json_schema, scan_regex, search_pattern
+from .backends import (
+    FORMAT_PATTERNS,
+    all_of_values,
+    convert_json_schema,
+    resolve_local_ref,
+    scan_regex,
+    search_pattern,
+)
 from .spec import SchemaSpec, to_pointer
 from .support import (
     ANNOTATIONS,
@@ -314,21 +321,7 @@ class _Walker:
 
     def resolve(self, ref: Any) -> tuple[Any, list[Any]] | None:
         """Target and path of a local ref ("#", "#/a/b"); None if not local / not found."""
-        if not isinstance(ref, str) or not ref.startswith("#") or (ref != "#" and not ref.startswith("#/")):
-            return None
-        node: Any = self.root
-        path: list[Any] = []
-        for raw in ref[2:].split("/") if ref != "#" else []:
-            part = raw.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-                path.append(part)
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-                path.append(int(part))
-            else:
-                return None
-        return node, path
+        return resolve_local_ref(self.root, ref)
 
     def deref(self, node: Any, depth: int = 8) -> Any:
         while depth and isinstance(node, dict) and "$ref" in node:
