@@ -84,6 +84,7 @@ from typing import Any, Iterable
 
 # benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
 sys.path.append(str(Path(__file__).resolve().parent))
+from _results import write_section
 from _workers import Pool
 from constrained_spec.schemas.backends import resolve_local_ref
 
@@ -770,19 +771,6 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
     return "\n".join(lines)
 
 
-def write_results_section(path: Path, body: str) -> None:
-    """Replace (or append) the "## Schema coverage (JSONSchemaBench)" section of `path`."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    section = f"{RESULTS_HEADING}\n\n{body.strip()}\n"
-    start = text.find(RESULTS_HEADING + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(RESULTS_HEADING))
-        text = text[:start] + section + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
-    path.write_text(text, encoding="utf-8")
-
-
 def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limit: float = 10.0,
         outlines_time_limit: float = 5.0, workers: int | None = None, systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
         bench_dir: Path = BENCH_DIR, out: Path | None = None, progress: bool = True,
@@ -892,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nours ({mode} mode): silently wrong on {len(silent)} schemas: {silent[:20]}",
                   file=sys.stderr)
     if args.write_results:
-        write_results_section(args.write_results, body + footer)
+        write_section(args.write_results, RESULTS_HEADING, body + footer)
     return 0
 
 

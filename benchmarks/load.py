@@ -37,6 +37,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helper modules
+from _results import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "examples" / "openai_server.py"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -219,7 +222,6 @@ def percentile(xs: list[float], q: float) -> float:
 def table(runs: list[Run], args: argparse.Namespace, load_before: tuple[float, ...]) -> str:
     """The markdown section: the command, one row per setting, and notes."""
     lines = [
-        HEADING, "",
         (f"`python benchmarks/load.py --clients {args.clients} --requests-per-client "
         f"{args.requests_per_client} --max-tokens {args.max_tokens} --max-batch-size {args.max_batch_size}`"
         f" — {args.clients} concurrent clients (official async `openai` client) × "
@@ -263,20 +265,6 @@ def table(runs: list[Run], args: argparse.Namespace, load_before: tuple[float, .
             notes.append(f"Speculation {run.setting}: {n} × `{problem[:240]}`")
     notes += getattr(args, "note", [])
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
-
-
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace this script's section of RESULTS.md (or append it); other sections stay."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = old.find(HEADING)
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = re.search(r"^## ", old[start + len(HEADING):], flags=re.MULTILINE)
-        end = start + len(HEADING) + nxt.start() if nxt else len(old)
-        rest = old[end:]
-        new = old[:start] + text + ("\n" + rest if rest else "")
-    path.write_text(new)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(runs, args, load_before)
     print(text)
     if not args.no_write:
-        write_section(text)
+        write_section(RESULTS, HEADING, text)
         print(f"written to {RESULTS}", file=sys.stderr)
     return 0 if all(o.ok for r in runs for o in r.outcomes) and all(
         len(r.outcomes) == r.sent for r in runs) else 1

@@ -24,6 +24,9 @@ from tqdm import tqdm
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
 from constrained_spec.stats import SpecStats
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helper modules
+from _results import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TASKS = ROOT.parent / "shared" / "bench" / "tasks.jsonl"
 # Tasks whose values are copied from the prompt (the rest invent their values).
@@ -129,16 +132,6 @@ def main() -> None:
     print(text)
     if args.out:
         write_section(args.out, "## Speculation on the benchmark tasks", text)
-
-
-def write_section(path: Path, heading: str, body: str) -> None:
-    """Replace (or append) one ``## heading`` section of a markdown file."""
-    old = path.read_text() if path.exists() else "# Benchmark results\n"
-    start = old.find(heading + "\n")
-    if start >= 0:
-        nxt = old.find("\n## ", start + len(heading))
-        old = old[:start].rstrip() + ("\n\n" + old[nxt + 1:] if nxt >= 0 else "\n")
-    path.write_text(old.rstrip() + f"\n\n{heading}\n\n{body}\n")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def _load_coverage() -> Any:
     return module
 
 
-_cov = _load_coverage()
+_cov = _load_coverage()  # also puts benchmarks/ on sys.path for its helper modules
+from _results import write_section
+
 BENCH_DIR, SPLITS, Declarations = _cov.BENCH_DIR, _cov.SPLITS, _cov.Declarations
 load_split, make_validator = _cov.load_split, _cov.make_validator
 
@@ -260,19 +262,6 @@ def format_summary(records: list[dict], *, max_tokens: int, seed: int, batch_siz
     return "\n".join(lines)
 
 
-def write_results_section(path: Path, body: str) -> None:
-    """Replace (or append) the "## End-to-end validity" section of `path`."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    section = f"{RESULTS_HEADING}\n\n{body.strip()}\n"
-    start = text.find(RESULTS_HEADING + "\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + len(RESULTS_HEADING))
-        text = text[:start] + section + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
-    path.write_text(text, encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=300, help="schemas in the sample (default 300)")
@@ -307,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nBUG {r['outcome']}: {r['id']}: {r.get('error_type', '')}: {r.get('error', '')}\n"
               f"  text: {r.get('text', '')[:300]!r}", file=sys.stderr)
     if args.write_results:
-        write_results_section(args.write_results, body)
+        write_section(args.write_results, RESULTS_HEADING, body)
     return 1 if bugs else 0
 
 
