@@ -280,7 +280,7 @@ class Generator(Generic[T]):
         stats: list[SpecStats | None] = [None] * len(prompts)
         todo = list(range(len(prompts)))
         for attempt in range(retries + 1):
-            options = overrides if attempt == 0 else self._retry_options(overrides, attempt,
+            options = overrides if attempt == 0 else self.retry_options(overrides, attempt,
                                                                           retry_temperature)
             requests: list[tuple[int, Request, SchemaSpec | None]] = []
             for i in todo:
@@ -307,9 +307,11 @@ class Generator(Generic[T]):
                     raise item
         return results
 
-    def _retry_options(self, overrides: dict[str, Any], attempt: int,
-                       temperature: float) -> dict[str, Any]:
-        """The options of retry ``attempt`` (>= 1): sampled, with a seed derived per attempt."""
+    def retry_options(self, overrides: dict[str, Any], attempt: int,
+                      temperature: float = DEFAULT_RETRY_TEMPERATURE) -> dict[str, Any]:
+        """The call options of retry ``attempt`` (>= 1) after a call with ``overrides``: sampled
+        (at ``temperature`` when the call was greedy), with a seed derived per attempt — the
+        rule ``max_retries`` follows, for servers that run their own engine loop."""
         merged = {**self.sampling.__dict__, **overrides}
         seed = merged.get("seed")
         return {**overrides,

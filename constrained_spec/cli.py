@@ -10,8 +10,9 @@ what went wrong is told by the exit code (``EXIT_CODES``). Anything a library pr
 command runs is sent to stderr as well, so a stray ``print`` cannot corrupt the output.
 
 The command line is a thin layer over :class:`~constrained_spec.api.Generator`: it turns flags
-into a schema object, sampling options and a speculative config, loads the model (quietly with
-``--quiet``) and runs one engine batch, whether for one prompt or a whole ``--batch`` file.
+into a schema object, the Generator's options (sampling, the opt-in output-quality levers, the
+JSON layout) and a speculative config, loads the model (quietly with ``--quiet``) and runs one
+engine batch, whether for one prompt or a whole ``--batch`` file.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO
 
 from .config import METHODS, SamplingParams, SpeculativeConfig
 from .dsl import dsl_to_schema, wrap_multi
@@ -84,9 +86,14 @@ per input line, in order: the value, or {{"error": {{"type", "message", "line"}}
 Outputs that are not JSON by themselves (--regex, --choice, --grammar, no schema) are printed
 as JSON strings. With --stream the text is written to stdout as tokens are accepted.
 
+A small model that loops or runs out of --max-tokens: --max-retries 2 generates again (sampled,
+seeded) and prints the first valid output; --no-repeat-ngram-size, --repetition-penalty,
+--max-string-length and --max-items change what is generated (see the README, "Output quality
+on small models").
+
 {EPILOG_EXIT_CODES}"""
 
-SCHEMA_CHECK_EPILOG = f"""\
+SCHEMA_CHECK_EPILOG = """\
 Prints what the grammar backend would not enforce, with JSON pointers into the schema:
 "unsupported" keywords make generation refuse the schema, "ignored" ones are not enforced
 while generating (the output is still validated at the end). No model is loaded.
@@ -102,6 +109,7 @@ exit codes: 0 the schema would run under --schema-mode (ignored keywords may be 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``constrained-spec`` (subcommands ``generate``, ``schema-check``)."""
     from . import __version__
+    from .api import DEFAULT_RETRY_TEMPERATURE
 
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,11 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--system", metavar="TEXT", default=None,
                           help="the system message (default: one describing the schema)")
 
+    levers = gen.add_argument_group(
+        "output quality", "opt-in levers for a small model that loops until --max-tokens runs out")
+    levers.add_argument("--max-retries", type=int, default=0, metavar="N",
+                        help="after an incomplete or invalid output, generate again up to N times "
+                             "and print the first valid one; not with --stream "
+                             "(default: %(default)s)")
+    levers.add_argument("--retry-temperature", type=float, default=DEFAULT_RETRY_TEMPERATURE,
+                        metavar="F", help="temperature of the retries when --temperature is 0 "
+                                          "(retry k has seed --seed + k; default: %(default)s)")
+    levers.add_argument("--no-repeat-ngram-size", type=int,
+                        default=defaults.no_repeat_ngram_size, metavar="N",
+                        help="ban a token that would repeat an N-gram already in the output, "
+                             "0 = off (default: %(default)s)")
+    levers.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty,
+                        metavar="F", help="penalise the tokens already in the output, 1 = off, "
+                                          "1.1 to 1.3 typical (default: %(default)s)")
+    levers.add_argument("--max-string-length", type=int, metavar="N",
+                        help="maxLength N on every string of the schema that has no bound")
+    levers.add_argument("--max-items", type=int, metavar="N",
+                        help="maxItems N on every array of the schema that has no bound")
+
     output = gen.add_argument_group("input and output")
     output.add_argument("--batch", metavar="FILE.jsonl",
                         help="one prompt or {prompt, schema} per line ('-' = stdin); JSONL out, "
                              "in input order, run as one batch")
-    output.add_argument("--pretty", action="store_true", help="indent the JSON output")
+    output.add_argument("--pretty", action="store_true",
+                        help="indent the JSON output (by --indent N, else 2)")
+    output.add_argument("--indent", type=int, metavar="N",
+                        help="the model writes JSON indented by N spaces (json.dumps(indent=N)) "
+                             "instead of on one line; printed on one line unless --pretty")
     output.add_argument("--stream", action="store_true",
                         help="write the output to stdout as tokens are accepted")
     output.add_argument("--stats", action="store_true",
@@ -357,11 +390,43 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | bool 
     return SpeculativeConfig.from_dict(data) if data else None
 
 
-def _sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                   top_k=args.top_k, seed=args.seed)
-    SamplingParams(**options)  # bad values fail here, before a model is loaded
+def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The Generator keywords the flags set: sampling, the repetition guard, bounds and retries.
+
+    Bad values fail here, before a model is loaded, with the library's own checks and messages.
+    """
+    from .api import _check_count, _check_retry_temperature
+
+    options: dict[str, Any] = {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+        "top_k": args.top_k, "seed": args.seed, "repetition_penalty": args.repetition_penalty,
+        "no_repeat_ngram_size": args.no_repeat_ngram_size}
+    SamplingParams(**options)
+    for name in ("max_string_length", "max_items"):
+        options[name] = _check_count(getattr(args, name), name, minimum=1, allow_none=True)
+    options["max_retries"] = _check_count(args.max_retries, "max_retries", minimum=0,
+                                          allow_none=False)
+    options["retry_temperature"] = _check_retry_temperature(args.retry_temperature)
     return options
+
+
+def layout_from_args(args: argparse.Namespace) -> Any:
+    """The JSON layout the model writes: ``--indent N``; with ``--stream --pretty`` an indented
+    one (2 unless ``--indent``), since the streamed text is the output; else None (compact)."""
+    indent = args.indent
+    if indent is not None and indent < 0:
+        raise ConfigError(f"must be an integer >= 0, got {indent}", option="--indent")
+    if args.stream and indent is not None and not args.pretty:
+        raise ConfigError("--stream prints the text as the model writes it, and --indent lays "
+                          "it over several lines: add --pretty (or drop --indent)",
+                          option="--indent")
+    if args.stream and args.pretty and indent is None:
+        indent = 2
+    if indent is None:
+        return None
+    from .schemas import JsonLayout
+
+    return JsonLayout(indent=indent)  # json.dumps(indent=N)'s layout: no space before a newline
 
 
 def _preflight(schema: Any, args: argparse.Namespace, layout: Any) -> None:
@@ -383,13 +448,16 @@ def _is_json_schema(schema: Any) -> bool:
     return isinstance(schema, (dict, str)) or (isinstance(schema, type) and issubclass(schema, BaseModel))
 
 
-def output_json(text: str, *, is_json: bool, pretty: bool = False) -> str:
-    """The line printed for one output ``text``: JSON texts as they are, others as a JSON string."""
+def output_json(text: str, *, is_json: bool, indent: int | None = None,
+                written_indent: int | None = None) -> str:
+    """What is printed for one output ``text``: a JSON text indented by ``indent`` (None: on one
+    line), anything else as a JSON string. ``written_indent`` is the layout the model wrote
+    (``--indent``): a text already in the printed layout is printed as it is."""
     if not is_json:
         return json.dumps(text, ensure_ascii=False)
-    if pretty:
-        return json.dumps(json.loads(text), ensure_ascii=False, indent=2)
-    return text
+    if indent == written_indent:
+        return text
+    return json.dumps(json.loads(text), ensure_ascii=False, indent=indent)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,7 +475,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return text.rstrip("\n")
 
 
-def _load_generator(args: argparse.Namespace, schema: Any, sampling: dict[str, Any],
+def _load_generator(args: argparse.Namespace, schema: Any, options: dict[str, Any],
                     speculative: Any, layout: Any) -> Any:
     from .api import Generator
     from .models import load_model
@@ -416,7 +484,7 @@ def _load_generator(args: argparse.Namespace, schema: Any, sampling: dict[str, A
         loaded = load_model(args.model, quiet=args.quiet)
     return Generator(loaded, schema=schema, speculative=speculative, backend=args.backend,
                      schema_mode=args.schema_mode, system_prompt=args.system, layout=layout,
-                     **sampling)
+                     **options)
 
 
 @contextlib.contextmanager
@@ -442,20 +510,16 @@ def _transformers_quiet(quiet: bool) -> Iterator[None]:
 def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     if args.batch is not None:
         return _cmd_batch(args, out)
-    if args.stream and args.pretty:
-        from .schemas import JsonLayout
-
-        # the model writes indented JSON (json.dumps(indent=2)'s layout: no space before a
-        # newline), so the streamed text is the output
-        layout = JsonLayout(indent=2, separators=(",", ": "))
-    else:
-        layout = None
+    layout = layout_from_args(args)
     schema = schema_from_args(args)
-    sampling = _sampling_from_args(args)
+    options = generator_options_from_args(args)
+    if args.stream and options["max_retries"]:
+        raise ConfigError("cannot be combined with --stream: the text of a failed attempt would "
+                          "already be on stdout", option="--max-retries")
     speculative = speculative_from_args(args)
     prompt = _read_prompt(args)
     _preflight(schema, args, layout)
-    gen = _load_generator(args, schema, sampling, speculative, layout)
+    gen = _load_generator(args, schema, options, speculative, layout)
     is_json = _is_json_schema(schema)
     stream = TextStream(gen.model.tokenizer, out, quote=not is_json) if args.stream else None
     [item] = gen.batch([prompt], return_result=True, on_tokens=stream)
@@ -466,7 +530,9 @@ def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     if isinstance(item, BaseException):
         raise item
     if stream is None:
-        out.write(output_json(item.text, is_json=is_json, pretty=args.pretty) + "\n")
+        indent = (2 if args.indent is None else args.indent) if args.pretty else None
+        out.write(output_json(item.text, is_json=is_json, indent=indent,
+                              written_indent=None if layout is None else layout.indent) + "\n")
         out.flush()
     return EXIT_OK
 
@@ -590,6 +656,9 @@ def _read_batch_lines(path: str) -> list[str]:
 def error_record(exc: BaseException, line: int) -> dict[str, Any]:
     """The JSON record written for a failed ``--batch`` line."""
     error: dict[str, Any] = {"type": type(exc).__name__, "message": _one_line(str(exc)), "line": line}
+    attempts = getattr(exc, "attempts", 1)
+    if attempts > 1:  # --max-retries: every attempt failed
+        error["attempts"] = attempts
     if isinstance(exc, (IncompleteOutputError, GenerationError)) and exc.partial_text is not None:
         error["partial_text"] = exc.partial_text
     elif isinstance(exc, OutputValidationError):
@@ -604,24 +673,29 @@ def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
         if getattr(args, flag):
             raise ConfigError(f"--{flag} cannot be used with --batch (JSONL is one record per line)",
                               option="--batch")
+    layout = layout_from_args(args)
     schema = schema_from_args(args)
-    sampling = _sampling_from_args(args)
+    options = generator_options_from_args(args)
     speculative = speculative_from_args(args)
     items = read_batch(_read_batch_lines(args.batch), multi=args.schema_multi)
-    _preflight(schema, args, None)
+    _preflight(schema, args, layout)
     runnable = [it for it in items if it.error is None]
     results: list[Any] = []
     if runnable:
-        gen = _load_generator(args, schema, sampling, speculative, None)
+        gen = _load_generator(args, schema, options, speculative, layout)
         schemas = ([it.schema if it.has_schema else schema for it in runnable]
                    if any(it.has_schema for it in runnable) else None)
         from tqdm.auto import tqdm
 
-        # the engine reports accepted tokens, not finished requests: the bar counts tokens
+        # the engine reports accepted tokens, not finished requests: the bar counts tokens.
+        # Retries take no on_tokens callback (a failed attempt's tokens would already be
+        # out), so with --max-retries there is no bar.
+        bar_on = not args.quiet and not options["max_retries"]
         with tqdm(desc=f"{len(runnable)} prompts", unit="tok", file=sys.stderr,
-                  disable=args.quiet, leave=False) as bar:
+                  disable=not bar_on, leave=False) as bar:
             results = gen.batch([it.prompt for it in runnable], schemas=schemas,
-                                return_result=True, on_tokens=lambda i, ids: bar.update(len(ids)))
+                                return_result=True,
+                                on_tokens=(lambda i, ids: bar.update(len(ids))) if bar_on else None)
     for it, result in zip(runnable, results):
         if isinstance(result, BaseException):
             it.error = result
@@ -636,7 +710,8 @@ def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
             item_stats = getattr(it.error, "stats", None)
         else:
             is_json = _is_json_schema(it.schema if it.has_schema else schema)
-            line = output_json(it.result.text, is_json=is_json)
+            line = output_json(it.result.text, is_json=is_json,
+                               written_indent=None if layout is None else layout.indent)
             item_stats = it.result.stats
         out.write(line + "\n")
         if item_stats is not None:
@@ -713,7 +788,9 @@ def _one_line(text: str) -> str:
 def report_error(exc: BaseException) -> int:
     """Print one line for ``exc`` on stderr (plus the partial text of an incomplete output)."""
     code = exit_code_for(exc)
-    print(f"{PROG}: {EXIT_CODES[code][0]}: {_one_line(str(exc)) or type(exc).__name__}",
+    attempts = getattr(exc, "attempts", 1)
+    after = f" (all {attempts} attempts failed)" if attempts > 1 else ""
+    print(f"{PROG}: {EXIT_CODES[code][0]}: {_one_line(str(exc)) or type(exc).__name__}{after}",
           file=sys.stderr)
     if isinstance(exc, IncompleteOutputError):
         print(f"{PROG}: partial output: {json.dumps(exc.partial_text, ensure_ascii=False)}",

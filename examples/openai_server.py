@@ -7,7 +7,9 @@
     person = client.beta.chat.completions.parse(model=..., messages=[...], response_format=Person)
 
 Routes: ``POST /v1/chat/completions`` (``response_format`` json_schema / json_object / text,
-``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``),
+``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, and the
+library's opt-in output-quality levers as vLLM-style extra parameters: ``repetition_penalty``,
+``no_repeat_ngram_size``, ``max_retries``),
 ``GET /v1/models``, ``GET /health`` and, with ``--enable-metrics``, ``GET /metrics``
 (Prometheus). Errors come in OpenAI's envelope ``{"error": {message, type, param, code}}``.
 
@@ -23,7 +25,10 @@ Differences from OpenAI's API, on purpose: ``temperature`` defaults to 0 (greedy
 library's default); ``stop`` applies to free text only (under a schema the grammar decides
 where the output ends); ``json_schema.strict`` true refuses any keyword the grammar would not
 enforce, absent refuses only unsupported ones, false only warns (and the output is then
-returned even if it fails final validation).
+returned even if it fails final validation). ``frequency_penalty`` / ``presence_penalty``
+(additive, OpenAI's) are refused: ``repetition_penalty`` is the multiplicative one of vLLM and
+transformers (here on the output's tokens only, not the prompt's). ``max_retries`` is refused with ``stream``: a failed attempt's text would already
+be sent.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import secrets
@@ -50,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from constrained_spec import __version__
-from constrained_spec.api import Generator
+from constrained_spec.api import DEFAULT_RETRY_TEMPERATURE, Generator
 from constrained_spec.cli import speculative_from_args
 from constrained_spec.config import METHODS
 from constrained_spec.errors import (
@@ -67,6 +73,9 @@ from constrained_spec.serving import EngineLoop, QueueFullError, Ticket
 logger = logging.getLogger("openai_server")
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+#: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a
+#: batch slot, and two retries already complete every benchmark task (README).
+MAX_RETRIES = 4
 
 # ------------------------------------------------------------------------------------------------
 # errors: OpenAI's envelope
@@ -146,12 +155,22 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # vLLM-style extra parameters: the library's opt-in levers (off when absent). Strict types
+    # (no "2" or true for a number); their ranges are SamplingParams', checked by make_request.
+    repetition_penalty: float | None = Field(default=None, strict=True)
+    no_repeat_ngram_size: int | None = Field(default=None, strict=True)
+    max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES, strict=True)
 
 
 # request fields that would change the answer and that this server does not implement:
 # refused rather than silently ignored (a falsy value is accepted: clients send defaults)
 _UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "logit_bias", "audio",
                 "frequency_penalty", "presence_penalty", "prediction")
+# OpenAI's penalties subtract from the logits by count; the guard here divides (as vLLM's and
+# transformers' repetition_penalty) or bans repeated n-grams: a different setting, not a rename
+_INSTEAD = dict.fromkeys(("frequency_penalty", "presence_penalty"),
+                         "; use repetition_penalty (> 1 penalises the tokens already in the "
+                         "output, 1.1 to 1.3 is typical) or no_repeat_ngram_size instead")
 
 
 def parse_body(raw: bytes) -> ChatCompletionRequest:
@@ -170,10 +189,14 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
                        code="invalid_value") from e
     for name in _UNSUPPORTED:
         if (body.model_extra or {}).get(name):
-            raise APIError(400, f"{name} is not supported by this server", param=name,
-                           code="unsupported_parameter")
+            raise APIError(400, f"{name} is not supported by this server{_INSTEAD.get(name, '')}",
+                           param=name, code="unsupported_parameter")
     if (body.model_extra or {}).get("tool_choice") not in (None, "none"):
         raise APIError(400, "tool_choice is not supported by this server", param="tool_choice",
+                       code="unsupported_parameter")
+    if body.stream and body.max_retries:
+        raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
+                       "attempt would already be sent", param="max_retries",
                        code="unsupported_parameter")
     return body
 
@@ -319,6 +342,7 @@ class Outcome:
     finish_reason: str
     error: APIError | None = None
     completion_tokens: int = 0
+    retryable: bool = False  # incomplete or invalid: what ``max_retries`` runs again
 
 
 # ------------------------------------------------------------------------------------------------
@@ -370,8 +394,10 @@ class Server:
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.tokenizer.decode(list(ids))
 
-    def build_requests(self, body: ChatCompletionRequest) -> list[tuple[Any, Any, SchemaMode]]:
-        """Engine requests for the ``n`` choices (runs on the prep thread)."""
+    def build_requests(self, body: ChatCompletionRequest, *, attempt: int = 0,
+                       indices: Sequence[int] | None = None) -> list[tuple[Any, Any, SchemaMode]]:
+        """Engine requests for the ``n`` choices (runs on the prep thread); with ``attempt``
+        >= 1, the retry of the choices ``indices`` (``max_retries``)."""
         schema, mode = schema_of(body.response_format)
         gen = self.generator(mode)
         prompt = chat_prompt(body.messages)
@@ -383,11 +409,19 @@ class Server:
             overrides["temperature"] = float(body.temperature)
         if body.top_p is not None:
             overrides["top_p"] = float(body.top_p)
+        if body.repetition_penalty is not None:
+            overrides["repetition_penalty"] = body.repetition_penalty
+        if body.no_repeat_ngram_size is not None:
+            overrides["no_repeat_ngram_size"] = body.no_repeat_ngram_size
         out = []
-        for i in range(body.n):
-            seed = None if body.seed is None else body.seed + i
+        for i in range(body.n) if indices is None else indices:
+            options = {**overrides, "seed": None if body.seed is None else body.seed + i}
+            if attempt:
+                # the library's definition of retry k (Generator.batch, max_retries): sampled at
+                # the request's temperature or the retry temperature, seed + k
+                options = gen.retry_options(options, attempt, DEFAULT_RETRY_TEMPERATURE)
             try:
-                req, spec = gen.make_request(prompt, schema=schema, seed=seed, **overrides)
+                req, spec = gen.make_request(prompt, schema=schema, **options)
             except ConstrainedSpecError as e:
                 raise api_error(e, schema_param=("response_format.json_schema.schema"
                                                  if body.response_format and
@@ -404,17 +438,18 @@ class Server:
             return Outcome(choice.text.text, "stop", completion_tokens=tokens)
         result = self.generator(choice.mode).finalize(req, choice.spec, return_result=True)
         if isinstance(result, IncompleteOutputError):
-            return Outcome(result.partial_text, "length", completion_tokens=tokens)
+            return Outcome(result.partial_text, "length", completion_tokens=tokens, retryable=True)
         if isinstance(result, OutputValidationError) and choice.mode == "lenient":
             # strict false: best effort, as OpenAI's non-strict mode (logged, not refused)
             logger.warning("choice %d failed final validation (strict false): %s", choice.index, result)
-            return Outcome(result.text, "stop", completion_tokens=tokens)
+            return Outcome(result.text, "stop", completion_tokens=tokens, retryable=True)
         if isinstance(result, BaseException):
             if req.finish_reason == "cancelled":
                 return Outcome("", "cancelled", api_error(result), tokens)
             if req.error is not None:
                 logger.error("request %s failed: %r", req.id, req.error)
-            return Outcome("", "error", api_error(result), tokens)
+            return Outcome("", "error", api_error(result), tokens,
+                           retryable=isinstance(result, OutputValidationError))
         return Outcome(result.text, "stop", completion_tokens=tokens)
 
 
@@ -570,7 +605,7 @@ def create_app(model: Any, config: ServerConfig) -> FastAPI:
                 _stream(server, request, choices, completion_id, body.model, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(server, request, choices, completion_id, body.model)
+        return await _complete(server, request, body, choices, completion_id)
 
     if config.enable_metrics:
         registry = metrics_registry(server)
@@ -606,10 +641,36 @@ def _usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> dict[str, 
             "total_tokens": prompt + completion}
 
 
-async def _complete(server: Server, request: Request, choices: Sequence[Choice], completion_id: str,
-                    model: str) -> Response:
+async def _run_attempts(server: Server, body: ChatCompletionRequest,
+                        choices: Sequence[Choice]) -> list[Outcome]:
+    """Run the choices to their outcomes. With ``max_retries``, a choice that ended incomplete or
+    invalid runs again as a new request (retry k: sampled, seed + k, as in the library) until
+    one attempt succeeds or the retries run out; its outcome is its last attempt's."""
+    await _run_choices(choices)
+    outcomes = [server.outcome(c) for c in choices]
+    for attempt in range(1, (body.max_retries or 0) + 1):
+        again = [c for c, o in zip(choices, outcomes) if o.retryable]
+        if not again:
+            break
+        build = functools.partial(server.build_requests, body, attempt=attempt,
+                                  indices=[c.index for c in again])
+        built = await asyncio.get_running_loop().run_in_executor(server.prep, build)
+        try:
+            tickets = server.loop.submit([req for req, _, _ in built])
+        except ConstrainedSpecError as e:
+            raise api_error(e) from e
+        for c, ticket in zip(again, tickets):
+            c.ticket, c.text = ticket, ChoiceText(server.decode, c.text.stop)
+        await _run_choices(again)
+        for c in again:
+            outcomes[c.index] = server.outcome(c)
+    return outcomes
+
+
+async def _complete(server: Server, request: Request, body: ChatCompletionRequest,
+                    choices: Sequence[Choice], completion_id: str) -> Response:
     created = int(time.time())
-    work = asyncio.create_task(_run_choices(choices))
+    work = asyncio.create_task(_run_attempts(server, body, choices))
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -617,8 +678,7 @@ async def _complete(server: Server, request: Request, choices: Sequence[Choice],
             logger.info("%s: client disconnected; cancelling", completion_id)
             return JSONResponse(envelope("client closed the request", "invalid_request_error"),
                                 status_code=499)
-        work.result()
-        outcomes = [server.outcome(c) for c in choices]
+        outcomes = work.result()
     finally:
         gone.cancel()
         work.cancel()
@@ -628,7 +688,7 @@ async def _complete(server: Server, request: Request, choices: Sequence[Choice],
         if o.error is not None:
             return o.error.response()
     return JSONResponse({
-        "id": completion_id, "object": "chat.completion", "created": created, "model": model,
+        "id": completion_id, "object": "chat.completion", "created": created, "model": body.model,
         "system_fingerprint": None,
         "choices": [{"index": c.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
                      "logprobs": None, "finish_reason": o.finish_reason}
@@ -722,7 +782,11 @@ def _sse(data: Any) -> str:
 def metrics_registry(server: Server) -> Any:
     """A registry whose collector reads the engine loop's counters at scrape time."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     class EngineCollector:
         def collect(self) -> Any:

@@ -153,3 +153,20 @@ def gof(counts, exact: dict[tuple, float], n: int) -> float:
         exp.append(rest_e)
     exp = [e * sum(obs) / sum(exp) for e in exp]
     return chisquare(obs, exp).pvalue
+
+
+def bigram_loaded(edges: dict[tuple[str, str], float]):
+    """A LoadedModel whose logits are ``table[last token]`` over the byte-level BPE of
+    `byte_level_bpe`, built from ``edges`` {(token, next token): logit} (others -10): a model
+    whose greedy behaviour, e.g. a repetition loop, is fixed by construction."""
+    from constrained_spec.models import load_model
+
+    tok = byte_level_bpe()
+    V = len(tok) + 2
+    table = torch.full((V, V), -10.0)
+    for (a, b), w in edges.items():
+        table[tok.convert_tokens_to_ids(a), tok.convert_tokens_to_ids(b)] = w
+    model = bigram_llama(table)
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
+    return load_model((model, tok))

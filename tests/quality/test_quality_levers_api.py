@@ -18,10 +18,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import bound_schema, normalize_schema
-from cs_testlib import bigram_llama, byte_level_bpe
+from cs_testlib import bigram_loaded
 from pydantic import BaseModel, field_validator
 
 from constrained_spec import (
@@ -35,21 +34,6 @@ from constrained_spec import (
 
 STRING_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
                  "additionalProperties": False}
-
-
-def bigram_loaded(edges: dict[tuple[str, str], float]):
-    """A LoadedModel whose logits are ``table[last token]``, built from byte-level ``edges``."""
-    from constrained_spec.models import load_model
-
-    tok = byte_level_bpe()
-    V = len(tok) + 2
-    table = torch.full((V, V), -10.0)
-    for (a, b), w in edges.items():
-        table[tok.convert_tokens_to_ids(a), tok.convert_tokens_to_ids(b)] = w
-    model = bigram_llama(table)
-    for cfg in (model.config, model.generation_config):
-        cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
-    return load_model((model, tok))
 
 
 @pytest.fixture(scope="module")
