@@ -35,7 +35,11 @@ class SpeculativeConfig:
     model:
         The drafter's weights where the method needs them. For ``"draft_model"`` (required): a
         smaller causal LM sharing the target's tokenizer, as a checkpoint folder, a ``.gguf``
-        file, a ``(transformers_model, tokenizer)`` pair or a ``LoadedModel``.
+        file, a ``(transformers_model, tokenizer)`` pair or a ``LoadedModel``. For ``"eagle3"``
+        and ``"mtp"``: a head folder (trained by ``python -m constrained_spec.training``, or a
+        public EAGLE-3 checkpoint; for mtp also a checkpoint with a DeepSeek-V3-style MTP layer),
+        a ``DraftHead``, or None: the head shipped for the embedded default model (for mtp, the
+        target's own MTP layer when its checkpoint has one).
     forced:
         Propose the grammar's forced continuation as drafts (q = 1). On by default.
     max_forced_tokens:

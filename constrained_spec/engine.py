@@ -272,7 +272,8 @@ class Engine:
             rows = bitmask[i, : min(max_rows, budget + 1) if budget >= 1 else 1]
             cursor = GrammarCursor(r.matcher, rows, grammar_time, note_forced=r.params.guarded)
             return DraftState(r.id, r.context(), cursor, r.params, r.generator,
-                              drafter_state=r.drafter_state, prompt_len=len(r.prompt_ids))
+                              drafter_state=r.drafter_state, prompt_len=len(r.prompt_ids),
+                              slot=r.slot)
 
         def draft(rs: Sequence[Request], states: list[DraftState]) -> None:
             try:

@@ -53,10 +53,12 @@ INT4_GROUP = 32
 INT4_MAX_ROWS = 12
 
 
-def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor] | None:
+def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP, *,
+              exact: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel when every group of ``group``
     input weights of every row is exactly ``d * q + m`` with ``q`` in 0..15 (as dequantized
-    from a Q4_1 GGUF), else None. ``weight``: float32 [N, K]."""
+    from a Q4_1 GGUF), else None. ``weight``: float32 [N, K]. ``exact=False`` quantizes any
+    weight that way (round to nearest; for draft heads, whose drafts are verified anyway)."""
     N, K = weight.shape
     if weight.dtype != torch.float32 or K % group or N % 16:
         return None
@@ -66,7 +68,7 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
     q = (g - lo).mul_(torch.where(d == 0, torch.zeros_like(d), 1.0 / d)).round_().clamp_(0, 15)
     # exact up to fp32 rounding of d * q + m (the converter computed the same expression)
     err = (q * d).add_(lo).sub_(g).abs_()
-    if not bool((err <= 1e-6 * (hi.abs() + lo.abs())).all()):
+    if exact and not bool((err <= 1e-6 * (hi.abs() + lo.abs())).all()):
         return None
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(N, K).to(torch.int32), 1)
     # the kernel computes (q - 8) * scale + zero
@@ -150,6 +152,13 @@ class Runner:
                 num_logits: Sequence[int]) -> torch.Tensor:
         raise NotImplementedError
 
+    def enable_features(self, layers: Sequence[int]) -> None:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{type(self).__name__} does not keep hidden states; drafters that read "
+                          "them (eagle3, mtp) need a Llama-family target (llama, mistral, qwen2)",
+                          option="speculative.method")
+
 
 class LlamaRunner(Runner):
     """Batched Llama-family forward with a position-indexed KV cache per slot."""
@@ -196,6 +205,40 @@ class LlamaRunner(Runner):
         self._cap_slots, self._cap_len = 0, 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        # hidden states kept per slot and position for drafters that read them (EAGLE-3, MTP)
+        self.feature_layers: tuple[int, ...] = ()
+        self.f_cache: torch.Tensor | None = None
+
+    # -- features -------------------------------------------------------------------------
+    def enable_features(self, layers: Sequence[int]) -> None:
+        """From now on every forward keeps, per slot and position, the hidden states of
+        ``layers`` (transformers' ``hidden_states`` numbering: 0 = embeddings, i = output of
+        decoder layer i - 1, the last (n_layers, or -1) after the final norm), read back with `features`. Several
+        drafters may ask: the union is kept (positions cached before a change read as zeros)."""
+        for i in layers:
+            if not (i == -1 or 0 <= i <= self.n_layers):
+                raise ValueError(f"feature layer {i} is not in -1, 0..{self.n_layers}")
+        union = tuple(sorted(set(self.feature_layers) | {int(i) for i in layers}))
+        if union != self.feature_layers:
+            self.feature_layers = union
+            self.f_cache = None
+            if self._cap_slots:
+                self._alloc_features()
+
+    def _alloc_features(self) -> None:
+        D = self.embed.shape[1]
+        self.f_cache = torch.zeros((self._cap_slots, self._cap_len, len(self.feature_layers) * D),
+                                   device=self.device, dtype=self.dtype)
+
+    def features(self, slot: int, start: int, end: int, layers: Sequence[int]) -> torch.Tensor:
+        """[end - start, len(layers) * D]: the kept hidden states of ``layers`` (each enabled
+        with `enable_features`) at positions start..end-1 of ``slot``."""
+        D = self.embed.shape[1]
+        rows = self.f_cache[slot, start:end]
+        if tuple(layers) == self.feature_layers:
+            return rows
+        return torch.cat([rows[:, self.feature_layers.index(i) * D:(self.feature_layers.index(i) + 1) * D]
+                          for i in layers], dim=-1)
 
     # -- cache ----------------------------------------------------------------------------
     def _ensure_capacity(self, slots: int, length: int) -> None:
@@ -215,7 +258,12 @@ class LlamaRunner(Runner):
                     cache[i] = fresh
                 else:
                     cache.append(fresh)
+        old_f, old_slots, old_len = self.f_cache, self._cap_slots, self._cap_len
         self._cap_slots, self._cap_len = new_slots, new_len
+        if self.feature_layers:
+            self._alloc_features()
+            if old_f is not None:
+                self.f_cache[:old_slots, :old_len] = old_f
 
     # -- forward --------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -252,7 +300,11 @@ class LlamaRunner(Runner):
         write_idx = (slot_t[:, None].expand(B, T), pos)
         # the int4 kernel costs ~linear in rows; past a dozen the dense GEMM is cheaper
         sfx = "_int4" if self.int4_linears and B * T <= self.int4_max_rows else ""
+        keep = self.feature_layers
+        kept: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
+            if i in keep:
+                kept[i] = x
             h = self._rms(x, L["ln1"])
             qkv = _linear(h, L["qkv" + sfx], L["qkv_bias"]).view(B, T, H + 2 * KV, hd)
             qk = qkv[:, :, : H + KV]
@@ -274,6 +326,10 @@ class LlamaRunner(Runner):
             h = self._rms(x, L["ln2"])
             gate, up = _linear(h, L["gate_up" + sfx]).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, L["down" + sfx])
+        if keep:
+            if self.n_layers in keep or -1 in keep:  # the last one after the final norm
+                kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
+            self.f_cache.index_put_(write_idx, torch.cat([kept[i] for i in keep], dim=-1))
         for s, e in zip(slots, ends):
             self._lengths[s] = e
         # logits only for the rows asked for: the last num_logits[b] real positions of each slot

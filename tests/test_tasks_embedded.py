@@ -73,11 +73,14 @@ def test_every_task_validates_or_is_incomplete(baseline):
     assert completed > 0
 
 
-@pytest.mark.parametrize("mode", ["forced", "ngram", "forced+ngram"])
+@pytest.mark.parametrize("mode", ["forced", "ngram", "forced+ngram", "eagle3+forced", "mtp+forced"])
 def test_greedy_speculation_is_token_identical_on_tasks(embedded_fp32, baseline, mode):
+    """(eagle3 and mtp: the heads shipped for the embedded model.)"""
     spec = {"forced": SpeculativeConfig(method=None),
             "ngram": SpeculativeConfig(method="ngram", forced=False),
-            "forced+ngram": SpeculativeConfig(method="ngram")}[mode]
+            "forced+ngram": SpeculativeConfig(method="ngram"),
+            "eagle3+forced": SpeculativeConfig(method="eagle3", num_speculative_tokens=3),
+            "mtp+forced": SpeculativeConfig(method="mtp", num_speculative_tokens=3)}[mode]
     tasks = load_tasks()
     results = run_all(embedded_fp32, spec, batch=True)
     forwards_off = forwards_on = 0

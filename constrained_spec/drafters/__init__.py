@@ -6,13 +6,20 @@ from typing import Any
 
 from ..config import SpeculativeConfig
 from ..errors import ConfigError
-from .base import DraftState, Drafter, GrammarCursor
+from .base import Drafter, DraftState, GrammarCursor
 from .draft_model import DraftModelDrafter, load_draft_model
 from .forced import ForcedDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["DraftState", "Drafter", "GrammarCursor", "DraftModelDrafter", "ForcedDrafter",
-           "NgramDrafter", "make_drafter"]
+__all__ = [
+    "DraftModelDrafter",
+    "DraftState",
+    "Drafter",
+    "ForcedDrafter",
+    "GrammarCursor",
+    "NgramDrafter",
+    "make_drafter",
+]
 
 
 def make_drafter(config: SpeculativeConfig | None, model: Any) -> Drafter | None:
@@ -24,6 +31,8 @@ def make_drafter(config: SpeculativeConfig | None, model: Any) -> Drafter | None
         return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
     if config.method == "draft_model":
         return load_draft_model(config.model, model)
-    raise ConfigError(f"method {config.method!r} is not available in this version; use 'ngram' "
-                      "or 'draft_model' (or method=None for forced tokens only)",
-                      option="speculative.method")
+    if config.method in ("eagle3", "mtp"):
+        from .feature import load_feature_drafter
+
+        return load_feature_drafter(config.method, config.model, model)
+    raise ConfigError(f"unknown method {config.method!r}", option="speculative.method")

@@ -123,6 +123,7 @@ class DraftState:
     forced_at: list[int] = field(default_factory=list)  # proposal positions that are forced tokens
     drafter_state: Any = None  # per-request memory a model drafter keeps between steps
     prompt_len: int = 0  # context[prompt_len:] is the output so far
+    slot: int = -1  # the request's slot in the target runner (drafters reading its features)
 
     def push(self, token: int, q: torch.Tensor | None = None) -> bool:
         if not self.cursor.push(token):

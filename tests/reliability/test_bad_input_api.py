@@ -229,11 +229,12 @@ def test_recursive_schema_generates_or_reports_incomplete(embedded):
 
 
 @pytest.mark.model
-def test_unavailable_speculative_method_is_a_config_error(embedded):
-    with pytest.raises(ConfigError) as info:
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_missing_head_is_a_config_error_naming_it(embedded, method):
+    with pytest.raises(ConfigError, match="/no/such/model") as info:
         Generator(embedded, schema={"type": "string"},
-                  speculative=SpeculativeConfig(method="eagle3", model="/no/such/model"))
-    assert info.value.option == "speculative.method"
+                  speculative=SpeculativeConfig(method=method, model="/no/such/model"))
+    assert info.value.option == "speculative.model"
 
 
 @pytest.mark.model

@@ -1,0 +1,325 @@
+"""Target features for learned drafters: hidden states and greedy next tokens, per position.
+
+An EAGLE-3 head reads a few of the target's hidden layers; an MTP module reads its last one;
+both learn to predict the target's own next tokens. Running the target once over the corpus
+and storing those, position by position, makes training a pass over files that never touches
+the target again.
+
+Layer indices are those of transformers' ``hidden_states`` (and of the runner's
+``enable_features``, which keeps the same states at decode time): 0 is the embeddings output,
+i (1..n-1) the output of the i-th decoder layer (``layers[i - 1]``), n -- or -1 -- the output
+of the last one after the final norm (the LM head's input).
+
+On disk (``out_dir``)::
+
+    shard_00000.pt   torch.save of a dict of lists, one entry per sequence (at most ~256 MB):
+        index        int       the sequence's position in the corpus list
+        id           str       the corpus row's id
+        input_ids    int32     [T]        prompt_ids + output_ids, cut to max_len
+        features     bfloat16  [T, L*H]   hidden_states[layers[0]] | ... | hidden_states[layers[-1]]
+        target_next  int32     [T]        argmax of the target's logits at t: its greedy token t+1
+        loss_mask    bool      [T]        True where input_ids[t] is an output token
+    meta.json        layers, hidden_size, feature_size, model, max_len, count, tokens, and per
+                     shard its file, indices and ids (what a resumed run skips)
+
+A shard is written whole (temporary file, then renamed) before meta.json lists it, so a killed
+run loses at most the shard it was filling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from ..models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of tensor data per shard at most (unless one forward batch alone is larger).
+SHARD_BYTES = 256 << 20
+FORMAT_VERSION = 1
+_META = "meta.json"
+
+
+def group_by_tokens(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive runs of ``lengths`` (positions into it) whose padded size, count x longest,
+    stays within ``batch_tokens``; a longer sequence forms a batch of its own."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        if group and (len(group) + 1) * max(longest, n) > batch_tokens:
+            groups.append(group)
+            group, longest = [], 0
+        group.append(i)
+        longest = max(longest, n)
+    if group:
+        groups.append(group)
+    return groups
+
+
+@torch.inference_mode()
+def target_features(hf_model: Any, seqs: Sequence[Sequence[int]],
+                    layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One right-padded forward over ``seqs``: (features, greedy next tokens) per position.
+
+    Returns ``features`` bfloat16 [B, T, len(layers) * H] and ``target_next`` int32 [B, T] on
+    the model's device (rows past a sequence's length are padding).
+    """
+    device = next(hf_model.parameters()).device
+    B, T = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[b, :len(s)] = 1
+    out = hf_model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                   output_hidden_states=True, use_cache=False)
+    # features: [B, T, L*H]; hidden_states[-1] is hidden_states[n]
+    features = torch.cat([out.hidden_states[i] for i in layers], dim=-1).to(torch.bfloat16)
+    target_next = out.logits.argmax(dim=-1).to(torch.int32)  # [B, T]
+    return features, target_next
+
+
+def _check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
+    """``layers`` as a list, checked: distinct indices in -1, 0..n_layers (-1 is n_layers)."""
+    out = list(layers)
+    if not out or any(isinstance(i, bool) or not isinstance(i, int) or not -1 <= i <= n_layers
+                      for i in out) or len({n_layers if i == -1 else i for i in out}) != len(out):
+        raise ConfigError(f"must be distinct hidden_states indices in 0..{n_layers} (0: the "
+                          f"embeddings, {n_layers} or -1: the last layer after the final norm), "
+                          f"got {list(layers)!r}", option="layers")
+    return out
+
+
+def _row_id(corpus: list[dict[str, Any]], index: int) -> str:
+    return str(corpus[index].get("id", index))
+
+
+def _read_meta(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / _META
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _write_meta(out_dir: Path, meta: dict[str, Any]) -> None:
+    tmp = out_dir / (_META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    os.replace(tmp, out_dir / _META)
+
+
+def extract_features(hf_model: Any, corpus: list[dict[str, Any]], layers: Sequence[int],
+                     out_dir: Path, *, max_len: int = 1024, batch_tokens: int = 4096,
+                     shard_bytes: int = SHARD_BYTES, progress: bool = True) -> Path:
+    """Run the target over every corpus sequence and store its features in ``out_dir``.
+
+    Parameters
+    ----------
+    hf_model:
+        The target: a transformers causal LM (or a ``LoadedModel``, whose model is used), on the
+        device it should run on. Features are stored in bfloat16 whatever its dtype.
+    corpus:
+        Rows with ``prompt_ids`` and ``output_ids`` (:func:`~.data.load_corpus`); a sequence is
+        ``prompt_ids + output_ids`` cut to ``max_len`` tokens, and is known by its position in
+        this list.
+    layers:
+        ``hidden_states`` indices to store, concatenated in this order (0: embeddings, n or -1:
+        the last layer after the final norm; see the module docstring).
+    max_len, batch_tokens:
+        Longest sequence kept; padded tokens per forward (sequences of similar length are
+        batched together, right-padded).
+    shard_bytes:
+        Tensor bytes per shard at most (a shard holds at least one forward batch).
+
+    Resumable: sequences already listed in ``meta.json`` are skipped; a run over another model,
+    layer set or max_len, or a corpus whose rows moved, raises :class:`ConfigError`. Returns
+    ``out_dir``; the format is in the module docstring.
+    """
+    from tqdm.auto import tqdm
+
+    if isinstance(hf_model, LoadedModel):
+        hf_model = hf_model.model
+    if not corpus:
+        raise ConfigError("the corpus is empty; run generate_corpus first", option="corpus")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ConfigError(f"must be an integer >= 2, got {max_len!r}", option="max_len")
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise ConfigError(f"must be a positive integer, got {batch_tokens!r}", option="batch_tokens")
+    cfg = hf_model.config
+    layers = _check_layers(layers, int(cfg.num_hidden_layers))
+    hidden = int(cfg.hidden_size)
+    model_name = str(getattr(cfg, "_name_or_path", "") or type(hf_model).__name__)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    fresh: dict[str, Any] = {"format": FORMAT_VERSION, "model": model_name, "layers": layers,
+                             "hidden_size": hidden, "feature_size": hidden * len(layers),
+                             "max_len": max_len, "count": 0, "tokens": 0, "shards": []}
+    meta = _read_meta(out_dir) or fresh
+    n_layers = int(cfg.num_hidden_layers)
+    same = {key: meta.get(key) == fresh[key] for key in ("format", "model", "hidden_size", "max_len")}
+    same["layers"] = [n_layers if i == -1 else i for i in meta.get("layers", [])] == [
+        n_layers if i == -1 else i for i in layers]
+    for key, ok in same.items():
+        if not ok:
+            raise ConfigError(f"{out_dir} holds features with {key}={meta.get(key)!r}, this run "
+                              f"has {fresh[key]!r}; use another out_dir", option="out_dir")
+    done: set[int] = set()
+    for shard in meta["shards"]:
+        for index, sid in zip(shard["indices"], shard["ids"]):
+            if index >= len(corpus) or _row_id(corpus, index) != sid:
+                raise ConfigError(f"{out_dir}: corpus row {index} was {sid!r} when its features "
+                                  "were stored; pass the same corpus, or use another out_dir",
+                                  option="corpus")
+            done.add(index)
+
+    seqs = {i: (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_len]
+            for i, row in enumerate(corpus) if i not in done}
+    order = sorted(seqs, key=lambda i: -len(seqs[i]))  # longest first: a too-large batch fails early
+    buffer: dict[str, list[Any]] = {k: [] for k in ("index", "id", "input_ids", "features",
+                                                      "target_next", "loss_mask")}
+    buffered = 0
+
+    def flush() -> None:
+        nonlocal buffered
+        if not buffer["index"]:
+            return
+        name = f"shard_{len(meta['shards']):05d}.pt"
+        tmp = out_dir / (name + ".tmp")
+        torch.save(buffer, tmp)
+        os.replace(tmp, out_dir / name)
+        tokens = sum(len(t) for t in buffer["input_ids"])
+        meta["shards"].append({"file": name, "indices": list(buffer["index"]),
+                               "ids": list(buffer["id"]), "tokens": tokens})
+        meta["count"] += len(buffer["index"])
+        meta["tokens"] += tokens
+        _write_meta(out_dir, meta)
+        for values in buffer.values():
+            values.clear()
+        buffered = 0
+
+    _write_meta(out_dir, meta)
+    bar = tqdm(total=len(corpus), initial=len(done), desc="features", unit="seq",
+               disable=not progress, file=sys.stderr)
+    try:
+        for group in group_by_tokens([len(seqs[i]) for i in order], batch_tokens):
+            batch = [order[g] for g in group]
+            features, target_next = target_features(hf_model, [seqs[i] for i in batch], layers)
+            features, target_next = features.cpu(), target_next.cpu()
+            size = sum(len(seqs[i]) for i in batch) * (features.shape[-1] * 2 + 9)
+            if buffered and buffered + size > shard_bytes:
+                flush()  # shards stay under shard_bytes unless one batch alone is larger
+            for b, i in enumerate(batch):
+                n = len(seqs[i])
+                loss_mask = torch.zeros(n, dtype=torch.bool)
+                loss_mask[len(corpus[i]["prompt_ids"]):] = True
+                buffer["index"].append(i)
+                buffer["id"].append(_row_id(corpus, i))
+                buffer["input_ids"].append(torch.tensor(seqs[i], dtype=torch.int32))
+                # clone: a slice would save (and load as) a view of the padded batch tensor
+                buffer["features"].append(features[b, :n].clone())
+                buffer["target_next"].append(target_next[b, :n].clone())
+                buffer["loss_mask"].append(loss_mask)
+            buffered += size
+            bar.update(len(batch))
+        flush()
+    finally:
+        bar.close()
+    return out_dir
+
+
+class FeatureDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The sequences stored by :func:`extract_features`, one dict per sequence, shard by shard.
+
+    Each item: ``index`` (int), ``id`` (str), ``input_ids`` int32 [T], ``features`` bfloat16
+    [T, F], ``target_next`` int32 [T], ``loss_mask`` bool [T].
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        meta = _read_meta(self.path)
+        if meta is None:
+            raise ConfigError(f"no features in {self.path} ({_META} is missing); run "
+                              "extract_features first", option="features")
+        self.meta: dict[str, Any] = meta
+
+    @property
+    def feature_size(self) -> int:
+        return int(self.meta["feature_size"])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.meta["shards"])
+
+    def __len__(self) -> int:
+        return int(self.meta["count"])
+
+    def shard(self, k: int) -> list[dict[str, Any]]:
+        """The sequences of shard ``k``."""
+        data = torch.load(self.path / self.meta["shards"][k]["file"], weights_only=True)
+        keys = list(data)
+        return [dict(zip(keys, values)) for values in zip(*(data[key] for key in keys))]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for k in range(self.num_shards):
+            yield from self.shard(k)
+
+
+def collate(seqs: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Right-pad sequences into one batch; padding is zero (False) in every tensor.
+
+    Returns ``input_ids`` long [B, T], ``features`` bfloat16 [B, T, F], ``target_next`` long
+    [B, T], ``loss_mask`` bool [B, T] (output positions), ``attention_mask`` bool [B, T] (real
+    positions) and ``index`` long [B] (corpus positions).
+    """
+    B, T = len(seqs), max(len(s["input_ids"]) for s in seqs)
+    F = seqs[0]["features"].shape[-1]
+    out = {"input_ids": torch.zeros((B, T), dtype=torch.long),
+           "features": torch.zeros((B, T, F), dtype=torch.bfloat16),
+           "target_next": torch.zeros((B, T), dtype=torch.long),
+           "loss_mask": torch.zeros((B, T), dtype=torch.bool),
+           "attention_mask": torch.zeros((B, T), dtype=torch.bool),
+           "index": torch.tensor([int(s["index"]) for s in seqs], dtype=torch.long)}
+    for b, s in enumerate(seqs):
+        n = len(s["input_ids"])
+        out["input_ids"][b, :n] = s["input_ids"]
+        out["features"][b, :n] = s["features"]
+        out["target_next"][b, :n] = s["target_next"]
+        out["loss_mask"][b, :n] = s["loss_mask"]
+        out["attention_mask"][b, :n] = True
+    return out
+
+
+def batches(dataset: FeatureDataset, batch_tokens: int,
+            seed: int | None = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Padded batches (:func:`collate`) of at most ``batch_tokens`` padded tokens each.
+
+    One shard is in memory at a time; inside it, sequences of similar length are batched
+    together. ``seed``: shards, and batches within a shard, in a seeded random order (``None``:
+    stored order, shortest sequences first within a shard). Every sequence appears once.
+    """
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise ConfigError(f"must be a positive integer, got {batch_tokens!r}", option="batch_tokens")
+    rng = random.Random(seed) if seed is not None else None
+    shards = list(range(dataset.num_shards))
+    if rng is not None:
+        rng.shuffle(shards)
+    for k in shards:
+        seqs = dataset.shard(k)
+        tie = [rng.random() if rng is not None else 0.0 for _ in seqs]
+        order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]["input_ids"]), tie[i]))
+        groups = group_by_tokens([len(seqs[i]["input_ids"]) for i in order], batch_tokens)
+        if rng is not None:
+            rng.shuffle(groups)
+        for group in groups:
+            yield collate([seqs[order[g]] for g in group])
