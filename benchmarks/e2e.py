@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (not a package)
-from _results import write_section  # noqa: E402 (after the sys.path line)
+from _results import write_section
 
 RESULTS_HEADING = "## End-to-end against peers"
 PEERS = ("transformers+xgrammar", "transformers+outlines", "llama.cpp")
@@ -583,7 +583,11 @@ class Ours(_System):
         return schema
 
     def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
-        from constrained_spec import GenerationResult, IncompleteOutputError, OutputValidationError
+        from constrained_spec import (
+            GenerationResult,
+            IncompleteOutputError,
+            OutputValidationError,
+        )
 
         # streaming (for TTFT) cannot be combined with retries: then there is no TTFT
         stream = {} if getattr(self.gen, "max_retries", 0) else {"on_tokens": lambda i, t: clock.add(t)}
@@ -598,13 +602,15 @@ class Ours(_System):
         else:
             raise res
         stats = getattr(res, "stats", None)
-        if stats is not None and stats.prompt_tokens and stats.prompt_tokens != len(prompt["ids"]):
-            raise RuntimeError(f"our prompt has {stats.prompt_tokens} tokens, not {len(prompt['ids'])}")
+        attempts = getattr(res, "attempts", 1)  # with retries, stats add up over the attempts
+        if stats is not None and stats.prompt_tokens and stats.prompt_tokens != attempts * len(prompt["ids"]):
+            raise RuntimeError(f"our prompt has {stats.prompt_tokens // attempts} tokens, not "
+                               f"{len(prompt['ids'])}")
         tokens = len(ids) if ids else len(self.gen.model.tokenizer.encode(text, add_special_tokens=False))
         return dict(finished=finished, text=text, tokens=tokens,
                     emitted=stats.emitted_tokens if stats else tokens,
                     forwards=stats.target_forwards if stats else None,
-                    attempts=getattr(res, "attempts", 1))
+                    attempts=attempts)
 
 
 def _make_system(spec: dict) -> _System:
@@ -736,11 +742,11 @@ class Worker:
 # --- the parent ------------------------------------------------------------------------------
 def build_prompts(tasks: list[dict]) -> dict[str, dict]:
     """Per task: the chat messages (our schema system message) and their token ids."""
+    from constrained_spec.schemas import normalize_schema
     from transformers import AutoTokenizer
 
     from constrained_spec.models import _converted_default_dir
     from constrained_spec.prompts import build_messages, encode_prompt
-    from constrained_spec.schemas import normalize_schema
 
     tok = AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
     out = {}

@@ -40,6 +40,26 @@ MODES = {
     "ngram": SpeculativeConfig(method="ngram", forced=False),
     "forced+ngram": SpeculativeConfig(method="ngram"),
 }
+# learned drafters (the heads shipped for the embedded model, or --eagle3 / --mtp folders);
+# "no draft mask": the same drafter with its drafts taken from the raw head (ablation)
+HEAD_MODES = {
+    "eagle3": ("eagle3", False, True),
+    "eagle3+forced": ("eagle3", True, True),
+    "eagle3+forced (no draft mask)": ("eagle3", True, False),
+    "mtp": ("mtp", False, True),
+    "mtp+forced": ("mtp", True, True),
+    "mtp+forced (no draft mask)": ("mtp", True, False),
+}
+
+
+def head_modes(heads: dict[str, object], k: dict[str, int]) -> dict:
+    """(config, draft mask on?) per learned-drafter mode whose head is available."""
+    out = {}
+    for name, (method, forced, masked) in HEAD_MODES.items():
+        if method in heads:
+            out[name] = (SpeculativeConfig(method=method, model=heads[method], forced=forced,
+                                           num_speculative_tokens=k[method]), masked)
+    return out
 
 
 def task_schema(task: dict):
@@ -49,7 +69,12 @@ def task_schema(task: dict):
 
 def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
     model = load_model(None, quiet=True)
-    gens = {m: Generator(model, speculative=s) for m, s in modes.items()}
+    gens = {}
+    for m, s in modes.items():
+        spec, masked = s if isinstance(s, tuple) else (s, True)
+        gens[m] = Generator(model, speculative=spec)
+        if not masked:
+            gens[m].drafter.mask_drafts = False
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     names = list(modes)
     for ti, task in enumerate(tqdm(tasks, desc="tasks", file=sys.stderr)):
@@ -79,7 +104,12 @@ def summarize(rows: dict, subset=None) -> dict:
         step = sum(r["stats"].step_s for r in rs)
         grammar = sum(r["stats"].grammar_s for r in rs)
         per_task = [r["stats"].emitted_tokens / r["wall"] for r in rs if r["wall"] > 0]
+        merged = SpecStats()
+        for r in rs:
+            merged = merged.merge(r["stats"])
         out[m] = dict(tok_s=tokens / wall, acc_len=tokens / max(forwards, 1),
+                      by_position=merged.acceptance_rate_by_position[:5],
+                      draft_cost=merged.drafting_s / merged.target_forward_s if merged.target_forward_s else 0.0,
                       grammar_share=grammar / step if step else 0.0,
                       tok_s_median=statistics.median(per_task),
                       tok_s_iqr=(statistics.quantiles(per_task, n=4) if len(per_task) > 1 else [0, 0, 0]),
@@ -90,12 +120,14 @@ def summarize(rows: dict, subset=None) -> dict:
 def table(summary: dict, title: str) -> str:
     base = summary.get("off", {}).get("tok_s")
     lines = [f"**{title}**", "",
-             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length | speed-up vs off | grammar share of step | completed valid |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length | acceptance by draft position 1..5 | drafting / target forward time | speed-up vs off | grammar share of step | completed valid |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m, s in summary.items():
         q = s["tok_s_iqr"]
+        pos = " / ".join(f"{100 * a:.0f}" for a in s["by_position"]) or "—"
         lines.append(f"| {m} | {s['tok_s']:.1f} | {s['tok_s_median']:.1f} [{q[0]:.1f}, {q[2]:.1f}] | "
-                     f"{s['acc_len']:.2f} | {s['tok_s'] / base:.2f}x | {100 * s['grammar_share']:.1f}% | "
+                     f"{s['acc_len']:.2f} | {pos} | {100 * s['draft_cost']:.0f}% | "
+                     f"{s['tok_s'] / base:.2f}x | {100 * s['grammar_share']:.1f}% | "
                      f"{100 * s['valid']:.0f}% |" if base else "")
     return "\n".join(lines)
 
@@ -113,12 +145,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (1 avoids stalls when another process shares the cores)")
     ap.add_argument("--out", type=Path, default=None, help="append/replace the section in this markdown file")
+    ap.add_argument("--eagle3", type=Path, default=None, help="EAGLE-3 head folder (default: the shipped one)")
+    ap.add_argument("--mtp", type=Path, default=None, help="MTP head folder (default: the shipped one)")
+    ap.add_argument("--k-eagle3", type=int, default=3, help="drafts per step for eagle3")
+    ap.add_argument("--k-mtp", type=int, default=3, help="drafts per step for mtp")
+    ap.add_argument("--modes", default=None, help="comma-separated modes to run (default: all available)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
     tasks = tasks[: args.limit] if args.limit else tasks
-    rows = run(tasks, MODES, args.repeats)
+    from constrained_spec.drafters.feature import shipped_head
+
+    heads = {m: p for m, p in (("eagle3", args.eagle3 or shipped_head("eagle3")),
+                                ("mtp", args.mtp or shipped_head("mtp"))) if p is not None}
+    modes = dict(MODES, **head_modes(heads, {"eagle3": args.k_eagle3, "mtp": args.k_mtp}))
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",")]
+        unknown = [m for m in wanted if m not in modes]
+        if unknown:
+            ap.error(f"unknown or unavailable modes {unknown}; available: {list(modes)}")
+        modes = {m: modes[m] for m in ["off"] + [w for w in wanted if w != "off"]}
+    rows = run(tasks, modes, args.repeats)
     # losslessness check on the side: greedy outputs must be identical across modes
     mismatches = [r["task"] for m in rows for r, b in zip(rows[m], rows["off"]) if r["ids"] != b["ids"]]
     model = load_model(None, quiet=True)
