@@ -237,8 +237,8 @@ class LlamaRunner(Runner):
         rows = self.f_cache[slot, start:end]
         if tuple(layers) == self.feature_layers:
             return rows
-        return torch.cat([rows[:, self.feature_layers.index(i) * D:(self.feature_layers.index(i) + 1) * D]
-                          for i in layers], dim=-1)
+        cols = [self.feature_layers.index(i) * D for i in layers]
+        return torch.cat([rows[:, c: c + D] for c in cols], dim=-1)
 
     # -- cache ----------------------------------------------------------------------------
     def _ensure_capacity(self, slots: int, length: int) -> None:

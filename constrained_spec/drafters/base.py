@@ -156,6 +156,22 @@ class DraftState:
                              torch.tensor([float(prm.top_p)], device=out.device))
         return out[0]
 
+    def choose(self, logits: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
+        """A model drafter's draft for the next position from its raw target-width ``logits``
+        and its q (None = point mass): the argmax of `draft_logits` for greedy requests, a draw
+        from it with the request's generator otherwise; (None, None) when nothing is allowed."""
+        from ..sampling import probs_from_logits
+
+        x = self.draft_logits(logits)  # [V]: masked, guarded, temperature / top-k / top-p
+        if self.params.greedy:
+            if not bool(torch.isfinite(x).any()):
+                return None, None
+            return int(x.argmax()), None
+        q = probs_from_logits(x[None])[0].cpu()  # the row the draft is drawn from
+        if not float(q.sum()) > 0:
+            return None, None
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
+
 
 class Drafter(Protocol):
     """A plug-in that proposes up to ``k`` drafts per request, continuing after forced ones.
@@ -169,3 +185,31 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, states: Sequence[DraftState], k: int) -> None: ...
+
+
+# padded tokens per catch-up forward of a model drafter (activation memory)
+CATCH_UP_TOKENS = 4096
+
+
+def length_groups(lengths: Sequence[int], max_tokens: int = CATCH_UP_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for padded batched forwards: shortest first, a group
+    taking items up to about twice (+8) its first length (padding a 2-token catch-up to a
+    prompt wastes compute) and at most ``max_tokens`` padded tokens."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        L = lengths[i]
+        if out and L <= 2 * lengths[out[-1][0]] + 8 and (len(out[-1]) + 1) * L <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def fit_width(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """A [V'] row of draft logits cut or padded (-inf) to the target's logits ``width`` (the
+    two may differ by padding rows beyond the tokenizer)."""
+    if logits.shape[-1] > width:
+        return logits[:width]
+    if logits.shape[-1] < width:
+        return torch.cat([logits, logits.new_full((width - logits.shape[-1],), float("-inf"))])
+    return logits

@@ -28,11 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ModelLoadError
-from ..sampling import probs_from_logits
-from .base import DraftState
-
-# tokens per catch-up forward (batch x padded length): a new request feeds its whole prompt
-_CATCH_UP_TOKENS = 4096
+from .base import DraftState, fit_width, length_groups
 
 
 @dataclass(eq=False)
@@ -100,7 +96,7 @@ class DraftModelDrafter:
         if not todo:
             return
         rows: list[torch.Tensor] = [None] * len(todo)  # type: ignore[list-item]
-        for chunk in _chunks(range(len(todo)), [len(todo[i][2]) for i in range(len(todo))]):
+        for chunk in length_groups([len(fed) for _, _, fed in todo]):
             out = self.runner.forward([todo[i][1].slot for i in chunk], [todo[i][2] for i in chunk],
                                       [1] * len(chunk))  # [len(chunk), V_draft]
             for j, i in enumerate(chunk):
@@ -127,34 +123,7 @@ class DraftModelDrafter:
     def _choose(self, st: DraftState, logits: torch.Tensor) -> tuple[int | None, torch.Tensor | None]:
         """The draft for ``st``'s next position and its q (None = point mass), or None when the
         grammar (or the draft vocabulary) leaves nothing to draft there."""
-        V = self.vocab_size
-        if logits.shape[-1] > V:  # padding rows of the draft head
-            logits = logits[:V]
-        elif logits.shape[-1] < V:
-            logits = torch.cat([logits, logits.new_full((V - logits.shape[-1],), float("-inf"))])
-        x = st.draft_logits(logits)  # [V]: masked, guarded, temperature / top-k / top-p
-        if st.params.greedy:
-            if not bool(torch.isfinite(x).any()):
-                return None, None
-            return int(x.argmax()), None
-        q = probs_from_logits(x[None])[0].cpu()  # the row the draft is drawn from
-        if not float(q.sum()) > 0:
-            return None, None
-        return int(torch.multinomial(q, 1, generator=st.generator)), q
-
-
-def _chunks(items: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
-    """Group items of similar length (padding a 2-token catch-up to a prompt wastes compute),
-    at most ``_CATCH_UP_TOKENS`` padded tokens per group (activation memory)."""
-    order = sorted(items, key=lambda i: lengths[i])
-    out: list[list[int]] = []
-    for i in order:
-        L = lengths[i]
-        if out and L <= 2 * lengths[out[-1][0]] + 8 and (len(out[-1]) + 1) * L <= _CATCH_UP_TOKENS:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
+        return st.choose(fit_width(logits, self.vocab_size))
 
 
 # -- construction from SpeculativeConfig(method="draft_model", model=...) ----------------------

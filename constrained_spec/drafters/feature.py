@@ -35,11 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..sampling import probs_from_logits
-from .base import DraftState
+from .base import DraftState, fit_width, length_groups
 from .heads import DraftHead
-
-_CATCH_UP_TOKENS = 4096  # padded tokens per catch-up forward
 
 
 @dataclass(eq=False)
@@ -227,16 +224,8 @@ class FeatureDrafter:
             if end > seq.true_len:
                 work.append((st, seq, seq.true_len, end))
             # else: nothing new; anchor_out is the last entry's (None before any: no drafts)
-        work.sort(key=lambda w: w[3] - w[2])
-        i = 0
-        while i < len(work):
-            L = work[i][3] - work[i][2]
-            j = i + 1
-            while (j < len(work) and (j - i + 1) * (work[j][3] - work[j][2]) <= _CATCH_UP_TOKENS
-                   and work[j][3] - work[j][2] <= 2 * L + 8):
-                j += 1
-            self._catch_up_batch(work[i:j])
-            i = j
+        for group in length_groups([e - s for _, _, s, e in work]):
+            self._catch_up_batch([work[i] for i in group])
 
     def _catch_up_batch(self, work: list[tuple[DraftState, HeadSeq, int, int]]) -> None:
         T = max(e - s for _, _, s, e in work)
@@ -267,24 +256,11 @@ class FeatureDrafter:
             if not bool(torch.isfinite(x).any()):
                 return None, None
             return int(self.d2t[int(x.argmax())]), None
-        full = self._to_target(draft_logits)
-        x = st.draft_logits(full)  # masked, guarded, temperature / top-k / top-p
-        if st.params.greedy:
-            if not bool(torch.isfinite(x).any()):
-                return None, None
-            return int(x.argmax()), None
-        q = probs_from_logits(x[None])[0].cpu()
-        if not float(q.sum()) > 0:
-            return None, None
-        return int(torch.multinomial(q, 1, generator=st.generator)), q
+        return st.choose(self._to_target(draft_logits))
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         if self.identity_vocab:
-            V = self.vocab_size
-            x = draft_logits[:V]
-            if x.shape[0] < V:
-                x = torch.cat([x, x.new_full((V - x.shape[0],), float("-inf"))])
-            return x
+            return fit_width(draft_logits, self.vocab_size)
         out = draft_logits.new_full((self.vocab_size,), float("-inf"))
         ok = self.d2t < self.vocab_size
         out[self.d2t[ok]] = draft_logits[ok]

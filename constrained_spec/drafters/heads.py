@@ -238,9 +238,9 @@ class DraftHead(nn.Module):
             return self.lm_head(self.norm(hidden))
         h = self.shared_norm(hidden)
         packed = getattr(self, "target_head_int4", None)
-        if packed is not None and h.numel() // h.shape[-1] <= 12:
-            from ..runner import _linear
+        from ..runner import INT4_MAX_ROWS, _linear
 
+        if packed is not None and h.numel() // h.shape[-1] <= INT4_MAX_ROWS:
             return _linear(h.to(torch.bfloat16), packed)
         return F.linear(h, self.target_head.to(hidden.dtype))
 

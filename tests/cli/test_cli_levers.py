@@ -13,6 +13,7 @@ import json
 
 import pytest
 from cs_testlib import bigram_loaded
+from test_cli_parsing import stderr_of_exit_2_before_loading
 
 from constrained_spec import ConfigError, Generator, IncompleteOutputError, JsonLayout
 from constrained_spec.cli import (
@@ -101,14 +102,8 @@ def test_printed_json_is_one_line_unless_pretty_whatever_layout_the_model_wrote(
 ])
 def test_bad_lever_values_exit_2_with_one_line_before_any_model_is_loaded(argv, match, capsys,
                                                                          monkeypatch):
-    def no_model(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr("constrained_spec.models.load_model", no_model)
-    assert main(["generate", *argv]) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert captured.err.count("\n") == 1 and match in captured.err, captured.err
+    err = stderr_of_exit_2_before_loading(argv, capsys, monkeypatch)
+    assert err.count("\n") == 1 and match in err, err
 
 
 def test_a_non_number_is_argparses_usage_error(capsys):

@@ -182,6 +182,13 @@ def test_sampling_flag_defaults_are_the_library_defaults():
     (["--batch", "no/such/file.jsonl"], "--batch: cannot read"),
 ])
 def test_bad_option_values_exit_2_before_any_model_is_loaded(argv, match, capsys, monkeypatch):
+    err = stderr_of_exit_2_before_loading(argv, capsys, monkeypatch)
+    assert len(err.strip().splitlines()) == 1 and match in err
+
+
+def stderr_of_exit_2_before_loading(argv: list[str], capsys, monkeypatch) -> str:
+    """``constrained-spec generate ARGV`` must exit 2 with nothing on stdout and without
+    loading a model; returns what it wrote to stderr."""
     def no_model(*a, **k):
         raise AssertionError("a model was loaded")
 
@@ -189,7 +196,7 @@ def test_bad_option_values_exit_2_before_any_model_is_loaded(argv, match, capsys
     assert main(["generate", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert len(captured.err.strip().splitlines()) == 1 and match in captured.err
+    return captured.err
 
 
 def test_bad_schema_exits_3_before_any_model_is_loaded(capsys, monkeypatch):

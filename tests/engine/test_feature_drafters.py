@@ -25,12 +25,12 @@ import torch
 from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import normalize_schema
 from cs_testlib import (
-    CHARS,
     bigram_llama,
     exact_distribution,
     gof,
     tiny_loaded_model,
 )
+from test_draft_model import CPU, EOS, ID, PROMPTS, SCHEMAS, V
 from test_lossless_sampling import ALPHA, PROMPT
 
 from constrained_spec import ConfigError, Generator, Regex, SpeculativeConfig
@@ -46,21 +46,7 @@ from constrained_spec.drafters.heads import DraftHead, HeadConfig
 from constrained_spec.engine import Engine, Request
 from constrained_spec.runner import LlamaRunner
 
-ID = {c: i for i, c in enumerate(CHARS)}
-EOS = (0,)
-V = len(CHARS) + 2  # the tiny models' logits width
-CPU = torch.device("cpu")
 KINDS = ["eagle3", "mtp"]
-PROMPTS = [[ID[c] for c in "abababab"], [ID[c] for c in "abcab"],
-           [ID[t] for t in ['{', '"', 'a', '"', ':', ' ', '1', ',']], [ID[c] for c in "dddd"]]
-SCHEMAS = {
-    "regex": Regex(r"(ab|c)+d{2,4}"),
-    "json": {"type": "object", "properties": {"a": {"type": "integer"},
-                                              "b": {"type": "string", "maxLength": 5}},
-             "required": ["a", "b"], "additionalProperties": False},
-    "choice": ["abc", "abd", "e"],
-    "free": None,
-}
 
 
 # -- heads -------------------------------------------------------------------------------------
