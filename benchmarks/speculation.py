@@ -40,7 +40,8 @@ MODES = {
     "ngram": SpeculativeConfig(method="ngram", forced=False),
     "forced+ngram": SpeculativeConfig(method="ngram"),
 }
-# learned drafters (the heads shipped for the embedded model, or --eagle3 / --mtp folders);
+# learned drafters (the heads shipped for the embedded model, or --eagle3 / --mtp folders; a
+# distilled draft model with --draft-model);
 # "no draft mask": the same drafter with its drafts taken from the raw head (ablation)
 HEAD_MODES = {
     "eagle3": ("eagle3", False, True),
@@ -49,6 +50,8 @@ HEAD_MODES = {
     "mtp": ("mtp", False, True),
     "mtp+forced": ("mtp", True, True),
     "mtp+forced (no draft mask)": ("mtp", True, False),
+    "draft_model": ("draft_model", False, True),
+    "draft_model+forced": ("draft_model", True, True),
 }
 
 
@@ -149,6 +152,9 @@ def main() -> None:
     ap.add_argument("--mtp", type=Path, default=None, help="MTP head folder (default: the shipped one)")
     ap.add_argument("--k-eagle3", type=int, default=3, help="drafts per step for eagle3")
     ap.add_argument("--k-mtp", type=int, default=3, help="drafts per step for mtp")
+    ap.add_argument("--draft-model", type=Path, default=None,
+                    help="draft model folder (python -m constrained_spec.training draft_model)")
+    ap.add_argument("--k-draft-model", type=int, default=3, help="drafts per step for draft_model")
     ap.add_argument("--modes", default=None, help="comma-separated modes to run (default: all available)")
     args = ap.parse_args()
     if args.threads:
@@ -158,8 +164,10 @@ def main() -> None:
     from constrained_spec.drafters.feature import shipped_head
 
     heads = {m: p for m, p in (("eagle3", args.eagle3 or shipped_head("eagle3")),
-                                ("mtp", args.mtp or shipped_head("mtp"))) if p is not None}
-    modes = dict(MODES, **head_modes(heads, {"eagle3": args.k_eagle3, "mtp": args.k_mtp}))
+                                ("mtp", args.mtp or shipped_head("mtp")),
+                                ("draft_model", args.draft_model)) if p is not None}
+    modes = dict(MODES, **head_modes(heads, {"eagle3": args.k_eagle3, "mtp": args.k_mtp,
+                                             "draft_model": args.k_draft_model}))
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",")]
         unknown = [m for m in wanted if m not in modes]

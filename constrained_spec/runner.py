@@ -201,6 +201,7 @@ class LlamaRunner(Runner):
                 self.int4_linears += packed is not None
             self.layers.append(entry)
         self.vocab_size = int(self.lm_head.shape[0])
+        self.lm_head_int4: Any = None  # see quantize_for_drafting
         self.int4_max_rows = INT4_MAX_ROWS
         self._cap_slots, self._cap_len = 0, 0
         self.k_cache: list[torch.Tensor] = []
@@ -208,6 +209,31 @@ class LlamaRunner(Runner):
         # hidden states kept per slot and position for drafters that read them (EAGLE-3, MTP)
         self.feature_layers: tuple[int, ...] = ()
         self.f_cache: torch.Tensor | None = None
+
+    def quantize_for_drafting(self) -> int:
+        """Run every linear of every layer and the LM head on the int4 kernel for few-row
+        forwards, quantized round-to-nearest when not exactly 4-bit: for a DRAFT model only,
+        whose tokens the target verifies (its drafts change, the output does not). CPU bf16
+        only (elsewhere nothing changes). Returns the number of packed matrices."""
+        from .errors import ConfigError
+
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return 0
+        packed = 0
+        try:
+            for L in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    if isinstance(L[name + "_int4"], torch.Tensor):
+                        pack = pack_int4(L[name].float().contiguous(), exact=False)
+                        if pack is not None:
+                            L[name + "_int4"] = pack
+                            packed += 1
+            self.lm_head_int4 = pack_int4(self.lm_head.float().contiguous(), exact=False)
+        except RuntimeError as e:  # a torch build without the CPU int4 kernel
+            raise ConfigError(f"the int4 kernel is unavailable ({e}); set CONSTRAINED_SPEC_INT4=0",
+                              option="speculative.model") from e
+        self.int4_linears += packed
+        return packed + (self.lm_head_int4 is not None)
 
     # -- features -------------------------------------------------------------------------
     def enable_features(self, layers: Sequence[int]) -> None:
@@ -337,7 +363,9 @@ class LlamaRunner(Runner):
         idx = torch.tensor(rows, device=dev, dtype=torch.long)
         hidden = x.reshape(B * T, -1).index_select(0, idx)
         hidden = self._rms(hidden, self.norm)
-        logits = F.linear(hidden, self.lm_head).float()  # [sum num_logits, V]
+        head = self.lm_head_int4 if self.lm_head_int4 is not None and len(rows) <= self.int4_max_rows \
+            else self.lm_head
+        logits = _linear(hidden, head).float()  # [sum num_logits, V]
         return (logits, hidden) if return_hidden else logits
 
 

@@ -2,6 +2,7 @@
 
     python -m constrained_spec.training eagle3 --work runs/drafters
     python -m constrained_spec.training mtp --work runs/drafters
+    python -m constrained_spec.training draft_model --work runs/drafters
 
 Stages, each skipped or continued when its output already exists in ``--work``:
 
@@ -9,11 +10,18 @@ Stages, each skipped or continued when its output already exists in ``--work``:
    instructions, plus free chat), greedy, with the library's defaults (``corpus.jsonl``;
    shared by both kinds);
 2. features: the target's hidden states at the layers the head reads and its greedy next
-   token at every position (``features-<layers>/``);
+   token at every position (``features-<layers>-<source>/``), by default through the library's
+   runner as decoding computes them (the prompt in one prefill, the answer ``--chunk`` tokens
+   at a time: on CPU bf16 the int4 kernel verification uses);
 3. training: ``--minutes`` / ``--steps`` of the unrolled (training-time-test) objective, a
    progress bar with the loss and the per-step top-1 accuracy; the head is written to
    ``--out`` (default ``<work>/<kind>-head``). Use it with
    ``SpeculativeConfig(method=kind, model=<out>)``.
+
+``draft_model`` skips the features: it distils a small causal LM -- the target cut to
+``--draft-layers`` of its decoder layers -- on the corpus (``<work>/draft_model``, a
+transformers folder with the tokenizer; ``SpeculativeConfig(method="draft_model",
+model=<out>)``).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m constrained_spec.training", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["eagle3", "mtp"])
+    ap.add_argument("kind", choices=["eagle3", "mtp", "draft_model"])
     ap.add_argument("--model", default=None, help="target model (default: the embedded model)")
     ap.add_argument("--work", type=Path, default=Path("drafter-training"),
                     help="folder for the corpus, the features and the training state")
@@ -39,8 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=25.0, help="training time budget")
     ap.add_argument("--steps", type=int, default=1500, help="optimizer steps at most")
     ap.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    ap.add_argument("--features-from", choices=["runner", "hf"], default="runner",
+                    help="run the target through the library's runner (default: the features "
+                         "decoding sees) or one dense transformers forward per batch")
+    ap.add_argument("--chunk", type=int, default=4,
+                    help="answer tokens per sequence per forward when extracting through the runner")
     ap.add_argument("--draft-vocab", type=int, default=6144, help="eagle3: draft vocabulary size")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--draft-layers", default="0,1,-1",
+                    help="draft_model: the target's decoder layers it keeps (-1: the last)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default 1e-3 for heads, 3e-4 for draft_model)")
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
@@ -61,12 +77,26 @@ def main(argv: list[str] | None = None) -> int:
     prompts = build_prompts(args.prompts, seed=args.seed)
     generate_corpus(target, prompts, corpus_path, max_tokens=args.max_tokens, seed=args.seed)
     corpus = load_corpus(corpus_path)
+    if args.kind == "draft_model":
+        from .distill import train_draft_model
+
+        try:
+            keep = [int(x) for x in args.draft_layers.split(",")]
+        except ValueError:
+            ap.error(f"--draft-layers: comma-separated integers, got {args.draft_layers!r}")
+        out = args.out or work / "draft_model"
+        train_draft_model(target.model, corpus, out, layers=keep, lr=args.lr or 3e-4,
+                          batch_tokens=args.batch_tokens, max_steps=args.steps,
+                          max_minutes=args.minutes, seed=args.seed, tokenizer=target.tokenizer)
+        print(f"draft model written to {out}; use it with SpeculativeConfig(method='draft_model', "
+              f"model={str(out)!r})", file=sys.stderr)
+        return 0
     layers = HeadConfig.for_target(target.model.config, args.kind).feature_layers
-    feat_dir = work / ("features-" + "-".join(str(i) for i in layers))
-    extract_features(target.model, corpus, layers, feat_dir)
+    feat_dir = work / ("features-" + "-".join(str(i) for i in layers) + f"-{args.features_from}")
+    extract_features(target, corpus, layers, feat_dir, source=args.features_from, chunk=args.chunk)
     out = args.out or work / f"{args.kind}-head"
     train_head(args.kind, target.model, feat_dir, out, draft_vocab_size=args.draft_vocab,
-               ttt_steps=args.ttt_steps, lr=args.lr, batch_tokens=args.batch_tokens,
+               ttt_steps=args.ttt_steps, lr=args.lr or 1e-3, batch_tokens=args.batch_tokens,
                max_steps=args.steps, max_minutes=args.minutes, seed=args.seed)
     print(f"{args.kind} head written to {out}; use it with "
           f"SpeculativeConfig(method={args.kind!r}, model={str(out)!r})", file=sys.stderr)

@@ -19,8 +19,18 @@ On disk (``out_dir``)::
         features     bfloat16  [T, L*H]   hidden_states[layers[0]] | ... | hidden_states[layers[-1]]
         target_next  int32     [T]        argmax of the target's logits at t: its greedy token t+1
         loss_mask    bool      [T]        True where input_ids[t] is an output token
-    meta.json        layers, hidden_size, feature_size, model, max_len, count, tokens, and per
-                     shard its file, indices and ids (what a resumed run skips)
+    meta.json        layers, hidden_size, feature_size, model, max_len, source, chunk, count,
+                     tokens, and per shard its file, indices and ids (what a resumed run skips)
+
+Two ways to run the target (``source``):
+
+- ``"runner"`` (the default for a ``LoadedModel``): through the library's own runner, as
+  decoding runs it -- the prompt in one prefill forward, the answer in chunks of ``chunk``
+  tokens per sequence (``rows`` rows per forward at most), so the features come from the same
+  kernels a verification step uses (on CPU bf16: the exact int4 kernel for few-row forwards).
+  A head trained on these sees at drafting time what it saw in training.
+- ``"hf"``: one padded transformers forward per batch (a bare transformers model; the dense
+  weights).
 
 A shard is written whole (temporary file, then renamed) before meta.json lists it, so a killed
 run loses at most the shard it was filling.
@@ -90,6 +100,49 @@ def target_features(hf_model: Any, seqs: Sequence[Sequence[int]],
     return features, target_next
 
 
+@torch.inference_mode()
+def runner_features(runner: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                    layers: Sequence[int], *, chunk: int = 4
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Features through the library's runner, position by position as decoding computes them.
+
+    The sequences share the runner's forwards (one slot each): their prompts
+    (``seq[:prompt_lens[i]]``) in one batched prefill, then the rest ``chunk`` tokens per
+    sequence per forward, the way verification steps feed accepted tokens. Returns per sequence
+    (features bfloat16 [T, len(layers) * H], target_next int32 [T]) on the CPU.
+    """
+    runner.enable_features(layers)
+    slots = [runner.new_slot() for _ in seqs]
+    feats: list[list[torch.Tensor]] = [[] for _ in seqs]
+    nexts: list[list[torch.Tensor]] = [[] for _ in seqs]
+
+    def run(live: list[int], spans: list[tuple[int, int]]) -> None:
+        tokens = [list(seqs[i][s:e]) for i, (s, e) in zip(live, spans)]
+        logits = runner.forward([slots[i] for i in live], tokens, [len(t) for t in tokens])
+        row = 0
+        for i, (s, e) in zip(live, spans):
+            nexts[i].append(logits[row: row + e - s].argmax(dim=-1).to(torch.int32).cpu())
+            feats[i].append(runner.features(slots[i], s, e, layers).to(torch.bfloat16).cpu())
+            row += e - s
+
+    try:
+        first = [max(1, min(int(n), len(seq))) for n, seq in zip(prompt_lens, seqs)]
+        run(list(range(len(seqs))), [(0, n) for n in first])
+        done = list(first)
+        while True:
+            live = [i for i, seq in enumerate(seqs) if done[i] < len(seq)]
+            if not live:
+                break
+            spans = [(done[i], min(done[i] + chunk, len(seqs[i]))) for i in live]
+            run(live, spans)
+            for i, (_, e) in zip(live, spans):
+                done[i] = e
+    finally:
+        for slot in slots:
+            runner.free_slot(slot)
+    return [(torch.cat(f), torch.cat(t)) for f, t in zip(feats, nexts)]
+
+
 def _check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
     """``layers`` as a list, checked: distinct indices in -1, 0..n_layers (-1 is n_layers)."""
     out = list(layers)
@@ -118,16 +171,18 @@ def _write_meta(out_dir: Path, meta: dict[str, Any]) -> None:
     os.replace(tmp, out_dir / _META)
 
 
-def extract_features(hf_model: Any, corpus: list[dict[str, Any]], layers: Sequence[int],
-                     out_dir: Path, *, max_len: int = 1024, batch_tokens: int = 4096,
+def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[int],
+                     out_dir: Path, *, source: str | None = None, chunk: int = 4,
+                     rows: int = 12, max_len: int = 1024, batch_tokens: int = 4096,
                      shard_bytes: int = SHARD_BYTES, progress: bool = True) -> Path:
     """Run the target over every corpus sequence and store its features in ``out_dir``.
 
     Parameters
     ----------
-    hf_model:
-        The target: a transformers causal LM (or a ``LoadedModel``, whose model is used), on the
-        device it should run on. Features are stored in bfloat16 whatever its dtype.
+    model:
+        The target: a ``LoadedModel`` (``load_model``), or a bare transformers causal LM (then
+        ``source`` must be ``"hf"``), on the device it should run on. Features are stored in
+        bfloat16 whatever its dtype.
     corpus:
         Rows with ``prompt_ids`` and ``output_ids`` (:func:`~.data.load_corpus`); a sequence is
         ``prompt_ids + output_ids`` cut to ``max_len`` tokens, and is known by its position in
@@ -135,9 +190,17 @@ def extract_features(hf_model: Any, corpus: list[dict[str, Any]], layers: Sequen
     layers:
         ``hidden_states`` indices to store, concatenated in this order (0: embeddings, n or -1:
         the last layer after the final norm; see the module docstring).
+    source:
+        ``"runner"`` (default for a ``LoadedModel``): through the library's runner, as decoding
+        computes them; ``"hf"``: one padded transformers forward per batch (see the module
+        docstring).
+    chunk, rows:
+        ``"runner"`` only: answer tokens per sequence per forward, and rows per forward at most
+        (``rows // chunk`` sequences share a forward). Keep ``rows`` at or under the runner's
+        few-row kernel limit (``runner.INT4_MAX_ROWS``) to get the features decoding gets.
     max_len, batch_tokens:
-        Longest sequence kept; padded tokens per forward (sequences of similar length are
-        batched together, right-padded).
+        Longest sequence kept; ``"hf"``: padded tokens per forward (sequences of similar length
+        are batched together, right-padded).
     shard_bytes:
         Tensor bytes per shard at most (a shard holds at least one forward batch).
 
@@ -147,8 +210,18 @@ def extract_features(hf_model: Any, corpus: list[dict[str, Any]], layers: Sequen
     """
     from tqdm.auto import tqdm
 
-    if isinstance(hf_model, LoadedModel):
-        hf_model = hf_model.model
+    loaded = model if isinstance(model, LoadedModel) else None
+    hf_model = loaded.model if loaded is not None else model
+    if source is None:
+        source = "runner" if loaded is not None else "hf"
+    if source not in ("runner", "hf"):
+        raise ConfigError(f"must be 'runner' or 'hf', got {source!r}", option="source")
+    if source == "runner" and loaded is None:
+        raise ConfigError("source='runner' needs a LoadedModel (load_model); a bare transformers "
+                          "model runs with source='hf'", option="source")
+    for name, value in (("chunk", chunk), ("rows", rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"must be a positive integer, got {value!r}", option=name)
     if not corpus:
         raise ConfigError("the corpus is empty; run generate_corpus first", option="corpus")
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
@@ -164,10 +237,15 @@ def extract_features(hf_model: Any, corpus: list[dict[str, Any]], layers: Sequen
 
     fresh: dict[str, Any] = {"format": FORMAT_VERSION, "model": model_name, "layers": layers,
                              "hidden_size": hidden, "feature_size": hidden * len(layers),
-                             "max_len": max_len, "count": 0, "tokens": 0, "shards": []}
+                             "max_len": max_len, "source": source,
+                             "chunk": chunk if source == "runner" else None,
+                             "count": 0, "tokens": 0, "shards": []}
     meta = _read_meta(out_dir) or fresh
+    meta.setdefault("source", "hf")  # written before sources existed
+    meta.setdefault("chunk", None)
     n_layers = int(cfg.num_hidden_layers)
-    same = {key: meta.get(key) == fresh[key] for key in ("format", "model", "hidden_size", "max_len")}
+    same = {key: meta.get(key) == fresh[key]
+            for key in ("format", "model", "hidden_size", "max_len", "source", "chunk")}
     same["layers"] = [n_layers if i == -1 else i for i in meta.get("layers", [])] == [
         n_layers if i == -1 else i for i in layers]
     for key, ok in same.items():
@@ -212,23 +290,35 @@ def extract_features(hf_model: Any, corpus: list[dict[str, Any]], layers: Sequen
     bar = tqdm(total=len(corpus), initial=len(done), desc="features", unit="seq",
                disable=not progress, file=sys.stderr)
     try:
-        for group in group_by_tokens([len(seqs[i]) for i in order], batch_tokens):
+        if source == "runner":
+            per = max(1, rows // chunk)
+            groups = [list(range(g, min(g + per, len(order)))) for g in range(0, len(order), per)]
+        else:
+            groups = group_by_tokens([len(seqs[i]) for i in order], batch_tokens)
+        for group in groups:
             batch = [order[g] for g in group]
-            features, target_next = target_features(hf_model, [seqs[i] for i in batch], layers)
-            features, target_next = features.cpu(), target_next.cpu()
-            size = sum(len(seqs[i]) for i in batch) * (features.shape[-1] * 2 + 9)
+            if source == "runner":
+                results = runner_features(loaded.runner, [seqs[i] for i in batch],
+                                          [len(corpus[i]["prompt_ids"]) for i in batch], layers,
+                                          chunk=chunk)
+            else:
+                features, target_next = target_features(hf_model, [seqs[i] for i in batch], layers)
+                features, target_next = features.cpu(), target_next.cpu()
+                # clone: a slice would save (and load as) a view of the padded batch tensor
+                results = [(features[b, :len(seqs[i])].clone(), target_next[b, :len(seqs[i])].clone())
+                           for b, i in enumerate(batch)]
+            size = sum(len(seqs[i]) for i in batch) * (len(layers) * hidden * 2 + 9)
             if buffered and buffered + size > shard_bytes:
                 flush()  # shards stay under shard_bytes unless one batch alone is larger
-            for b, i in enumerate(batch):
+            for i, (feats, nexts) in zip(batch, results):
                 n = len(seqs[i])
                 loss_mask = torch.zeros(n, dtype=torch.bool)
                 loss_mask[len(corpus[i]["prompt_ids"]):] = True
                 buffer["index"].append(i)
                 buffer["id"].append(_row_id(corpus, i))
                 buffer["input_ids"].append(torch.tensor(seqs[i], dtype=torch.int32))
-                # clone: a slice would save (and load as) a view of the padded batch tensor
-                buffer["features"].append(features[b, :n].clone())
-                buffer["target_next"].append(target_next[b, :n].clone())
+                buffer["features"].append(feats)
+                buffer["target_next"].append(nexts)
                 buffer["loss_mask"].append(loss_mask)
             buffered += size
             bar.update(len(batch))

@@ -21,7 +21,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -137,8 +137,6 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
     """Train a ``kind`` head for ``target`` (a transformers Llama) on the features in
     ``data_dir``; writes the head to ``out`` and returns it. Stops after ``max_steps``
     optimizer steps or ``max_minutes`` of training (summed over resumed runs)."""
-    from tqdm import tqdm
-
     from .features import FeatureDataset, batches
 
     if threads:
@@ -166,13 +164,44 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, elapsed = 0, 0.0
     if resumed:
-        head.load_state_dict(resumed["head"])
+        head.load_state_dict(resumed["module"])
         opt.load_state_dict(resumed["opt"])
         step, elapsed = resumed["step"], resumed["elapsed"]
     t2d = None
     if kind == "eagle3":
         t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
         t2d[head.d2t] = torch.arange(len(head.d2t))
+    fit(head, params, opt,
+        lambda batch, gen: head_loss(head, batch, ttt_steps, t2d, max_rows=max_loss_rows,
+                                     generator=gen),
+        lambda epoch: batches(data, batch_tokens, seed=seed + epoch),
+        state_path=state_path, start=(step, elapsed),
+        extra_state={"d2t": head.d2t if kind == "eagle3" else None}, lr=lr,
+        max_steps=max_steps, max_minutes=max_minutes, save_every=save_every, seed=seed,
+        desc=f"train {kind}", progress=progress)
+    head.eval()
+    head.save(out)
+    return out
+
+
+def fit(module: torch.nn.Module, params: list[torch.nn.Parameter],
+        opt: torch.optim.Optimizer,
+        loss_fn: Callable[[dict[str, torch.Tensor], torch.Generator],
+                          tuple[torch.Tensor, list[tuple[int, int]]]],
+        epoch_batches: Callable[[int], Iterable[dict[str, torch.Tensor]]], *,
+        state_path: Path, start: tuple[int, float], extra_state: dict[str, Any], lr: float,
+        max_steps: int, max_minutes: float, save_every: int, seed: int, desc: str,
+        progress: bool) -> None:
+    """The training loop shared by the drafters: warm-up then cosine learning rate, gradient
+    clipping at 1, a progress bar with the loss and the running top-1 accuracy per scored
+    step, ``state_path`` (``module``'s state, the optimizer, the step, the elapsed time and
+    ``extra_state``) written every ``save_every`` steps and at the end. ``start``: (step,
+    elapsed seconds) of a resumed run; stops at ``max_steps`` or ``max_minutes`` in all.
+    ``loss_fn(batch, generator)`` returns the loss and (correct, counted) per scored step;
+    ``epoch_batches(epoch)`` the batches of one pass (reshuffled per epoch)."""
+    from tqdm import tqdm
+
+    step, elapsed = start
     warmup = min(50, max_steps // 10)
 
     def lr_at(s: int) -> float:
@@ -182,24 +211,23 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     def save_state() -> None:
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "elapsed": elapsed, "d2t": head.d2t if kind == "eagle3" else None}, state_path)
+        torch.save({"module": module.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "elapsed": elapsed, **extra_state}, state_path)
 
-    bar = tqdm(total=max_steps, initial=step, desc=f"train {kind}", file=sys.stderr,
+    bar = tqdm(total=max_steps, initial=step, desc=desc, file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
-    head.train()
+    module.train()
     epoch = step  # reshuffle per pass, deterministic across resumes
     rows_gen = torch.Generator().manual_seed(seed + step)
     ema = None
     while step < max_steps and elapsed < max_minutes * 60:
-        for batch in batches(data, batch_tokens, seed=seed + epoch):
+        for batch in epoch_batches(epoch):
             if step >= max_steps or elapsed >= max_minutes * 60:
                 break
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
-            loss, stats = head_loss(head, batch, ttt_steps, t2d, max_rows=max_loss_rows,
-                                    generator=rows_gen)
+            loss, stats = loss_fn(batch, rows_gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -216,9 +244,7 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
         epoch += 1
     bar.close()
     save_state()
-    head.eval()
-    head.save(out)
-    return out
+    module.eval()
 
 
 def _final(layers: tuple[int, ...], n: int) -> tuple[int, ...]:

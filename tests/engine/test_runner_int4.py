@@ -94,3 +94,22 @@ def test_runner_on_int4_weights_follows_the_float32_model():
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= max(2 * (bf16 - want).abs().max().item(), 0.02 * scale)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_quantize_for_drafting_packs_every_matrix_and_stays_close():
+    """A draft model's runner: any weights, quantized round-to-nearest, LM head included."""
+    model = tiny_llama(vocab_size=48)  # the LM head's rows must be a multiple of 16
+    dense = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
+    approx = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
+    assert approx.quantize_for_drafting() == 4 * model.config.num_hidden_layers + 1
+    assert approx.lm_head_int4 is not None
+    ids = [[3, 7, 11, 5, 9, 2]]
+    outs = []
+    for runner in (dense, approx):
+        slot = runner.new_slot()
+        outs.append(runner.forward([slot], ids, [6]).float())
+    cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1)
+    assert bool((cos > 0.97).all()), cos
+    assert not torch.equal(outs[0], outs[1])  # it did change the arithmetic
+    # float32 (or any device but the CPU in bf16): nothing to do
+    assert LlamaRunner(model, dtype=torch.float32, device=CPU).quantize_for_drafting() == 0

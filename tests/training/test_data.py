@@ -340,6 +340,77 @@ def test_batches_pad_and_mask_every_sequence_once(tiny_model, tmp_path, seed):
         assert order != [b["index"].tolist() for b in batches(ds, 40, seed + 1)]
 
 
+@pytest.fixture()
+def fresh_loaded():
+    """A LoadedModel of its own: the runner source enables kept features on its runner."""
+    from cs_testlib import tiny_loaded_model
+
+    return tiny_loaded_model(seed=3)
+
+
+def _loaded_corpus(vocab: int, n: int = 5) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(n):
+        p, o = 4 + 2 * i, 3 + (5 * i) % 11
+        toks = torch.randint(1, vocab, (p + o,), generator=g).tolist()
+        rows.append({"id": f"r{i}", "prompt_ids": toks[:p], "output_ids": toks[p:]})
+    return rows
+
+
+def test_runner_source_gives_the_features_of_a_direct_forward(fresh_loaded, tmp_path):
+    """Through the runner (prefill, then chunks of answer tokens, several sequences per
+    forward) the stored states are the model's own hidden states at every position."""
+    corpus = _loaded_corpus(fresh_loaded.vocab_size - 2)
+    out = extract_features(fresh_loaded, corpus, LAYERS, tmp_path / "r", chunk=3, rows=7,
+                           progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["source"] == "runner" and meta["chunk"] == 3 and meta["count"] == len(corpus)
+    model = fresh_loaded.model
+    for item in FeatureDataset(out):
+        ids = item["input_ids"].long()[None]
+        with torch.inference_mode():
+            ref = model(ids, output_hidden_states=True)
+        feats = item["features"].float().view(len(ids[0]), 3, 64)
+        for j, layer in enumerate(LAYERS):
+            torch.testing.assert_close(feats[:, j], ref.hidden_states[layer][0], atol=2e-2,
+                                       rtol=1e-2)
+        assert item["target_next"].tolist() == ref.logits[0].argmax(-1).tolist()
+        P = len(corpus[item["index"]]["prompt_ids"])
+        assert item["loss_mask"].tolist() == [t >= P for t in range(len(ids[0]))]
+
+
+def test_runner_source_chunking_changes_nothing_and_is_part_of_the_resume_check(fresh_loaded,
+                                                                             tmp_path):
+    corpus = _loaded_corpus(fresh_loaded.vocab_size - 2, n=4)
+    a = FeatureDataset(extract_features(fresh_loaded, corpus, [1, -1], tmp_path / "a", chunk=1,
+                                        rows=1, progress=False))
+    b = FeatureDataset(extract_features(fresh_loaded, corpus, [1, -1], tmp_path / "b", chunk=6,
+                                        rows=12, progress=False))
+    by_index = {x["index"]: x for x in a}
+    for y in b:
+        x = by_index[y["index"]]
+        torch.testing.assert_close(x["features"].float(), y["features"].float(), atol=2e-2,
+                                   rtol=1e-2)
+        assert torch.equal(x["target_next"], y["target_next"])
+    # a folder holds one kind of features: another source or chunk size is refused
+    for kwargs in ({"source": "hf"}, {"chunk": 2}):
+        with pytest.raises(ConfigError) as err:
+            extract_features(fresh_loaded, corpus, [1, -1], tmp_path / "a", progress=False,
+                             **kwargs)
+        assert err.value.option == "out_dir"
+
+
+@pytest.mark.parametrize("kwargs, option", [({"source": "runner"}, "source"),
+                                            ({"source": "dense"}, "source"),
+                                            ({"chunk": 0}, "chunk"), ({"rows": True}, "rows")])
+def test_bad_feature_source_options_are_config_errors(tiny_model, tmp_path, kwargs, option):
+    # a bare transformers model has no runner
+    with pytest.raises(ConfigError) as err:
+        extract_features(tiny_model, _corpus(), LAYERS, tmp_path / "f", progress=False, **kwargs)
+    assert err.value.option == option
+
+
 def test_empty_corpus_and_bad_layers_are_config_errors(tiny_model, tmp_path):
     with pytest.raises(ConfigError) as err:
         extract_features(tiny_model, [], LAYERS, tmp_path / "f", progress=False)
