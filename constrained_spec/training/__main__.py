@@ -7,8 +7,10 @@
 Stages, each skipped or continued when its output already exists in ``--work``:
 
 1. corpus: the target answers ``--prompts`` prompts (JSONSchemaBench schemas turned into
-   instructions, plus free chat), greedy, with the library's defaults (``corpus.jsonl``;
-   shared by both kinds);
+   instructions, plus free chat) and ``--task-prompts`` task-style requests (short extraction,
+   creation, classification and function-call prompts over small schemas,
+   `synthetic.task_prompts`), greedy, with the library's defaults (``corpus.jsonl``; shared by
+   every kind);
 2. features: the target's hidden states at the layers the head reads and its greedy next
    token at every position (``features-<layers>-<source>/``), by default through the library's
    runner as decoding computes them (the prompt in one prefill, the answer ``--chunk`` tokens
@@ -41,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("drafter-training"),
                     help="folder for the corpus, the features and the training state")
     ap.add_argument("--out", type=Path, default=None, help="where the head is written")
-    ap.add_argument("--prompts", type=int, default=480, help="prompts in the corpus")
+    ap.add_argument("--prompts", type=int, default=480,
+                    help="JSONSchemaBench and free-chat prompts in the corpus")
+    ap.add_argument("--task-prompts", type=int, default=720,
+                    help="task-style prompts in the corpus (short extraction, creation, "
+                         "classification and function-call requests with small schemas)")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=25.0, help="training time budget")
@@ -58,14 +64,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=None,
                     help="peak learning rate (default 1e-3 for heads, 3e-4 for draft_model)")
     ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--loss-rows", type=int, default=1024,
+                    help="answer positions scored per draft step and batch at most (the "
+                         "full-vocabulary LM head of mtp and draft_model dominates the cost)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
+    try:
+        keep = [int(x) for x in args.draft_layers.split(",")]
+    except ValueError:
+        ap.error(f"--draft-layers: comma-separated integers, got {args.draft_layers!r}")
 
+    from constrained_spec.errors import ConstrainedSpecError
+
+    try:
+        return _run(args, keep)
+    except ConstrainedSpecError as e:  # bad options or inputs: the message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, keep: list[int]) -> int:
     from constrained_spec.drafters.heads import HeadConfig
     from constrained_spec.models import load_model
 
     from .data import build_prompts, generate_corpus, load_corpus
+    from .distill import check_layers
     from .features import extract_features
+    from .synthetic import task_prompts
     from .train import train_head
 
     if args.threads:
@@ -73,21 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     target = load_model(args.model)
+    if args.kind == "draft_model":  # before the corpus: a wrong layer list fails in seconds
+        check_layers(keep, int(target.model.config.num_hidden_layers))
     corpus_path = work / "corpus.jsonl"
-    prompts = build_prompts(args.prompts, seed=args.seed)
+    prompts = build_prompts(args.prompts, seed=args.seed) + task_prompts(args.task_prompts,
+                                                                          seed=args.seed)
     generate_corpus(target, prompts, corpus_path, max_tokens=args.max_tokens, seed=args.seed)
     corpus = load_corpus(corpus_path)
     if args.kind == "draft_model":
         from .distill import train_draft_model
 
-        try:
-            keep = [int(x) for x in args.draft_layers.split(",")]
-        except ValueError:
-            ap.error(f"--draft-layers: comma-separated integers, got {args.draft_layers!r}")
         out = args.out or work / "draft_model"
         train_draft_model(target.model, corpus, out, layers=keep, lr=args.lr or 3e-4,
                           batch_tokens=args.batch_tokens, max_steps=args.steps,
-                          max_minutes=args.minutes, seed=args.seed, tokenizer=target.tokenizer)
+                          max_minutes=args.minutes, seed=args.seed, tokenizer=target.tokenizer,
+                          max_loss_rows=args.loss_rows)
         print(f"draft model written to {out}; use it with SpeculativeConfig(method='draft_model', "
               f"model={str(out)!r})", file=sys.stderr)
         return 0
@@ -97,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or work / f"{args.kind}-head"
     train_head(args.kind, target.model, feat_dir, out, draft_vocab_size=args.draft_vocab,
                ttt_steps=args.ttt_steps, lr=args.lr or 1e-3, batch_tokens=args.batch_tokens,
-               max_steps=args.steps, max_minutes=args.minutes, seed=args.seed)
+               max_steps=args.steps, max_minutes=args.minutes, seed=args.seed,
+               max_loss_rows=args.loss_rows)
     print(f"{args.kind} head written to {out}; use it with "
           f"SpeculativeConfig(method={args.kind!r}, model={str(out)!r})", file=sys.stderr)
     return 0

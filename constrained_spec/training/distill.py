@@ -33,7 +33,9 @@ from .features import group_by_tokens
 DEFAULT_LAYERS = (0, 1, -1)
 
 
-def _layer_ids(layers: Sequence[int], n: int) -> list[int]:
+def check_layers(layers: Sequence[int], n: int) -> list[int]:
+    """``layers`` as indices into the target's ``n`` decoder layers (-1 is the last), checked:
+    distinct and increasing; else ConfigError."""
     out = [n - 1 if i == -1 else i for i in layers]
     if not out or any(isinstance(i, bool) or not isinstance(i, int) for i in layers) or any(
             not 0 <= i < n for i in out) or len(set(out)) != len(out) or out != sorted(out):
@@ -46,7 +48,7 @@ def new_draft_model(target: Any, layers: Sequence[int] = DEFAULT_LAYERS) -> Any:
     """A float32 copy of ``target`` (a transformers Llama-family causal LM) that keeps only the
     decoder ``layers``, in order; embeddings, final norm and LM head are the target's."""
     n = int(target.config.num_hidden_layers)
-    keep = _layer_ids(layers, n)
+    keep = check_layers(layers, n)
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = len(keep)
     if getattr(cfg, "layer_types", None):
@@ -125,7 +127,7 @@ def train_draft_model(target: Any, corpus: Sequence[dict[str, Any]], out: Path, 
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
     resumed = torch.load(state_path, weights_only=False) if state_path.exists() else None
-    keep = _layer_ids(layers, int(target.config.num_hidden_layers))
+    keep = check_layers(layers, int(target.config.num_hidden_layers))
     if resumed and resumed.get("layers") != keep:
         raise ConfigError(f"{out} holds a draft model of layers {resumed.get('layers')}, this run "
                           f"asks for {keep}; use another output folder", option="layers")
