@@ -12,7 +12,10 @@ token and is fed back with that token's embedding for the next draft step.
   target id of draft id i.
 - ``mtp`` (DeepSeek-V3 multi-token prediction): h is the target's final (normed) hidden
   state; ``eh_proj([enorm(e) ; hnorm(h)])`` (2D -> D) enters a standard decoder layer; the
-  logits are the TARGET's LM head over ``shared_norm`` of the output (the shared head).
+  logits are the TARGET's LM head over ``shared_norm`` of the output (the shared head). A
+  trained module may restrict that head to the rows of a frequent-token draft vocabulary
+  (``d2t``, as FR-Spec prunes a drafter's LM head): drafting then costs a fraction of the
+  full head, and tokens outside it are simply never drafted.
 
 The token embedding (and for mtp the LM head) are the target's, shared, not part of the head.
 
@@ -61,8 +64,9 @@ class HeadConfig:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.kind not in ("eagle3", "mtp"):
             raise ValueError(f"unknown head kind {self.kind!r}")
-        if self.kind == "mtp" and self.draft_vocab_size != self.target_vocab_size:
-            raise ValueError("an mtp head predicts over the target's vocabulary (shared head)")
+        if not 0 < self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1.."
+                             f"{self.target_vocab_size} (the target's vocabulary)")
 
     @classmethod
     def for_target(cls, target_config: Any, kind: HeadKind, *, draft_vocab_size: int | None = None,
@@ -84,7 +88,7 @@ class HeadConfig:
                    intermediate_size=intermediate_size or c.intermediate_size,
                    rms_norm_eps=float(c.rms_norm_eps), rope_theta=float(theta),
                    target_vocab_size=vocab,
-                   draft_vocab_size=vocab if kind == "mtp" else int(draft_vocab_size or vocab),
+                   draft_vocab_size=int(draft_vocab_size or vocab),
                    feature_layers=tuple(feature_layers))
 
     def to_json(self) -> str:
@@ -127,7 +131,7 @@ def quantize_for_drafting(head: DraftHead) -> DraftHead:
             if packed is not None:
                 setattr(head, name, Int4Linear(child, packed))
     if head.config.kind == "mtp":
-        head.target_head_int4 = pack_int4(head.target_head.float().contiguous(), exact=False)
+        head.target_head_int4 = pack_int4(head.shared_rows().float().contiguous(), exact=False)
     return head
 
 
@@ -188,6 +192,8 @@ class DraftHead(nn.Module):
             self.eh_proj = nn.Linear(2 * D, D, bias=False)
             self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
             self.shared_norm = RMSNorm(D, c.rms_norm_eps)
+            if self.pruned:  # the shared head's rows drafted from (target ids)
+                self.register_buffer("d2t", torch.arange(c.draft_vocab_size), persistent=True)
         self.q_proj = nn.Linear(attn_in, c.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(attn_in, c.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(attn_in, c.num_kv_heads * hd, bias=False)
@@ -196,6 +202,16 @@ class DraftHead(nn.Module):
         self.gate_proj = nn.Linear(D, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(D, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, D, bias=False)
+
+    @property
+    def pruned(self) -> bool:
+        """An mtp head that drafts over part of the shared head's rows (``d2t``)."""
+        c = self.config
+        return c.kind == "mtp" and c.draft_vocab_size < c.target_vocab_size
+
+    def shared_rows(self) -> torch.Tensor:
+        """The shared LM head rows an mtp head drafts over [Vd, D]."""
+        return self.target_head.index_select(0, self.d2t) if self.pruned else self.target_head
 
     # -- pieces --------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -242,11 +258,11 @@ class DraftHead(nn.Module):
 
         if packed is not None and h.numel() // h.shape[-1] <= INT4_MAX_ROWS:
             return _linear(h.to(torch.bfloat16), packed)
-        return F.linear(h, self.target_head.to(hidden.dtype))
+        return F.linear(h, self.shared_rows().to(hidden.dtype))
 
     def target_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft id."""
-        if self.config.kind == "eagle3":
+        if self.config.kind == "eagle3" or self.pruned:
             return self.d2t
         return torch.arange(self.config.target_vocab_size, device=self.embed.device)
 

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                          "decoding sees) or one dense transformers forward per batch")
     ap.add_argument("--chunk", type=int, default=4,
                     help="answer tokens per sequence per forward when extracting through the runner")
-    ap.add_argument("--draft-vocab", type=int, default=6144, help="eagle3: draft vocabulary size")
+    ap.add_argument("--draft-vocab", type=int, default=6144,
+                    help="draft vocabulary: the target's most frequent answer tokens (eagle3: its "
+                         "own LM head; mtp: the rows of the shared LM head it drafts over, 0 = all)")
     ap.add_argument("--draft-layers", default="0,1,-1",
                     help="draft_model: the target's decoder layers it keeps (-1: the last)")
     ap.add_argument("--lr", type=float, default=None,
@@ -120,7 +122,9 @@ def _run(args: argparse.Namespace, keep: list[int]) -> int:
     feat_dir = work / ("features-" + "-".join(str(i) for i in layers) + f"-{args.features_from}")
     extract_features(target, corpus, layers, feat_dir, source=args.features_from, chunk=args.chunk)
     out = args.out or work / f"{args.kind}-head"
-    train_head(args.kind, target.model, feat_dir, out, draft_vocab_size=args.draft_vocab,
+    vocab = int(target.model.config.vocab_size)
+    train_head(args.kind, target.model, feat_dir, out,
+               draft_vocab_size=min(args.draft_vocab or vocab, vocab),
                ttt_steps=args.ttt_steps, lr=args.lr or 1e-3, batch_tokens=args.batch_tokens,
                max_steps=args.steps, max_minutes=args.minutes, seed=args.seed,
                max_loss_rows=args.loss_rows)

@@ -65,6 +65,8 @@ def new_head(kind: HeadKind, target: Any, *, draft_vocab: torch.Tensor | None = 
             head.lm_head.weight.copy_(lm_head[draft_vocab])
             head.norm.weight.copy_(inner.norm.weight.float())
         else:
+            if draft_vocab is not None:  # drafts over the shared head's most frequent rows
+                head.d2t.copy_(draft_vocab)
             D = cfg.hidden_size
             head.eh_proj.weight.zero_()
             head.eh_proj.weight[:, D:].copy_(torch.eye(D))  # start by passing h through
@@ -154,11 +156,12 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
     resumed = torch.load(state_path, weights_only=False) if state_path.exists() else None
     torch.manual_seed(seed)
     draft_vocab = None
-    if kind == "eagle3":
+    V = int(target.config.vocab_size)
+    if kind == "eagle3" or draft_vocab_size < V:  # an mtp head may draft over part of V too
         # the tokens the target writes (and would write next) in its answers
         draft_vocab = (resumed["d2t"] if resumed else draft_vocabulary(
             (torch.cat([s["input_ids"][s["loss_mask"]], s["target_next"][s["loss_mask"]]])
-             for s in data), draft_vocab_size, target.config.vocab_size))
+             for s in data), draft_vocab_size, V))
     head = new_head(kind, target, draft_vocab=draft_vocab, feature_layers=want)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -168,15 +171,15 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
         opt.load_state_dict(resumed["opt"])
         step, elapsed = resumed["step"], resumed["elapsed"]
     t2d = None
-    if kind == "eagle3":
-        t2d = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    if draft_vocab is not None:
+        t2d = torch.full((V,), -1, dtype=torch.long)
         t2d[head.d2t] = torch.arange(len(head.d2t))
     fit(head, params, opt,
         lambda batch, gen: head_loss(head, batch, ttt_steps, t2d, max_rows=max_loss_rows,
                                      generator=gen),
         lambda epoch: batches(data, batch_tokens, seed=seed + epoch),
         state_path=state_path, start=(step, elapsed),
-        extra_state={"d2t": head.d2t if kind == "eagle3" else None}, lr=lr,
+        extra_state={"d2t": draft_vocab}, lr=lr,
         max_steps=max_steps, max_minutes=max_minutes, save_every=save_every, seed=seed,
         desc=f"train {kind}", progress=progress)
     head.eval()

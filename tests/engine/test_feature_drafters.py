@@ -47,6 +47,12 @@ from constrained_spec.engine import Engine, Request
 from constrained_spec.runner import LlamaRunner
 
 KINDS = ["eagle3", "mtp"]
+# the drafting tests also run an mtp head that drafts over part of the shared LM head's rows
+HEADS = KINDS + ["mtp-pruned"]
+
+
+def method(kind: str) -> str:
+    return kind.split("-")[0]
 
 
 # -- heads -------------------------------------------------------------------------------------
@@ -54,9 +60,13 @@ def random_head(kind: str, model, *, seed: int, draft_vocab: int = 24,
                 layers: tuple[int, ...] = (0, 1, 2), lm_scale: float = 4.0,
                 d2t: list[int] | None = None) -> DraftHead:
     """A random head for ``model`` (every weight random, norms around 1); eagle3 with
-    ``layers`` as features and a compressed vocabulary: ``d2t`` or a random injective map."""
+    ``layers`` as features; eagle3, "mtp-pruned" and an mtp head given ``d2t`` draft over a
+    compressed vocabulary: ``d2t`` or a random injective map (plain mtp: the full vocabulary)."""
+    compressed = kind != "mtp" or d2t is not None
+    kind = method(kind)
     draft_vocab = len(d2t) if d2t is not None else draft_vocab
-    cfg = HeadConfig.for_target(model.config, kind, draft_vocab_size=draft_vocab,
+    cfg = HeadConfig.for_target(model.config, kind,
+                                draft_vocab_size=draft_vocab if compressed else None,
                                 feature_layers=layers if kind == "eagle3" else None,
                                 intermediate_size=96)
     head = DraftHead(cfg, model.model.embed_tokens.weight, model.lm_head.weight)
@@ -68,7 +78,7 @@ def random_head(kind: str, model, *, seed: int, draft_vocab: int = 24,
             else:
                 scale = lm_scale if name == "lm_head.weight" else 1.0
                 p.copy_(torch.randn(p.shape, generator=g) * scale / p.shape[1] ** 0.5)
-        if kind == "eagle3":
+        if compressed:
             ids = torch.randperm(cfg.target_vocab_size, generator=g)[:draft_vocab]
             head.d2t.copy_(torch.tensor(d2t) if d2t is not None else ids)
     return head.eval()
@@ -122,7 +132,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 # -- training == inference --------------------------------------------------------------------
 @pytest.mark.parametrize("incremental", [False, True], ids=["one_catch_up", "two_catch_ups"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEADS)
 def test_unrolled_steps_equal_the_cached_inference_path(tiny_model, kind, incremental):
     head = random_head(kind, tiny_model, seed=1)
     B, T = 2, 12
@@ -157,7 +167,7 @@ def test_unrolled_steps_equal_the_cached_inference_path(tiny_model, kind, increm
 
 
 @pytest.mark.parametrize("pushed", [0, 2], ids=["drafts_only", "after_forced"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEADS)
 def test_greedy_proposal_follows_the_unrolled_argmax_chain(tiny_model, kind, pushed):
     head = random_head(kind, tiny_model, seed=3)
     B, T, k = 2, 14, 3
@@ -251,7 +261,7 @@ def run(target, tok, combos, params, *, kind=None, k=3, forced=True, head=None,
     drafter = spec = None
     if kind is not None:
         drafter = drafter_cls(head, runner, vocab_size=V)
-        spec = SpeculativeConfig(method=kind, num_speculative_tokens=k, forced=forced)
+        spec = SpeculativeConfig(method=method(kind), num_speculative_tokens=k, forced=forced)
     eng = Engine(runner, speculative=spec, drafter=drafter, max_batch_size=max_batch_size)
     reqs = [Request(list(prompts[i]), compiled[n].new_matcher() if n in compiled else None,
                     params, EOS) for i, n in combos]
@@ -279,7 +289,7 @@ COMBOS = list(itertools.product(range(len(PROMPTS)), SCHEMAS))
 
 @pytest.fixture(scope="module")
 def heads(tiny_model):
-    return {kind: random_head(kind, tiny_model, seed=11) for kind in KINDS}
+    return {kind: random_head(kind, tiny_model, seed=11) for kind in HEADS}
 
 
 def assert_released(drafter, reqs) -> None:
@@ -289,7 +299,7 @@ def assert_released(drafter, reqs) -> None:
 
 @pytest.mark.parametrize("forced", [True, False], ids=["forced", "no_forced"])
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEADS)
 def test_greedy_feature_drafter_is_token_identical(tiny_model, tiny_tok, heads, kind, k, forced):
     params = SamplingParams(max_tokens=30)
     reqs, drafter = run(tiny_model, tiny_tok, COMBOS, params, kind=kind, k=k, forced=forced,
@@ -324,7 +334,7 @@ class CheckedFeatureDrafter(FeatureDrafter):
 
 
 @pytest.mark.parametrize("forced", [True, False], ids=["forced", "no_forced"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEADS)
 def test_head_cache_follows_the_verified_context(tiny_model, tiny_tok, heads, kind, forced):
     CheckedFeatureDrafter.target = tiny_model
     params = SamplingParams(max_tokens=20)
@@ -336,7 +346,7 @@ def test_head_cache_follows_the_verified_context(tiny_model, tiny_tok, heads, ki
                                                                        combos, params)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", HEADS)
 def test_head_slots_are_reused_under_continuous_batching(tiny_model, tiny_tok, heads, kind):
     params = SamplingParams(max_tokens=15)
     combos = COMBOS[:6]

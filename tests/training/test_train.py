@@ -92,10 +92,11 @@ def test_head_learns_the_targets_choices(kind, target, feature_dirs):
     assert acc_after > max(0.5, acc_before + 0.2), (acc_before, acc_after)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
-def test_train_resume_and_load(kind, target, feature_dirs, tmp_path, tiny_tok):
+@pytest.mark.parametrize("kind, draft_vocab", [("eagle3", 40), ("mtp", 40), ("mtp", 24)],
+                         ids=["eagle3", "mtp", "mtp-pruned"])
+def test_train_resume_and_load(kind, draft_vocab, target, feature_dirs, tmp_path, tiny_tok):
     out = tmp_path / f"{kind}-head"
-    kw = {"draft_vocab_size": 40, "ttt_steps": 2, "lr": 3e-3, "batch_tokens": 4096,
+    kw = {"draft_vocab_size": draft_vocab, "ttt_steps": 2, "lr": 3e-3, "batch_tokens": 4096,
           "max_minutes": 5, "save_every": 2, "progress": False}
     train_head(kind, target, feature_dirs[kind], out, max_steps=4, **kw)
     state = torch.load(out / "train_state.pt", weights_only=False)
@@ -118,6 +119,11 @@ def test_train_resume_and_load(kind, target, feature_dirs, tmp_path, tiny_tok):
     spec = SpeculativeConfig(method=kind, model=out, num_speculative_tokens=3)
     drafter = make_drafter(spec, loaded)
     assert isinstance(drafter.head, DraftHead) and drafter.head.config.kind == kind
+    assert drafter.head.config.draft_vocab_size == draft_vocab
+    if draft_vocab < len(CHARS) + 2:  # the most frequent targets, as counted in training
+        state = torch.load(out / "train_state.pt", weights_only=False)
+        assert torch.equal(drafter.head.target_ids().cpu(), state["d2t"])
+        assert not drafter.identity_vocab
     from constrained_spec.grammar import compile_spec
     from constrained_spec.schemas import normalize_schema
 
