@@ -77,6 +77,19 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP, *,
 
 
 
+def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(int8 weight [N, K], bf16 scales [N])`` for torch's CPU int8 weight-only kernel:
+    symmetric round-to-nearest per output row (~1% relative error, as fast per few-row forward
+    as the int4 kernel and ~8x faster than a bf16 GEMV on the CPU). For drafters, whose tokens
+    the target verifies. None when the kernel is missing."""
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return None
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scales.to(torch.bfloat16)
+
+
 def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
     a, m = layer.self_attn, layer.mlp
     return {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
@@ -201,7 +214,7 @@ class LlamaRunner(Runner):
                 self.int4_linears += packed is not None
             self.layers.append(entry)
         self.vocab_size = int(self.lm_head.shape[0])
-        self.lm_head_int4: Any = None  # see quantize_for_drafting
+        self.lm_head_int4: Any = None  # packed LM head of a draft model (quantize_for_drafting)
         self.int4_max_rows = INT4_MAX_ROWS
         self._cap_slots, self._cap_len = 0, 0
         self.k_cache: list[torch.Tensor] = []
@@ -211,27 +224,22 @@ class LlamaRunner(Runner):
         self.f_cache: torch.Tensor | None = None
 
     def quantize_for_drafting(self) -> int:
-        """Run every linear of every layer and the LM head on the int4 kernel for few-row
-        forwards, quantized round-to-nearest when not exactly 4-bit: for a DRAFT model only,
-        whose tokens the target verifies (its drafts change, the output does not). CPU bf16
-        only (elsewhere nothing changes). Returns the number of packed matrices."""
-        from .errors import ConfigError
-
+        """Run every linear of every layer and the LM head on the int8 weight-only kernel
+        (`pack_int8`) for few-row forwards -- those on exact int4 weights stay on int4: for a
+        DRAFT model only, whose tokens the target verifies (its drafts may change, the output
+        does not). CPU bf16 only (elsewhere nothing changes). Returns the number of matrices
+        packed."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return 0
         packed = 0
-        try:
-            for L in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    if isinstance(L[name + "_int4"], torch.Tensor):
-                        pack = pack_int4(L[name].float().contiguous(), exact=False)
-                        if pack is not None:
-                            L[name + "_int4"] = pack
-                            packed += 1
-            self.lm_head_int4 = pack_int4(self.lm_head.float().contiguous(), exact=False)
-        except RuntimeError as e:  # a torch build without the CPU int4 kernel
-            raise ConfigError(f"the int4 kernel is unavailable ({e}); set CONSTRAINED_SPEC_INT4=0",
-                              option="speculative.model") from e
+        for L in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                if isinstance(L[name + "_int4"], torch.Tensor):
+                    pack = pack_int8(L[name])
+                    if pack is not None:
+                        L[name + "_int4"] = pack
+                        packed += 1
+        self.lm_head_int4 = pack_int8(self.lm_head)
         self.int4_linears += packed
         return packed + (self.lm_head_int4 is not None)
 
@@ -372,9 +380,12 @@ class LlamaRunner(Runner):
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    packed, scales_zeros = weight  # see pack_int4
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, INT4_GROUP,
-                                                    scales_zeros)
+    packed, scales = weight  # see pack_int4 / pack_int8
+    x2 = x.reshape(-1, x.shape[-1])
+    if packed.dtype == torch.int8:
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), packed, scales)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, INT4_GROUP, scales)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 

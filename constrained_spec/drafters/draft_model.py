@@ -155,10 +155,10 @@ def load_draft_model(model: Any, target: Any) -> DraftModelDrafter:
     check_same_tokenizer(target.tokenizer, draft.tokenizer, draft.name)
     runner = make_runner(draft.model, dtype=draft.dtype, device=draft.device,
                          int4=getattr(draft, "_int4", None))
-    from .feature import int4_heads
+    from .feature import quantized_drafters
 
-    if hasattr(runner, "quantize_for_drafting") and int4_heads():
-        runner.quantize_for_drafting()  # CPU bf16: its linears and LM head on the int4 kernel
+    if hasattr(runner, "quantize_for_drafting") and quantized_drafters():
+        runner.quantize_for_drafting()  # CPU bf16: its linears and LM head on the int8 kernel
     return DraftModelDrafter(runner, vocab_size=target.vocab_size)
 
 

@@ -20,8 +20,9 @@ rejected drafts need no rollback. One round per step by default (`FeatureDrafter
 when resumable, a later round of the same step chains through the forced tokens pushed after
 the drafts and drafts again (at most k model drafts in a row).
 
-On the CPU in bfloat16 the head's linear layers run on the int4 kernel for few-row forwards
-(`heads.quantize_for_drafting`: 2.3x faster per draft step; drafts need not be exact).
+On the CPU in bfloat16 the head's linear layers run on the int8 weight-only kernel for few-row
+forwards (`heads.quantize_for_drafting`: several times faster per draft step than the dense
+bf16 product; drafts need not be exact).
 """
 
 from __future__ import annotations
@@ -319,15 +320,16 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
                           option="speculative.model")
     check_head_fits(head, target.model.config, target.vocab_size)
     head = head.to(device=runner.device, dtype=runner.dtype).eval()
-    if runner.device.type == "cpu" and runner.dtype == torch.bfloat16 and int4_heads():
+    if runner.device.type == "cpu" and runner.dtype == torch.bfloat16 and quantized_drafters():
         from .heads import quantize_for_drafting
 
         head = quantize_for_drafting(head)
     return FeatureDrafter(head, runner, vocab_size=target.vocab_size)
 
 
-def int4_heads() -> bool:
-    """Draft heads run on the int4 kernel on CPU in bf16 unless ``CONSTRAINED_SPEC_INT4=0``."""
+def quantized_drafters() -> bool:
+    """Draft heads and draft models run on the int8 weight-only kernel on CPU in bf16 unless
+    ``CONSTRAINED_SPEC_INT4=0`` (which also keeps the target dense)."""
     import os
 
     return os.environ.get("CONSTRAINED_SPEC_INT4", "1") != "0"

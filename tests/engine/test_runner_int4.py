@@ -97,8 +97,8 @@ def test_runner_on_int4_weights_follows_the_float32_model():
 
 
 def test_quantize_for_drafting_packs_every_matrix_and_stays_close():
-    """A draft model's runner: any weights, quantized round-to-nearest, LM head included."""
-    model = tiny_llama(vocab_size=48)  # the LM head's rows must be a multiple of 16
+    """A draft model's runner: any weights on the int8 kernel, LM head included."""
+    model = tiny_llama(vocab_size=48)
     dense = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
     approx = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
     assert approx.quantize_for_drafting() == 4 * model.config.num_hidden_layers + 1
@@ -109,7 +109,7 @@ def test_quantize_for_drafting_packs_every_matrix_and_stays_close():
         slot = runner.new_slot()
         outs.append(runner.forward([slot], ids, [6]).float())
     cos = torch.nn.functional.cosine_similarity(outs[0], outs[1], dim=-1)
-    assert bool((cos > 0.97).all()), cos
+    assert bool((cos > 0.999).all()), cos
     assert not torch.equal(outs[0], outs[1])  # it did change the arithmetic
     # float32 (or any device but the CPU in bf16): nothing to do
     assert LlamaRunner(model, dtype=torch.float32, device=CPU).quantize_for_drafting() == 0
