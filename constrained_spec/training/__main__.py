@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                          "classification and function-call requests with small schemas)")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--minutes", type=float, default=25.0, help="training time budget")
+    ap.add_argument("--minutes", type=float, default=20.0,
+                    help="training time budget (the learning rate anneals over it)")
     ap.add_argument("--steps", type=int, default=1500, help="optimizer steps at most")
-    ap.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    ap.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training")
     ap.add_argument("--features-from", choices=["runner", "hf"], default="runner",
                     help="run the target through the library's runner (default: the features "
                          "decoding sees) or one dense transformers forward per batch")

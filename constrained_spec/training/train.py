@@ -195,7 +195,8 @@ def fit(module: torch.nn.Module, params: list[torch.nn.Parameter],
         state_path: Path, start: tuple[int, float], extra_state: dict[str, Any], lr: float,
         max_steps: int, max_minutes: float, save_every: int, seed: int, desc: str,
         progress: bool) -> None:
-    """The training loop shared by the drafters: warm-up then cosine learning rate, gradient
+    """The training loop shared by the drafters: warm-up then a cosine learning rate that
+    reaches its floor when the step or the time budget is spent (whichever first), gradient
     clipping at 1, a progress bar with the loss and the running top-1 accuracy per scored
     step, ``state_path`` (``module``'s state, the optimizer, the step, the elapsed time and
     ``extra_state``) written every ``save_every`` steps and at the end. ``start``: (step,
@@ -210,7 +211,8 @@ def fit(module: torch.nn.Module, params: list[torch.nn.Parameter],
     def lr_at(s: int) -> float:
         if s < warmup:
             return lr * (s + 1) / warmup
-        frac = (s - warmup) / max(1, max_steps - warmup)
+        # the cosine follows whichever budget runs out first: steps or minutes
+        frac = max((s - warmup) / max(1, max_steps - warmup), elapsed / max(max_minutes * 60, 1e-9))
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     def save_state() -> None:
