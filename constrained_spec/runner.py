@@ -214,7 +214,7 @@ class LlamaRunner(Runner):
                 self.int4_linears += packed is not None
             self.layers.append(entry)
         self.vocab_size = int(self.lm_head.shape[0])
-        self.lm_head_int4: Any = None  # packed LM head of a draft model (quantize_for_drafting)
+        self.lm_head_packed: Any = None  # packed LM head of a draft model (quantize_for_drafting)
         self.int4_max_rows = INT4_MAX_ROWS
         self._cap_slots, self._cap_len = 0, 0
         self.k_cache: list[torch.Tensor] = []
@@ -239,9 +239,9 @@ class LlamaRunner(Runner):
                     if pack is not None:
                         L[name + "_int4"] = pack
                         packed += 1
-        self.lm_head_int4 = pack_int8(self.lm_head)
+        self.lm_head_packed = pack_int8(self.lm_head)
         self.int4_linears += packed
-        return packed + (self.lm_head_int4 is not None)
+        return packed + (self.lm_head_packed is not None)
 
     # -- features -------------------------------------------------------------------------
     def enable_features(self, layers: Sequence[int]) -> None:
@@ -371,7 +371,7 @@ class LlamaRunner(Runner):
         idx = torch.tensor(rows, device=dev, dtype=torch.long)
         hidden = x.reshape(B * T, -1).index_select(0, idx)
         hidden = self._rms(hidden, self.norm)
-        head = self.lm_head_int4 if self.lm_head_int4 is not None and len(rows) <= self.int4_max_rows \
+        head = self.lm_head_packed if self.lm_head_packed is not None and len(rows) <= self.int4_max_rows \
             else self.lm_head
         logits = _linear(hidden, head).float()  # [sum num_logits, V]
         return (logits, hidden) if return_hidden else logits

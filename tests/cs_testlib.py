@@ -170,3 +170,16 @@ def bigram_loaded(edges: dict[tuple[str, str], float]):
     for cfg in (model.config, model.generation_config):
         cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
     return load_model((model, tok))
+
+
+def greedy_outputs(runner, compiled, prompts, spec=None, drafter=None, max_tokens: int = 30):
+    """Greedy output ids of ``prompts`` (token lists) under ``compiled``, batched through an
+    Engine over ``runner`` with speculation ``spec`` / ``drafter`` (None: off)."""
+    from constrained_spec.config import SamplingParams
+    from constrained_spec.engine import Engine, Request
+
+    eng = Engine(runner, speculative=spec, drafter=drafter)
+    reqs = [Request(list(p), compiled.new_matcher(), SamplingParams(max_tokens=max_tokens), (0,))
+            for p in prompts]
+    eng.run(reqs)
+    return [r.output_ids for r in reqs]

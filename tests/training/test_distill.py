@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs_testlib import byte_level_bpe, tiny_llama
+from cs_testlib import byte_level_bpe, greedy_outputs, tiny_llama
 
-from constrained_spec.config import SamplingParams, SpeculativeConfig
+from constrained_spec.config import SpeculativeConfig
 from constrained_spec.drafters import make_drafter
-from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import ConfigError
 from constrained_spec.models import load_model
+from constrained_spec.runner import LlamaRunner
 from constrained_spec.training.distill import (
     draft_model_loss,
     new_draft_model,
@@ -108,17 +108,11 @@ def test_draft_learns_resumes_and_drafts_losslessly(target, corpus, tmp_path):
     compiled = compile_spec(normalize_schema(schema), target.tokenizer_data)
     prompts = [r["prompt_ids"] for r in corpus[:3]]
 
-    def outputs(spec, drafter):
-        from constrained_spec.runner import LlamaRunner
+    def runner():
+        return LlamaRunner(target.model, dtype=torch.float32, device=torch.device("cpu"))
 
-        runner = LlamaRunner(target.model, dtype=torch.float32, device=torch.device("cpu"))
-        eng = Engine(runner, speculative=spec, drafter=drafter)
-        reqs = [Request(list(p), compiled.new_matcher(), SamplingParams(max_tokens=30), (0,))
-                for p in prompts]
-        eng.run(reqs)
-        return [r.output_ids for r in reqs]
-
-    assert outputs(spec, drafter) == outputs(None, None)
+    assert greedy_outputs(runner(), compiled, prompts, spec, drafter) == \
+        greedy_outputs(runner(), compiled, prompts)
 
 
 def test_bad_draft_layers_are_config_errors(target, corpus, tmp_path):

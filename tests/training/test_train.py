@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cs_testlib import CHARS, tiny_llama
+from cs_testlib import CHARS, greedy_outputs, tiny_llama
 
-from constrained_spec.config import SamplingParams, SpeculativeConfig
+from constrained_spec.config import SpeculativeConfig
 from constrained_spec.drafters import make_drafter
 from constrained_spec.drafters.heads import DraftHead
-from constrained_spec.engine import Engine, Request
 from constrained_spec.training import FeatureDataset, batches, extract_features
 from constrained_spec.training.train import (
     draft_vocabulary,
@@ -132,15 +131,8 @@ def test_train_resume_and_load(kind, draft_vocab, target, feature_dirs, tmp_path
     compiled = compile_spec(normalize_schema(schema), tiny_tok)
     prompts = [[ID[c] for c in "abcab"], [ID[c] for c in "ddd"]]
 
-    def outputs(spec, drafter):
-        from constrained_spec.runner import LlamaRunner
+    from constrained_spec.runner import LlamaRunner
 
-        runner = drafter.runner if drafter is not None else LlamaRunner(
-            target, dtype=torch.float32, device=torch.device("cpu"))
-        eng = Engine(runner, speculative=spec, drafter=drafter)
-        reqs = [Request(list(p), compiled.new_matcher(), SamplingParams(max_tokens=30), (0,))
-                for p in prompts]
-        eng.run(reqs)
-        return [r.output_ids for r in reqs]
-
-    assert outputs(spec, drafter) == outputs(None, None)
+    fresh = LlamaRunner(target, dtype=torch.float32, device=torch.device("cpu"))
+    assert greedy_outputs(drafter.runner, compiled, prompts, spec, drafter) == \
+        greedy_outputs(fresh, compiled, prompts)
