@@ -209,7 +209,57 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", dest="as_json",
                        help="print the report as a JSON object")
     check.set_defaults(func=_cmd_schema_check)
+    _add_info_parser(sub)
     return parser
+
+
+def _add_info_parser(sub: Any) -> None:
+    info = sub.add_parser(
+        "info", help="this machine's CPU features, torch's kernels and a model's kernel plan",
+        description="Print the CPU's features (from the OS), torch's capability, and the kernel "
+                    "plan for a model on this machine with the times it was chosen by (measured at "
+                    "the model's first load on a machine, then cached).")
+    info.add_argument("--model", metavar="PATH", help="a checkpoint folder or .gguf file "
+                      "(default: the embedded model)")
+    info.add_argument("--no-model", action="store_true", help="only the machine; load no model")
+    info.add_argument("--measure", action="store_true",
+                      help="measure the plan again instead of reading the cached one")
+    info.add_argument("--json", action="store_true", dest="as_json", help="one JSON object")
+    info.add_argument("--quiet", action="store_true", help="no progress bars")
+    info.set_defaults(func=_cmd_info)
+
+
+def _cmd_info(args: argparse.Namespace, out: TextIO) -> int:
+    from .plan import machine_info
+
+    report: dict[str, Any] = {"machine": machine_info()}
+    if not args.no_model:
+        from .models import load_model
+
+        if args.measure:
+            os.environ["CONSTRAINED_SPEC_PLAN"] = "measure"
+        loaded = load_model(args.model, quiet=args.quiet)
+        report["model"] = loaded.describe_kernels()
+    if args.as_json:
+        print(json.dumps(report), file=out)
+        return EXIT_OK
+    m = report["machine"]
+    lines = [f"cpu: {m['cpu']}", f"cpu flags: {' '.join(m['flags']) or '(none reported)'}",
+             f"torch {m['torch']}: capability {m['capability']}, oneDNN bf16 "
+             f"{'yes' if m['mkldnn_bf16'] else 'no'}, {m['threads']} threads"]
+    if m["isa_env"]:
+        lines.append("restricted by: " + " ".join(f"{k}={v}" for k, v in m["isa_env"].items()))
+    if "model" in report:
+        d = report["model"]
+        lines += [f"model: {d['name']} ({d['runner']}, {d['device']})",
+                  f"weights: {d['weights']}",
+                  f"resident weight bytes: {d['resident_bytes'] / 2**20:.1f} MiB",
+                  f"kernel plan ({d['plan_source']}): {d['plan']}"]
+        for phase, times in d.get("times_ms", {}).items():
+            lines.append(f"  {phase:>10}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in
+                                                          sorted(times.items(), key=lambda kv: kv[1])))
+    print("\n".join(lines), file=out)
+    return EXIT_OK
 
 
 _METHOD_ALIASES = {"deepseek_mtp": "mtp"}

@@ -254,15 +254,43 @@ class LoadedModel:
     path: Path | None = None
     _runner: Any = field(default=None, repr=False)
     _tok_data: Any = field(default=None, repr=False)
-    _int4: Any = field(default=None, repr=False)  # packed exact 4-bit weights (runner.int4_weights)
+    _int4: Any = field(default=None, repr=False)  # exact 4-bit groups (runner.int4_weights)
+    dtype_choice: str = "auto"  # as asked: "auto" lets the kernel plan choose per phase
+    plan_cache: Path | None = None  # where this model's kernel plans are kept per machine
+    quiet: bool = True
 
     @property
     def runner(self) -> Any:
         if self._runner is None:
             from .runner import make_runner
 
-            self._runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
+            runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
+            if hasattr(runner, "set_plan"):
+                from .plan import choose_plan
+
+                runner.set_plan(choose_plan(runner, dtype=self.dtype_choice, cache=self.plan_cache,
+                                            quiet=self.quiet))
+            self._runner = runner
         return self._runner
+
+    def describe_kernels(self) -> dict[str, Any]:
+        """What runs this model here: runner, weight formats, the kernel plan and its times."""
+        runner = self.runner
+        out: dict[str, Any] = {"name": self.name, "runner": type(runner).__name__,
+                               "device": str(self.device)}
+        plan = getattr(runner, "plan", None)
+        if plan is None:
+            out.update(weights=f"dense {str(self.dtype).removeprefix('torch.')}", plan="(none: "
+                       "transformers' own forward)", plan_source="fixed", resident_bytes=sum(
+                           p.numel() * p.element_size() for p in self.model.parameters()))
+            return out
+        linears = [L[n] for L in runner.layers for n in ("qkv", "o", "gate_up", "down")]
+        four = sum(lin.int4 is not None for lin in linears)
+        out.update(weights=f"{four} of {len(linears)} linears exact 4-bit groups, the rest dense "
+                           f"{str(self.dtype).removeprefix('torch.')}",
+                   plan=plan.describe(), plan_source=plan.source, times_ms=plan.times_ms,
+                   resident_bytes=runner.resident_bytes())
+        return out
 
     @property
     def tokenizer_data(self) -> Any:
@@ -370,20 +398,38 @@ def load_model(
         raise ModelLoadError(f"could not load model {spec!r}: {type(e).__name__}: {e}") from e
     hf.eval()
     packs = None
-    if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
-        from .runner import int4_weights
+    from .runner import int4_weights, lean_runner_supports
 
+    if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
         packs = int4_weights(hf)  # from the float32 weights, before any cast
-    chosen = _choose_dtype(dtype, dev, hf, path if is_default else None)
+    env_dtype = os.environ.get("CONSTRAINED_SPEC_DTYPE", dtype) if dtype == "auto" else dtype
+    if env_dtype == "auto" and dev.type == "cpu" and lean_runner_supports(hf):
+        # the kernel plan chooses per phase; dense weights are kept in bf16 (fp32 phases read
+        # 4-bit weights exactly from their groups)
+        chosen = torch.bfloat16
+    else:
+        chosen = _choose_dtype(env_dtype, dev, hf, path if is_default else None)
     if chosen != torch.bfloat16:
         packs = None
     hf.to(device=dev, dtype=chosen)
     logger.info("loaded %s in %.1fs (%s on %s)", spec, time.perf_counter() - t0, chosen, dev)
     loaded = LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
                          device=dev, dtype=chosen, vocab_size=_logits_width(hf),
-                         is_default=is_default, path=path, _int4=packs)
+                         is_default=is_default, path=path, _int4=packs, dtype_choice=env_dtype,
+                         plan_cache=path if is_default else _plan_cache_dir(spec), quiet=quiet)
     _LOADED[key] = loaded
     return loaded
+
+
+def _plan_cache_dir(spec: str) -> Path:
+    """Kernel plans of a user's model live in our cache, keyed by its path, size and mtime."""
+    p = Path(spec).expanduser().resolve()
+    try:
+        st = p.stat()
+        ident = f"{p}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        ident = str(p)
+    return cache_dir() / "plans" / hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def _logits_width(model: Any) -> int:

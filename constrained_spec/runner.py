@@ -32,6 +32,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .weights import (
+    ACT_DTYPE,
+    GROUP,
+    Int4Groups,
+    Linear,
+    int4_kernel_available,
+    int8_kernel_available,
+    int8_pack,
+    packed_matmul,
+)
+
 _LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
 
 
@@ -47,47 +58,31 @@ def is_llama_family(model: Any) -> bool:
     return getattr(model.config, "model_type", None) in _LLAMA_FAMILY and _plain_rope(model.config)
 
 
-INT4_GROUP = 32
+def lean_runner_supports(model: Any) -> bool:
+    """Whether `make_runner` gives ``model`` the lean runner (kernel plans, packed weights)."""
+    return is_llama_family(model)
+
+
+INT4_GROUP = GROUP
 # Up to this many rows in a forward (batch x tokens) the int4 kernel is faster than the dense
-# bf16 GEMM; its cost grows ~linearly with rows (measured crossover ~12 on a 2-core x86 CPU).
+# bf16 GEMM on a CPU with bf16 units (measured crossover ~12 on a 2-core x86 CPU): the bucket
+# of the plan for an explicit bfloat16 dtype and for draft models. A measured plan finds its own.
 INT4_MAX_ROWS = 12
+_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP, *,
               exact: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel when every group of ``group``
-    input weights of every row is exactly ``d * q + m`` with ``q`` in 0..15 (as dequantized
-    from a Q4_1 GGUF), else None. ``weight``: float32 [N, K]. ``exact=False`` quantizes any
-    weight that way (round to nearest; for draft heads, whose drafts are verified anyway)."""
-    N, K = weight.shape
-    if weight.dtype != torch.float32 or K % group or N % 16:
+    """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel when every group of 32 input
+    weights of every row is exactly ``d * q + m`` (`weights.Int4Groups.from_dense`), else None.
+    ``exact=False`` quantizes any weight that way (round to nearest)."""
+    if group != GROUP or weight.shape[0] % 16:
         return None
-    g = weight.view(N, K // group, group)
-    lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
-    d = (hi - lo) / 15
-    q = (g - lo).mul_(torch.where(d == 0, torch.zeros_like(d), 1.0 / d)).round_().clamp_(0, 15)
-    # exact up to fp32 rounding of d * q + m (the converter computed the same expression)
-    err = (q * d).add_(lo).sub_(g).abs_()
-    if exact and not bool((err <= 1e-6 * (hi.abs() + lo.abs())).all()):
-        return None
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(N, K).to(torch.int32), 1)
-    # the kernel computes (q - 8) * scale + zero
-    scales_zeros = torch.cat([d, lo + 8 * d], -1).view(N, K // group, 2).transpose(0, 1)
-    return packed, scales_zeros.contiguous().to(torch.bfloat16)
+    groups = Int4Groups.from_dense(weight, exact=exact)
+    return None if groups is None else groups.int4_pack()
 
 
-
-def pack_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(int8 weight [N, K], bf16 scales [N])`` for torch's CPU int8 weight-only kernel:
-    symmetric round-to-nearest per output row (~1% relative error, as fast per few-row forward
-    as the int4 kernel and ~8x faster than a bf16 GEMV on the CPU). For drafters, whose tokens
-    the target verifies. None when the kernel is missing."""
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return None
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-    return q, scales.to(torch.bfloat16)
+pack_int8 = int8_pack
 
 
 def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
@@ -98,23 +93,30 @@ def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
             "down": m.down_proj.weight}
 
 
-def int4_weights(model: Any) -> dict[str, Any] | None:
-    """Packed int4 weights for every linear of a Llama-family ``model`` whose float32 weights
-    are exactly 4-bit (see `pack_int4`), keyed ``"{layer}.{name}"``; None when there are none,
-    the model is not Llama-family, or the kernel is missing. Call before casting to bf16."""
-    if not is_llama_family(model) or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+def int4_weights(model: Any) -> dict[str, Int4Groups] | None:
+    """The exact 4-bit groups (`weights.Int4Groups`) of every linear of a Llama-family
+    ``model`` whose float32 weights are exactly 4-bit, keyed ``"{layer}.{name}"``; None when
+    there are none, the model is not Llama-family, or the CPU kernel is missing. Call before
+    casting to bf16."""
+    if not is_llama_family(model) or not int4_kernel_available():
         return None
-    packs = {}
+    groups = {}
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             for name, w in _layer_weights(layer).items():
-                try:
-                    packed = pack_int4(w.detach())
-                except RuntimeError:  # a torch build without the CPU int4 kernel
-                    return None
-                if packed is not None:
-                    packs[f"{i}.{name}"] = packed
-    return packs or None
+                g = Int4Groups.from_dense(w.detach()) if w.shape[0] % 16 == 0 else None
+                if g is not None:
+                    groups[f"{i}.{name}"] = g
+    return groups or None
+
+
+def _default_plan(dtype: torch.dtype, int4: bool) -> Any:
+    from .plan import KernelPlan
+
+    if dtype == torch.float32:
+        return KernelPlan.uniform("fp32")
+    return KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int4" if int4 else "bf16"),
+                                             (1 << 30, "bf16")], lm_head="bf16")
 
 
 def _plain_rope(config: Any) -> bool:
@@ -193,29 +195,36 @@ class LlamaRunner(Runner):
         def w(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
 
+        def lin(weight: torch.Tensor, key: str | None, bias: torch.Tensor | None = None) -> Linear:
+            groups = (int4 or {}).get(key) if key is not None and device.type == "cpu" else None
+            if groups is not None:
+                return Linear(int4=groups, bias=bias)
+            # dense weights are kept in the runner's dtype (bf16 by default: half the bytes)
+            return Linear(dense=w(weight), bias=bias)
+
         self.embed = w(inner.embed_tokens.weight)
-        self.lm_head = w(model.get_output_embeddings().weight)
+        self.lm_head_weight = lin(model.get_output_embeddings().weight, None)
+        self.lm_head = self.lm_head_weight.dense  # drafters share the target's LM head rows
         self.norm = w(inner.norm.weight)
-        # int4 kernels: CPU, bf16 activations only (the kernel's scales are bf16)
-        use_int4 = int4 is not None and device.type == "cpu" and dtype == torch.bfloat16
         self.int4_linears = 0
         self.layers = []
         for i, layer in enumerate(inner.layers):
             a = layer.self_attn
             bias = None
             if a.q_proj.bias is not None:
-                bias = w(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
-            entry: dict[str, Any] = {"ln1": w(layer.input_layernorm.weight), "qkv_bias": bias,
-                                         "ln2": w(layer.post_attention_layernorm.weight)}
+                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            entry: dict[str, Any] = {"ln1": w(layer.input_layernorm.weight),
+                                     "ln2": w(layer.post_attention_layernorm.weight)}
             for name, weight in _layer_weights(layer).items():
-                packed = int4.get(f"{i}.{name}") if use_int4 else None
-                entry[name] = w(weight)
-                entry[name + "_int4"] = packed if packed is not None else entry[name]
-                self.int4_linears += packed is not None
+                entry[name] = lin(weight, f"{i}.{name}", bias if name == "qkv" else None)
+                self.int4_linears += entry[name].int4 is not None
             self.layers.append(entry)
-        self.vocab_size = int(self.lm_head.shape[0])
-        self.lm_head_packed: Any = None  # packed LM head of a draft model (quantize_for_drafting)
-        self.int4_max_rows = INT4_MAX_ROWS
+        self.vocab_size = int(self.lm_head_weight.shape[0])
+        self.hidden_size = int(self.embed.shape[1])
+        # which kernel runs each phase (constrained_spec.plan); until a plan is chosen, as
+        # before plans: the 4-bit kernel for few rows where exact, dense in `dtype` otherwise
+        self.plan = _default_plan(dtype, bool(self.int4_linears) and device.type == "cpu")
+        self.kv_dtype = torch.float32 if self.plan.kv == "fp32" else torch.bfloat16
         self._cap_slots, self._cap_len = 0, 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
@@ -224,24 +233,71 @@ class LlamaRunner(Runner):
         self.f_cache: torch.Tensor | None = None
 
     def quantize_for_drafting(self) -> int:
-        """Run every linear of every layer and the LM head on the int8 weight-only kernel
-        (`pack_int8`) for few-row forwards -- those on exact int4 weights stay on int4: for a
-        DRAFT model only, whose tokens the target verifies (its drafts may change, the output
-        does not). CPU bf16 only (elsewhere nothing changes). Returns the number of matrices
-        packed."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+        """Run every linear and the LM head on the weight-only quantized kernels for few-row
+        forwards (`weights.int8_pack`; those on exact 4-bit weights stay on int4): for a DRAFT
+        model only, whose tokens the target verifies (its drafts may change, the output does
+        not). CPU bf16 only (elsewhere nothing changes). Returns the number of matrices on a
+        quantized kernel."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not int8_kernel_available():
             return 0
-        packed = 0
+        from .plan import KernelPlan
+
+        self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (1 << 30, "bf16")],
+                               lm_head="int8", source="drafting")
+        linears = [L[n] for L in self.layers for n in _LINEARS] + [self.lm_head_weight]
+        for lin in linears:
+            lin.prepare({self._kernel(lin, "int8"), "bf16"}, resident=lin.int4 is None)
+        self.int4_linears = len(linears) - 1
+        return len(linears)
+
+    # -- kernels --------------------------------------------------------------------------
+    def supports_kernel(self, kernel: str) -> bool:
+        """Whether ``kernel`` runs any of this runner's linears (the others fall back)."""
+        return any(L[n].supports(kernel) for L in self.layers for n in _LINEARS)
+
+    @staticmethod
+    def _kernel(lin: Linear, kernel: str) -> str:
+        # "int8" means weight-only quantized: the exact 4-bit groups where the file has them;
+        # "int4" on a weight without them runs its dense bf16 form (same activations)
+        if kernel == "int8" and lin.supports("int4"):
+            return "int4"
+        return kernel if lin.supports(kernel) else "bf16"
+
+    def set_plan(self, plan: Any) -> None:
+        """Use ``plan`` from now on: build the packs and resident copies its kernels need, drop
+        the rest, and put the KV cache in its dtype."""
+        self.plan = plan
+        decode = {k for _, k in plan.decode}
         for L in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                if isinstance(L[name + "_int4"], torch.Tensor):
-                    pack = pack_int8(L[name])
-                    if pack is not None:
-                        L[name + "_int4"] = pack
-                        packed += 1
-        self.lm_head_packed = pack_int8(self.lm_head)
-        self.int4_linears += packed
-        return packed + (self.lm_head_packed is not None)
+            for n in _LINEARS:
+                lin = L[n]
+                kernels = {self._kernel(lin, k) for k in plan.kernels()}
+                # dense forms a decode step uses stay resident (a per-step dequantization
+                # would cost more than the step); prefill may dequantize per call
+                lin.prepare(kernels, resident=any(k in ("fp32", "bf16") for k in
+                                                  {self._kernel(lin, d) for d in decode}))
+        self.lm_head_weight.prepare({self._kernel(self.lm_head_weight, plan.lm_head)}, resident=True)
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """Drop every slot's cache (lengths too) and reallocate it in the plan's KV dtype."""
+        for s in list(self._lengths):
+            self._lengths[s] = 0
+        self.kv_dtype = torch.float32 if self.plan.kv == "fp32" else torch.bfloat16
+        self._cap_slots, self._cap_len = 0, 0
+        self.k_cache, self.v_cache = [], []
+        self.f_cache = None
+
+    def lm_head_linear(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
+        return self.lm_head_weight(hidden, self._kernel(self.lm_head_weight, kernel))
+
+    def resident_bytes(self) -> int:
+        """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
+        linears = [L[n] for L in self.layers for n in _LINEARS] + [self.lm_head_weight]
+        total = sum(lin.nbytes() for lin in linears)
+        if self.lm_head_weight.dense is None or self.embed.data_ptr() != self.lm_head_weight.dense.data_ptr():
+            total += self.embed.numel() * self.embed.element_size()
+        return total
 
     # -- features -------------------------------------------------------------------------
     def enable_features(self, layers: Sequence[int]) -> None:
@@ -286,7 +342,7 @@ class LlamaRunner(Runner):
         shape = (new_slots, new_len, self.n_kv, self.head_dim)
         for cache in (self.k_cache, self.v_cache):
             for i in range(self.n_layers):
-                fresh = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                fresh = torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
                 if i < len(cache):
                     fresh[: self._cap_slots, : self._cap_len] = cache[i]
                     cache[i] = fresh
@@ -301,12 +357,20 @@ class LlamaRunner(Runner):
 
     # -- forward --------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as transformers' LlamaRMSNorm: normalise in fp32, scale in the model dtype
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # as transformers' LlamaRMSNorm: normalise in fp32, scale in the activations' dtype
+        return weight.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def _matmul(self, x: torch.Tensor, L: dict[str, Any], name: str, kernel: str) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for the layer's linear ``name`` with the phase's ``kernel``."""
+        lin = L[name]
+        return lin(x, self._kernel(lin, kernel))
 
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
-                num_logits: Sequence[int], *, return_hidden: bool = False) -> Any:
+                num_logits: Sequence[int], *, return_hidden: bool = False,
+                phase: str | None = None) -> Any:
+        """``phase``: "prefill" (a prompt) or "decode" (decode / verify rows); None = prefill
+        when no logits are asked for. It picks the kernel from the plan."""
         B = len(slots)
         T = max(len(t) for t in tokens)
         starts = [self._lengths[s] for s in slots]
@@ -327,43 +391,46 @@ class LlamaRunner(Runner):
         slot_t = torch.tensor(slots, device=dev)
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
 
-        x = F.embedding(ids, self.embed)  # [B, T, D]
+        if phase is None:
+            phase = "decode" if any(num_logits) else "prefill"
+        kernel = (self.plan.prefill_kernel if phase == "prefill" else self.plan.decode_kernel)(B * T)
+        act = ACT_DTYPE[kernel]
+        x = F.embedding(ids, self.embed).to(act)  # [B, T, D]
         cos, sin = self.rotary(x, pos)  # [B, T, hd]
         cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, hd]
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         write_idx = (slot_t[:, None].expand(B, T), pos)
-        # the int4 kernel costs ~linear in rows; past a dozen the dense GEMM is cheaper
-        sfx = "_int4" if self.int4_linears and B * T <= self.int4_max_rows else ""
         keep = self.feature_layers
         kept: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             if i in keep:
                 kept[i] = x
             h = self._rms(x, L["ln1"])
-            qkv = _linear(h, L["qkv" + sfx], L["qkv_bias"]).view(B, T, H + 2 * KV, hd)
+            qkv = self._matmul(h, L, "qkv", kernel).view(B, T, H + 2 * KV, hd)
             qk = qkv[:, :, : H + KV]
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV:]  # [B, T, heads, hd]
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.index_put_(write_idx, k)  # cache layout [S, L, KV, hd]
-            vc.index_put_(write_idx, v)
+            kc.index_put_(write_idx, k.to(kc.dtype))  # cache layout [S, L, KV, hd]
+            vc.index_put_(write_idx, v.to(vc.dtype))
             if contiguous:
                 keys = kc[slots[0]: slots[0] + B, :Lk]
                 vals = vc[slots[0]: slots[0] + B, :Lk]
             else:
                 keys = kc.index_select(0, slot_t)[:, :Lk]
                 vals = vc.index_select(0, slot_t)[:, :Lk]
+            keys, vals = keys.to(act), vals.to(act)
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
                 enable_gqa=KV != H, scale=1.0 / math.sqrt(hd))  # [B, H, T, hd]
-            x = x + _linear(attn.transpose(1, 2).reshape(B, T, H * hd), L["o" + sfx])
+            x = x + self._matmul(attn.transpose(1, 2).reshape(B, T, H * hd), L, "o", kernel)
             h = self._rms(x, L["ln2"])
-            gate, up = _linear(h, L["gate_up" + sfx]).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, L["down" + sfx])
+            gate, up = self._matmul(h, L, "gate_up", kernel).chunk(2, dim=-1)
+            x = x + self._matmul(F.silu(gate) * up, L, "down", kernel)
         if keep:
             if self.n_layers in keep or -1 in keep:  # the last one after the final norm
                 kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
-            self.f_cache.index_put_(write_idx, torch.cat([kept[i] for i in keep], dim=-1))
+            self.f_cache.index_put_(write_idx, torch.cat([kept[i] for i in keep], dim=-1).to(self.f_cache.dtype))
         for s, e in zip(slots, ends):
             self._lengths[s] = e
         # logits only for the rows asked for: the last num_logits[b] real positions of each slot
@@ -371,23 +438,14 @@ class LlamaRunner(Runner):
         idx = torch.tensor(rows, device=dev, dtype=torch.long)
         hidden = x.reshape(B * T, -1).index_select(0, idx)
         hidden = self._rms(hidden, self.norm)
-        head = self.lm_head_packed if self.lm_head_packed is not None and len(rows) <= self.int4_max_rows \
-            else self.lm_head
-        logits = _linear(hidden, head).float()  # [sum num_logits, V]
+        logits = self.lm_head_linear(hidden, self.plan.lm_head).float()  # [sum num_logits, V]
         return (logits, hidden) if return_hidden else logits
 
 
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    packed, scales = weight  # see pack_int4 / pack_int8
-    x2 = x.reshape(-1, x.shape[-1])
-    if packed.dtype == torch.int8:
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), packed, scales)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, INT4_GROUP, scales)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    return y if bias is None else y + bias
+    """``x @ W.T (+ bias)`` for a dense weight or a pack (`weights.packed_matmul`)."""
+    y = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else packed_matmul(x, weight)
+    return y if bias is None or isinstance(weight, torch.Tensor) else y + bias
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

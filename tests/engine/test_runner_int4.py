@@ -102,7 +102,7 @@ def test_quantize_for_drafting_packs_every_matrix_and_stays_close():
     dense = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
     approx = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
     assert approx.quantize_for_drafting() == 4 * model.config.num_hidden_layers + 1
-    assert approx.lm_head_packed is not None
+    assert approx.plan.lm_head == "int8" and approx.lm_head_weight.packed_kernels == ("int8",)
     ids = [[3, 7, 11, 5, 9, 2]]
     outs = []
     for runner in (dense, approx):

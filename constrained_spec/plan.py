@@ -1,0 +1,340 @@
+"""The kernel plan: which kernel runs each phase of a target forward on THIS machine, measured.
+
+No one dtype is right for every phase or every CPU. On a CPU with bf16 units a 256-row prompt
+chunk is fastest in bf16 and a 1-row decode on the 4-bit kernel; on an AVX2-only CPU bf16 is
+emulated (4-5x slower than float32 for a large product) while the 4-bit kernel still wins the
+memory-bound 1-row decode. So the plan is chosen per phase:
+
+- ``prefill``: a prompt's forward (hundreds of rows, no logits),
+- ``decode``: a decode / verify forward, by rows per forward (1 to (K+1) x batch): a list of
+  ``(up to rows, kernel)`` buckets,
+- ``lm_head``: the logits rows of a decode forward,
+
+each timed at a model's first load on a machine over the kernels the machine and the weights
+offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups; int8, a
+re-quantization, only when asked for), and cached beside the converted checkpoint keyed by the
+machine (CPU flags, torch's capability, threads). ``CONSTRAINED_SPEC_PLAN`` overrides it:
+``measure`` (measure again) or a fixed plan such as
+``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+from .weights import ACT_DTYPE, KERNELS
+
+logger = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
+# rows per decode forward the plan is measured at: one request, one request verifying 5
+# drafts, and a batch of four such requests
+DECODE_ROWS = (1, 6, 24)
+PREFILL_ROWS = (128, 512)  # a short prompt, a long one
+_CONTEXT = 128  # context the decode rows attend to while timed
+_PLAN_VERSION = 2
+_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
+
+
+@dataclass
+class KernelPlan:
+    """Kernels per phase (see the module docstring)."""
+
+    prefill: list[tuple[int, str]]  # (up to this many rows, kernel), ascending; the last covers all
+    decode: list[tuple[int, str]]  # the same, for decode / verify forwards
+    lm_head: str
+    kv: str = "bf16"  # the KV cache's dtype
+    source: str = "fixed"  # "measured", "env" or "fixed"
+    times_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kernel -> ms
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prefill, str):
+            self.prefill = [(1 << 30, self.prefill)]
+        for k in [self.lm_head, *(k for _, k in self.prefill), *(k for _, k in self.decode)]:
+            if k not in KERNELS:
+                raise ConfigError(f"unknown kernel {k!r} in the kernel plan; use one of "
+                                  f"{', '.join(KERNELS)}", option="CONSTRAINED_SPEC_PLAN")
+        if self.kv not in ("fp32", "bf16"):
+            raise ConfigError(f"kv cache dtype {self.kv!r} is not fp32 or bf16",
+                              option="CONSTRAINED_SPEC_PLAN")
+        self.decode = sorted((int(r), k) for r, k in self.decode)
+        self.prefill = sorted((int(r), k) for r, k in self.prefill)
+
+    @classmethod
+    def uniform(cls, kernel: str, *, source: str = "fixed") -> KernelPlan:
+        """The same kernel for every phase."""
+        return cls(prefill=[(1 << 30, kernel)], decode=[(1 << 30, kernel)], lm_head=kernel,
+                   kv="fp32" if kernel == "fp32" else "bf16", source=source)
+
+    def decode_kernel(self, rows: int) -> str:
+        return _bucket(self.decode, rows)
+
+    def prefill_kernel(self, rows: int) -> str:
+        return _bucket(self.prefill, rows)
+
+    def kernels(self) -> set[str]:
+        return {self.lm_head, *(k for _, k in self.prefill), *(k for _, k in self.decode)}
+
+    @property
+    def decode_dtype(self) -> torch.dtype:
+        """Activations of a 1-row decode: the dtype drafters and kept features use."""
+        return ACT_DTYPE[self.decode_kernel(1)]
+
+    def describe(self) -> str:
+        return (f"prefill={_describe(self.prefill)},decode={_describe(self.decode)},"
+                f"lm_head={self.lm_head},kv={self.kv}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> KernelPlan:
+        return cls(prefill=[tuple(x) for x in d["prefill"]], decode=[tuple(x) for x in d["decode"]],
+                   lm_head=d["lm_head"],
+                   kv=d.get("kv", "bf16"), source=d.get("source", "fixed"),
+                   times_ms=d.get("times_ms", {}))
+
+    @classmethod
+    def parse(cls, text: str) -> KernelPlan:
+        """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16]``: missing phases take the
+        decode kernel of 1 row."""
+        parts: dict[str, str] = {}
+        for item in text.split(","):
+            key, sep, value = item.strip().partition("=")
+            if not sep or key not in ("prefill", "decode", "lm_head", "kv"):
+                raise ConfigError(f"cannot read kernel plan entry {item!r}: write phase=kernel "
+                                  "with phase in prefill, decode, lm_head, kv "
+                                  "(e.g. prefill=fp32,decode=int4,lm_head=bf16)",
+                                  option="CONSTRAINED_SPEC_PLAN")
+            parts[key] = value.strip()
+        if "decode" not in parts:
+            raise ConfigError("a kernel plan needs decode=KERNEL", option="CONSTRAINED_SPEC_PLAN")
+        decode = _parse_buckets(parts["decode"])
+        first = sorted(decode)[0][1]
+        return cls(prefill=_parse_buckets(parts.get("prefill", first)), decode=decode,
+                   lm_head=parts.get("lm_head", first),
+                   kv=parts.get("kv", "fp32" if first == "fp32" else "bf16"), source="env")
+
+
+def _bucket(buckets: list[tuple[int, str]], rows: int) -> str:
+    for limit, kernel in buckets:
+        if rows <= limit:
+            return kernel
+    return buckets[-1][1]
+
+
+def _describe(buckets: list[tuple[int, str]]) -> str:
+    return "/".join(f"{k}:{r}" if i < len(buckets) - 1 else k for i, (r, k) in enumerate(buckets))
+
+
+def _parse_buckets(text: str) -> list[tuple[int, str]]:
+    out = []
+    for piece in text.split("/"):
+        kernel, _, rows = piece.partition(":")
+        try:
+            out.append((int(rows) if rows else 1 << 30, kernel))
+        except ValueError:
+            raise ConfigError(f"bad row limit in kernel plan bucket {piece!r}: write kernel:rows",
+                              option="CONSTRAINED_SPEC_PLAN") from None
+    return out
+
+
+def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1) -> list[tuple[int, str]]:
+    """Buckets from the kernels' times at measured row counts (boundaries halfway between
+    them). A kernel takes over from the previous bucket's only when it is more than ``margin``
+    faster there: fewer kernels mean fewer packs in memory, and noise does not split buckets."""
+    rows = sorted(times)
+    merged: list[tuple[int, str]] = []
+    for i, r in enumerate(rows):
+        k = _best(times[r])
+        if merged and merged[-1][1] in times[r] and times[r][merged[-1][1]] <= (1 + margin) * times[r][k]:
+            k = merged[-1][1]
+        limit = (r + rows[i + 1]) // 2 if i + 1 < len(rows) else 1 << 30
+        if merged and merged[-1][1] == k:
+            merged[-1] = (limit, k)
+        else:
+            merged.append((limit, k))
+    return merged
+
+
+# -- the machine ---------------------------------------------------------------------------
+def cpu_flags() -> list[str]:
+    """The CPU feature flags the OS reports that matter for the kernels (Linux /proc/cpuinfo;
+    empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            have = set(line.split(":", 1)[1].split())
+            return [f for f in _CPU_FLAGS if f in have]
+    return []
+
+
+def machine_info() -> dict[str, Any]:
+    """What the plan depends on: CPU model and flags, torch's build and capability, threads,
+    and the environment variables that restrict the kernels' instruction sets."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "flags": cpu_flags(),
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn_bf16": bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()),
+        "threads": torch.get_num_threads(),
+        "isa_env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                 "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
+    }
+
+
+def machine_key(device: torch.device) -> str:
+    if device.type != "cpu":
+        return f"{device.type}:{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}"
+    m = machine_info()
+    return json.dumps([m["cpu"], m["flags"], m["torch"], m["capability"], m["threads"],
+                       sorted(m["isa_env"].items())])
+
+
+# -- measuring -----------------------------------------------------------------------------
+def _best(times: dict[str, float]) -> str:
+    return min(times, key=times.__getitem__)
+
+
+def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DECODE_ROWS,
+            prefill_rows: Sequence[int] = PREFILL_ROWS, repeats: int = 2,
+            progress: Callable[[str], None] | None = None) -> KernelPlan:
+    """Time each phase of ``runner`` (a lean runner) with each kernel in ``candidates`` and
+    return the fastest per phase. Uses one scratch slot, freed after."""
+    times: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
+    times.update({f"decode@{r}": {} for r in rows})
+    times["lm_head"] = {}
+    slot = runner.new_slot()
+    prompt = [(7 * i + 3) % min(runner.vocab_size, 1000) for i in range(max(*prefill_rows, _CONTEXT))]
+    saved = runner.plan
+    lean = "int4" if "int4" in candidates else None
+    try:
+        for kernel in candidates:
+            if progress:
+                progress(kernel)
+            # a prompt runs as it would next to a 4-bit decode: dense forms dequantized per
+            # call (no resident dense copy), the cache in the kernel's dtype
+            kv = "fp32" if kernel == "fp32" else "bf16"
+            runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
+                                       lm_head=kernel, kv=kv))
+            for r in prefill_rows:
+                times[f"prefill@{r}"][kernel] = _timed(1 if r > 256 else repeats, lambda r=r: (
+                    runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
+                                                             phase="prefill")))
+            runner.set_plan(KernelPlan.uniform(kernel))  # decode kernels keep dense forms resident
+            runner.truncate(slot, 0)
+            runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
+            for r in rows:
+                times[f"decode@{r}"][kernel] = _timed(repeats, lambda r=r: (
+                    runner.truncate(slot, _CONTEXT), runner.forward([slot], [prompt[:r]], [0],
+                                                                    phase="decode")))
+            if runner.lm_head_weight.supports(kernel):
+                h = torch.randn(max(rows), runner.hidden_size)
+                times["lm_head"][kernel] = _timed(repeats, lambda: runner.lm_head_linear(h[:rows[1]], kernel))
+    finally:
+        runner.free_slot(slot)
+        runner.set_plan(saved)
+    decode = _merge({r: times[f"decode@{r}"] for r in rows})
+    dense = [k for _, k in decode if k in ("fp32", "bf16")]
+    if len(set(dense)) > 1:  # one resident dense copy at most: the one the largest rows chose
+        decode = [(r, dense[-1] if k in ("fp32", "bf16") else k) for r, k in decode]
+    first = decode[0][1]
+    return KernelPlan(prefill=_merge({r: times[f"prefill@{r}"] for r in prefill_rows}),
+                      decode=decode, lm_head=_best(times["lm_head"]),
+                      kv="fp32" if first == "fp32" else "bf16", source="measured",
+                      times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()})
+
+
+def _timed(repeats: int, fn: Callable[[], Any]) -> float:
+    fn()  # warm-up: packs built, caches allocated
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- choosing and caching ------------------------------------------------------------------
+def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = False,
+                quiet: bool = False) -> KernelPlan:
+    """The plan for ``runner``: fixed by an explicit ``dtype`` ("float32" / "bfloat16" /
+    "float16"), by ``CONSTRAINED_SPEC_PLAN``, read from ``cache / plan.json`` for this machine,
+    or measured now (and written there)."""
+    env = os.environ.get("CONSTRAINED_SPEC_PLAN", "").strip()
+    if dtype == "float32":
+        return KernelPlan.uniform("fp32")
+    if runner.device.type != "cpu":
+        return KernelPlan.uniform("bf16")
+    int4 = runner.supports_kernel("int4")
+    if dtype in ("bfloat16", "float16"):  # as before the plan: 4-bit for few rows where exact
+        return KernelPlan(prefill=[(1 << 30, "bf16")], decode=[(12, "int4" if int4 else "bf16"), (1 << 30, "bf16")],
+                          lm_head="bf16")
+    if env and env != "measure":
+        return KernelPlan.parse(env)
+    key = machine_key(runner.device)
+    path = None if cache is None else cache / PLAN_FILE
+    if path is not None and env != "measure":
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("version") == _PLAN_VERSION and key in stored.get("plans", {}):
+                return KernelPlan.from_json(stored["plans"][key])
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            pass
+    candidates = [k for k in ("fp32", "bf16", "int4", "int8")
+                  if runner.supports_kernel(k) and (k != "int8" or int8)]
+    from tqdm.auto import tqdm
+
+    import sys
+
+    with tqdm(total=len(candidates), desc="measure the kernel plan (once per machine)",
+              disable=quiet, file=sys.stderr) as bar:
+        plan = measure(runner, candidates, progress=lambda k: (bar.set_postfix_str(k), bar.update(0)))
+        bar.update(len(candidates))
+    logger.info("kernel plan: %s", plan.describe())
+    if path is not None:
+        _store(path, key, plan)
+    return plan
+
+
+def _store(path: Path, key: str, plan: KernelPlan) -> None:
+    """Add this machine's plan to ``path`` (written to a private temp file, then renamed)."""
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("version") != _PLAN_VERSION:
+            stored = {}
+    except (OSError, ValueError):
+        stored = {}
+    plans = stored.get("plans", {})
+    plans[key] = plan.to_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"version": _PLAN_VERSION, "plans": plans}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache the kernel plan in %s: %s", path.parent, e)

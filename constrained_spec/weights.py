@@ -1,0 +1,247 @@
+"""Weight matrices and the kernels that multiply with them.
+
+A `Linear` is one weight matrix ``[N, K]`` (output x input) kept in ONE resident form -- the
+file's own 4-bit groups when they are exactly 4-bit (`Int4Groups`: Q4_0, Q4_1, Q4_K, or a
+dense checkpoint dequantized from one), else a dense tensor -- and multiplied by one of four
+kernels, chosen per phase by the kernel plan (`constrained_spec.plan`):
+
+========  =====================  ===========  ============================================
+kernel    activations            weights      what it reads per call
+========  =====================  ===========  ============================================
+``fp32``  float32                dense fp32   resident fp32, else dequantized per call
+``bf16``  bfloat16               dense bf16   resident bf16, else dequantized per call
+``int4``  bfloat16               4-bit pack   torch's CPU int4 weight-only kernel (groups of
+                                              32, bf16 scale and zero: the file's own q)
+``int8``  bfloat16               int8 pack    torch's CPU int8 weight-only kernel (per-row
+                                              scale: a RE-quantization, ~1% error; opt-in
+                                              for targets, default for draft heads)
+========  =====================  ===========  ============================================
+
+"Dequantized per call" is how a large prompt runs in float32 on a CPU without bf16 units while
+the weights stay 4-bit in memory: a 1536x576 group-dequantization costs ~1 ms against ~6 ms for
+the 256-row product it feeds, and no dense copy of the model is ever kept (the resident set is
+the 4-bit file plus the non-4-bit tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Literal["fp32", "bf16", "int8", "int4"]
+KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4")
+# the activation dtype each kernel multiplies in
+ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                     "int8": torch.bfloat16, "int4": torch.bfloat16}
+GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 kernel group)
+
+
+def int4_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def int8_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+@dataclass
+class Int4Groups:
+    """A weight that is exactly ``scale * q + min`` in every group of `GROUP` input weights of
+    every row, ``q`` in 0..15 (the layout of Q4_0 / Q4_1 / Q4_K after unpacking)."""
+
+    nibbles: torch.Tensor  # uint8 [N, K // 2]: q[:, 2j] in the low nibble, q[:, 2j + 1] high
+    scale: torch.Tensor  # float32 [N, K // GROUP]
+    min: torch.Tensor  # float32 [N, K // GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.nibbles.shape[0]), int(self.nibbles.shape[1]) * 2
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Groups:
+        """``q``: integer [N, K] in 0..15; ``scale``, ``minimum``: [N, K // GROUP]."""
+        q = q.to(torch.uint8)
+        return cls(nibbles=(q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
+                   scale=scale.float().contiguous(), min=minimum.float().contiguous())
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, *, exact: bool = True) -> Int4Groups | None:
+        """The groups of a float32 ``weight`` whose every group is exactly ``d * q + m`` (as a
+        checkpoint dequantized from a 4-bit GGUF is), else None. ``exact=False`` quantizes any
+        weight that way (round to nearest)."""
+        N, K = weight.shape
+        if weight.dtype != torch.float32 or K % GROUP:
+            return None
+        g = weight.detach().view(N, K // GROUP, GROUP)
+        lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = (g - lo).mul_(torch.where(d == 0, torch.zeros_like(d), 1.0 / d)).round_().clamp_(0, 15)
+        # exact up to fp32 rounding of d * q + m (the converter computed the same expression)
+        err = (q * d).add_(lo).sub_(g).abs_()
+        if exact and not bool((err <= 1e-6 * (hi.abs() + lo.abs())).all()):
+            return None
+        return cls.from_values(q.view(N, K), d.view(N, -1), lo.view(N, -1))
+
+    def values(self) -> torch.Tensor:
+        """q as uint8 [N, K]."""
+        N = self.nibbles.shape[0]
+        return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(N, -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] ``scale * q + min`` computed in float32 (the file's own dequantization),
+        then cast to ``dtype``."""
+        N, K = self.shape
+        q = self.values().view(N, K // GROUP, GROUP).float()
+        w = torch.addcmul(self.min[..., None], q, self.scale[..., None]).view(N, K)
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    def int4_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel, or None without it. The
+        kernel computes ``(q - 8) * scale + zero`` with bf16 scale and zero."""
+        N, K = self.shape
+        if not int4_kernel_available() or N % 16:
+            return None
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.values().to(torch.int32), 1)
+        except RuntimeError:  # a torch build without the CPU int4 kernel
+            return None
+        sz = torch.stack([self.scale, self.min + 8 * self.scale], -1).transpose(0, 1)  # [K/G, N, 2]
+        return packed, sz.contiguous().to(torch.bfloat16)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.nibbles, self.scale, self.min))
+
+
+def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(int8 weight [N, K], bf16 scales [N])`` for torch's CPU int8 weight-only kernel:
+    symmetric round-to-nearest per output row (~1% relative error). None without the kernel."""
+    if not int8_kernel_available():
+        return None
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scales.to(torch.bfloat16)
+
+
+def packed_matmul(x: torch.Tensor, pack: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x @ W.T`` for a weight packed by `Int4Groups.int4_pack` or `int8_pack` (bf16 out)."""
+    packed, scales = pack
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    if packed.dtype == torch.int8:
+        y = torch.ops.aten._weight_int8pack_mm(x2, packed, scales)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, scales)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Linear:
+    """One weight matrix in one resident form, multiplied by the kernel asked for.
+
+    Build with ``dense`` (any float tensor; kept as given) or ``int4`` (exact groups), then
+    `prepare` the kernels a plan uses: it builds the packs they need and, with
+    ``resident=True``, dense copies in their dtypes (faster, more memory).
+    """
+
+    def __init__(self, *, dense: torch.Tensor | None = None, int4: Int4Groups | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        if (dense is None) == (int4 is None):
+            raise ValueError("a Linear holds either a dense weight or 4-bit groups")
+        self.dense = None if dense is None else dense.detach()
+        self.int4 = int4
+        self.bias = None if bias is None else bias.detach().float()
+        self._packs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._dense: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.int4 is not None:
+            return self.int4.shape
+        return int(self.dense.shape[0]), int(self.dense.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return (self.dense if self.dense is not None else self.int4.nibbles).device
+
+    @property
+    def packed_kernels(self) -> tuple[str, ...]:
+        """The packed kernels built so far ("int4", "int8")."""
+        return tuple(sorted(self._packs))
+
+    def supports(self, kernel: str) -> bool:
+        """Whether ``kernel`` can run this weight on its device."""
+        if kernel in ("fp32", "bf16"):
+            return True
+        if self.device.type != "cpu":
+            return False
+        if kernel == "int4":
+            return self.int4 is not None and int4_kernel_available() and self.shape[0] % 16 == 0
+        return kernel == "int8" and int8_kernel_available()
+
+    def prepare(self, kernels: Iterable[str], *, resident: bool = False) -> None:
+        """Build what ``kernels`` need (packs; with ``resident``, dense copies too) and drop
+        what no kernel in ``kernels`` uses any more."""
+        kernels = set(kernels)
+        for k in list(self._packs):
+            if k not in kernels:
+                del self._packs[k]
+        self._dense = {dt: t for dt, t in self._dense.items()
+                       if resident and any(ACT_DTYPE[k] == dt for k in kernels if k in ("fp32", "bf16"))}
+        for k in kernels:
+            if not self.supports(k):
+                raise ValueError(f"kernel {k!r} cannot run this {self.shape} weight")
+            if k in ("int4", "int8"):
+                self._pack(k)
+            elif k in ("fp32", "bf16") and resident:
+                dt = ACT_DTYPE[k]
+                if dt not in self._dense:
+                    self._dense[dt] = self.dequantized(dt)
+
+    def _pack(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+        pack = self._packs.get(kernel)
+        if pack is None:
+            pack = self.int4.int4_pack() if kernel == "int4" else int8_pack(self.dequantized(torch.float32))
+            if pack is None:
+                raise ValueError(f"kernel {kernel!r} is not available in this torch build")
+            self._packs[kernel] = pack
+        return pack
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight in ``dtype`` (resident when prepared so, else built now)."""
+        if dtype in self._dense:
+            return self._dense[dtype]
+        if self.dense is not None:
+            return self.dense if self.dense.dtype == dtype else self.dense.to(dtype)
+        return self.int4.dequantize(dtype)
+
+    def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` with ``kernel``; ``x`` is cast to the kernel's activation dtype
+        and the result comes back in it."""
+        act = ACT_DTYPE[kernel]
+        x = x.to(act)
+        if kernel in ("int4", "int8"):
+            y = packed_matmul(x, self._pack(kernel))  # built on first use when not prepared
+        else:
+            y = F.linear(x, self.dequantized(act))
+        return y if self.bias is None else y + self.bias.to(act)
+
+    def nbytes(self) -> int:
+        """Bytes held: the resident form, packs and dense copies."""
+        own = self.int4.nbytes() if self.int4 is not None else self.dense.numel() * self.dense.element_size()
+        packs = sum(t.numel() * t.element_size() for p in self._packs.values() for t in p)
+        dense = sum(t.numel() * t.element_size() for t in self._dense.values()
+                    if self.dense is None or t.data_ptr() != self.dense.data_ptr())
+        return own + packs + dense
+
+    def to(self, device: torch.device) -> Linear:
+        """A copy on ``device`` (packs are rebuilt there on demand)."""
+        if self.int4 is not None:
+            g = self.int4
+            moved = Linear(int4=Int4Groups(g.nibbles.to(device), g.scale.to(device), g.min.to(device)))
+        else:
+            moved = Linear(dense=self.dense.to(device))
+        moved.bias = None if self.bias is None else self.bias.to(device)
+        return moved

@@ -1,0 +1,128 @@
+"""The kernel plan: parsed, measured, cached per machine, and followed by the runner.
+
+Every kernel the plan can pick must give the logits of the same weights: the plan changes the
+speed, not the model (within each kernel's stated rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_runner_int4 import quantized_tiny_llama
+
+from constrained_spec.errors import ConfigError
+from constrained_spec.plan import PLAN_FILE, KernelPlan, _merge, choose_plan, machine_info, measure
+from constrained_spec.runner import LlamaRunner, int4_weights
+from constrained_spec.weights import Int4Groups, Linear
+
+CPU = torch.device("cpu")
+
+
+def _runner() -> LlamaRunner:
+    model = quantized_tiny_llama()
+    packs = int4_weights(model)
+    return LlamaRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU,
+                       int4=packs)
+
+
+def test_plan_text_round_trips_and_bad_text_names_the_variable():
+    plan = KernelPlan.parse("prefill=fp32:300/bf16,decode=int4:12/bf16,lm_head=bf16")
+    assert plan.prefill_kernel(100) == "fp32" and plan.prefill_kernel(301) == "bf16"
+    assert plan.decode_kernel(1) == "int4" and plan.decode_kernel(12) == "int4"
+    assert plan.decode_kernel(13) == "bf16" and plan.kv == "bf16"
+    assert KernelPlan.parse(plan.describe()).describe() == plan.describe()
+    assert KernelPlan.from_json(json.loads(json.dumps(plan.to_json()))).describe() == plan.describe()
+    for bad in ("prefill=fp32", "decode=int3", "speed=fast,decode=int4", "decode=int4:x"):
+        with pytest.raises(ConfigError) as e:
+            KernelPlan.parse(bad)
+        assert e.value.option == "CONSTRAINED_SPEC_PLAN"
+
+
+def test_buckets_switch_kernel_only_for_a_clear_gain():
+    times = {1: {"int4": 10.0, "bf16": 30.0}, 6: {"int4": 20.0, "bf16": 19.0},
+             24: {"int4": 80.0, "bf16": 40.0}}
+    assert _merge(times) == [(15, "int4"), (1 << 30, "bf16")]  # 19 vs 20 at 6 rows: noise
+
+
+def test_int4_groups_dequantize_exactly_and_every_kernel_follows_the_dense_product():
+    w = quantized_tiny_llama().model.layers[0].mlp.down_proj.weight.detach().float()
+    groups = Int4Groups.from_dense(w)
+    assert groups is not None and torch.equal(groups.dequantize(), w)
+    lin = Linear(int4=groups)
+    x = torch.randn(5, w.shape[1])
+    want = x @ w.T
+    assert torch.allclose(lin(x, "fp32"), want, atol=1e-5)
+    for kernel in ("bf16", "int4", "int8"):
+        got = lin(x, kernel).float()
+        assert got.dtype == torch.float32
+        assert (got - want).abs().max() <= 0.05 * want.abs().max(), kernel
+    assert Int4Groups.from_dense(torch.randn(64, 64)) is None  # not 4-bit: stays dense
+
+
+@pytest.mark.parametrize("kernel", ["fp32", "bf16", "int4"])
+def test_every_planned_kernel_gives_the_models_logits(kernel):
+    ref = LlamaRunner(quantized_tiny_llama(), dtype=torch.float32, device=CPU)
+    runner = _runner()
+    runner.set_plan(KernelPlan.uniform(kernel))
+    prompt = [3, 9, 4, 1, 7, 2, 8, 5]
+    outs = []
+    for r in (ref, runner):
+        slot = r.new_slot()
+        r.forward([slot], [prompt], [0], phase="prefill")
+        outs.append(r.forward([slot], [[6, 2, 11]], [3], phase="decode"))
+    want, got = outs
+    # the 4-bit linears are exact in every kernel; embeddings, norms and the LM head are kept
+    # in bf16 by this runner, so even the fp32 kernel carries their bf16 rounding
+    tol = 0.01 if kernel == "fp32" else 0.03
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_mixed_plan_prefill_fp32_then_decode_int4_keeps_one_cache():
+    runner = _runner()
+    runner.set_plan(KernelPlan.parse("prefill=fp32,decode=int4,lm_head=bf16,kv=bf16"))
+    same = _runner()
+    same.set_plan(KernelPlan.parse("prefill=int4,decode=int4,lm_head=bf16,kv=bf16"))
+    outs = []
+    for r in (runner, same):
+        slot = r.new_slot()
+        r.forward([slot], [[3, 9, 4, 1, 7, 2, 8, 5]], [0], phase="prefill")
+        outs.append(r.forward([slot], [[6]], [1], phase="decode"))
+    assert (outs[0] - outs[1]).abs().max() <= 0.03 * outs[1].abs().max()
+    assert runner.k_cache[0].dtype == torch.bfloat16
+    # no dense copy of 4-bit weights is kept for a streamed fp32 prefill
+    assert all(not L["qkv"]._dense for L in runner.layers)
+
+
+def test_measured_plan_picks_the_fastest_measured_kernel_per_phase():
+    runner = _runner()
+    plan = measure(runner, ["fp32", "bf16", "int4"], rows=(1, 6), prefill_rows=(16,), repeats=1)
+    for r in (1, 6):
+        t = plan.times_ms[f"decode@{r}"]
+        assert set(t) == {"fp32", "bf16", "int4"}
+        assert t[plan.decode_kernel(r)] <= 1.1 * min(t.values())
+    assert plan.prefill_kernel(16) == min(plan.times_ms["prefill@16"], key=plan.times_ms["prefill@16"].get)
+    assert plan.source == "measured" and runner.slots_in_use == 0
+
+
+def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("CONSTRAINED_SPEC_PLAN", raising=False)
+    runner = _runner()
+    first = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    stored = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert len(stored["plans"]) == 1 and first.source == "measured"
+    assert choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True).times_ms == first.times_ms
+    monkeypatch.setenv("CONSTRAINED_SPEC_PLAN", "prefill=fp32,decode=int4")
+    fixed = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    assert fixed.source == "env" and fixed.prefill_kernel(1000) == "fp32"
+    # an explicit dtype is a fixed plan: float32 everywhere is exact
+    assert choose_plan(runner, dtype="float32", cache=tmp_path, quiet=True).kernels() == {"fp32"}
+
+
+def test_machine_info_names_the_cpu_flags_and_torch_capability(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    info = machine_info()
+    assert info["isa_env"] == {"ATEN_CPU_CAPABILITY": "avx2"}
+    assert isinstance(info["flags"], list) and info["capability"]
