@@ -361,9 +361,11 @@ def load_model(
                                  "pass a transformers causal LM, a path, or None")
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         mdtype = next(model.parameters()).dtype
+        # a model handed over in a dtype runs in that dtype (a fixed kernel plan)
         return LoadedModel(name=str(name), model=model.eval(), tokenizer=tokenizer,
                            device=next(model.parameters()).device, dtype=mdtype,
-                           vocab_size=_logits_width(model))
+                           vocab_size=_logits_width(model),
+                           dtype_choice=str(mdtype).removeprefix("torch."))
     spec = "default" if model is None else str(model)
     if int4 is None:
         int4 = os.environ.get("CONSTRAINED_SPEC_INT4", "1") not in ("0", "false", "False", "")

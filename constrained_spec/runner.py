@@ -9,25 +9,33 @@ The engine knows nothing about tokenization or model internals; it talks to a ru
 - ``truncate(slot, n)`` keeps the first ``n`` positions. The cache is written by position, so
   rejected draft positions are simply overwritten by the next forward (no rollback copies).
 
-``LlamaRunner`` is a lean, batched runner for Llama-family models (llama, mistral, qwen2: the
-same block with or without q/k/v biases) with a per-slot cache indexed by position.
-``HFRunner`` wraps any other ``transformers`` causal LM, one ``DynamicCache`` per slot.
+``LeanRunner`` (also importable as ``LlamaRunner``) is a lean, batched runner with a per-slot
+cache indexed by position for the decoder families people run locally: llama (3.x rope
+scaling included), mistral, qwen2/2.5, qwen3, gemma2, gemma3 (text) and phi3. They are one
+block with a few switches (`Family`, read from the transformers config): q/k/v biases, q/k
+norms, Gemma's (1 + w) norms with extra norms around attention and MLP, scaled embeddings,
+gelu-tanh MLPs, sliding-window layers, logit soft-capping, fused phi3 weights, partial RoPE.
+RoPE comes from the model's own rotary module, which applies the config's scaling. Whatever
+`Family.of` does not recognise (a config switch not implemented here) runs on ``HFRunner``,
+which wraps any ``transformers`` causal LM with one ``DynamicCache`` per slot: slower, never
+wrong (`lean_runner_supports`).
 
-4-bit weights: a checkpoint converted from a Q4_1 GGUF (the embedded model) holds, in every
-group of 32 input weights of a row, exactly ``d * q + m`` with ``q`` in 0..15. On the CPU in
-bfloat16, ``LlamaRunner`` detects that (`pack_int4`: the weights re-quantize with zero error)
-and multiplies with torch's int4 weight-only kernel instead of a dense bf16 GEMM: the quantized
-values are the file's own (only ``d`` and the zero point are rounded to bf16), a quarter of the
-bytes are read, and a 1-token step is ~2x faster. The kernel's cost grows with the rows of a
-forward, so past `INT4_MAX_ROWS` rows the dense bf16 copy is used. Weights that are not exactly
-4-bit stay dense.
+Weights and kernels: every matrix is a `weights.Linear` -- the exact 4-bit groups of a
+checkpoint converted from a 4-bit GGUF (each group of 32 input weights of a row is exactly
+``d * q + m``, detected by `int4_weights`), or a dense tensor -- and the kernel plan
+(`constrained_spec.plan`, measured per machine) picks the kernel per phase and rows: fp32 or
+bf16 dense, torch's int4 kernel on the file's own 4-bit values, or int8. The activations take
+the kernel's dtype; the KV cache has the plan's. Every weight multiply goes through one method,
+`LeanRunner._matmul`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,24 +51,134 @@ from .weights import (
     packed_matmul,
 )
 
-_LLAMA_FAMILY = {"llama", "mistral", "qwen2"}
+logger = logging.getLogger(__name__)
 
 
 def make_runner(model: Any, *, dtype: torch.dtype, device: torch.device,
                 int4: dict[str, Any] | None = None) -> Runner:
     """The fastest runner that supports ``model``'s architecture (``int4``: see `int4_weights`)."""
-    if is_llama_family(model):
-        return LlamaRunner(model, dtype=dtype, device=device, int4=int4)
-    return HFRunner(model, dtype=dtype, device=device)
-
-
-def is_llama_family(model: Any) -> bool:
-    return getattr(model.config, "model_type", None) in _LLAMA_FAMILY and _plain_rope(model.config)
+    try:
+        Family.of(model)
+    except UnsupportedModel as e:
+        logger.info("%s runs on the transformers forward (HFRunner): %s", type(model).__name__, e)
+        return HFRunner(model, dtype=dtype, device=device)
+    return LeanRunner(model, dtype=dtype, device=device, int4=int4)
 
 
 def lean_runner_supports(model: Any) -> bool:
-    """Whether `make_runner` gives ``model`` the lean runner (kernel plans, packed weights)."""
-    return is_llama_family(model)
+    """Whether `LeanRunner` computes exactly what ``model``'s transformers forward computes
+    (`Family.of` says why not)."""
+    try:
+        Family.of(model)
+    except UnsupportedModel:
+        return False
+    return True
+
+
+is_llama_family = lean_runner_supports  # the old name (the lean runner covers more than Llama now)
+
+
+class UnsupportedModel(ValueError):
+    """The lean runner does not implement something ``model``'s forward does (HFRunner runs it)."""
+
+
+_GEMMA = {"gemma2", "gemma3_text"}
+LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+# families whose config.sliding_window applies to every layer; the others read layer_types
+_WINDOW_ON_EVERY_LAYER = {"mistral", "phi3"}
+_LAYER_TYPED = {"qwen2", "qwen3", "gemma2", "gemma3_text"}
+# rope types whose frequencies the rotary module fixes at init (it only rescales them there)
+_ROPE_FIXED = {"default", "linear", "llama3", "yarn"}
+_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a decoder family's block differs from Llama's, read from a transformers model
+    (`Family.of`). One forward reads these switches for every family."""
+
+    model_type: str
+    # phi3: q/k/v and gate/up are one matrix each in the checkpoint (kept fused as they are)
+    fused_weights: bool
+    # gemma: RMSNorm scales by (1 + w) in float32 before the cast; a norm on the attention
+    # output and on the MLP output, and the MLP's input norm is pre_feedforward_layernorm
+    gemma_norms: bool
+    # qwen3, gemma3: RMSNorm over head_dim on every q and k head, before RoPE
+    qk_norm: bool
+    # gemma: embeddings times sqrt(hidden_size), the factor rounded to the model dtype
+    embed_scale: float | None
+    act: Literal["silu", "gelu_tanh"]
+    attn_scale: float  # 1/sqrt(head_dim), or gemma's 1/sqrt(query_pre_attn_scalar)
+    attn_softcap: float | None  # gemma2: tanh soft-capping of attention scores
+    final_softcap: float | None  # gemma2/3: tanh soft-capping of the logits
+    # per layer: the sliding window (key j visible to query p iff p - window < j <= p) or None
+    windows: tuple[int | None, ...]
+    # per layer: the layer_type argument of the rotary module (gemma3: a base per type) or None
+    rope_keys: tuple[str | None, ...]
+    # "batched": one rotary call per forward (frequencies fixed at init); "per_slot": longrope
+    # picks its short or long factors from the last position of each call, so each slot gets
+    # its own call, as each sequence does in transformers; "original": dynamic NTK equals plain
+    # RoPE up to max_position_embeddings and grows statefully past it: the original
+    # frequencies, and the runner refuses positions past that length
+    rope: Literal["batched", "per_slot", "original"]
+
+    @classmethod
+    def of(cls, model: Any) -> Family:
+        """The family switches of ``model`` (a transformers causal LM); raises UnsupportedModel
+        for anything this runner does not compute exactly as its transformers forward does."""
+        cfg = model.config
+        mt = getattr(cfg, "model_type", None)
+        if mt not in LEAN_FAMILIES:
+            raise UnsupportedModel(f"model_type {mt!r} is not one of {', '.join(LEAN_FAMILIES)}")
+        inner = getattr(model, "model", None)
+        if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
+            raise UnsupportedModel("no model.model.{layers, embed_tokens, norm, rotary_emb}")
+        head = model.get_output_embeddings()
+        if getattr(head, "weight", None) is None or getattr(head, "bias", None) is not None:
+            raise UnsupportedModel("the LM head is not a bias-free linear layer")
+        gemma = mt in _GEMMA
+        act_name = cfg.hidden_activation if gemma else cfg.hidden_act
+        if act_name not in _ACTS:
+            raise UnsupportedModel(f"activation {act_name!r}")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise UnsupportedModel("bidirectional attention")
+        n = cfg.num_hidden_layers
+        if len(inner.layers) != n:
+            raise UnsupportedModel(f"{len(inner.layers)} decoder layers for num_hidden_layers {n}")
+        window = getattr(cfg, "sliding_window", None) or None
+        if mt in _WINDOW_ON_EVERY_LAYER:
+            types = ["sliding_attention" if window else "full_attention"] * n
+        elif mt in _LAYER_TYPED:
+            types = list(cfg.layer_types)
+        else:
+            types = ["full_attention"] * n
+        if set(types) - {"full_attention", "sliding_attention"}:
+            raise UnsupportedModel(f"layer types {sorted(set(types))}")
+        if "sliding_attention" in types and not window:
+            raise UnsupportedModel("sliding_attention layers without a sliding_window")
+        windows = tuple(window if t == "sliding_attention" else None for t in types)
+        rope_type = inner.rotary_emb.rope_type  # gemma3: a dict by layer type
+        rope_keys = tuple(types) if isinstance(rope_type, dict) else (None,) * n
+        kinds = set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
+        if kinds - _ROPE_FIXED - {"dynamic", "longrope"}:
+            raise UnsupportedModel(f"rope type {sorted(kinds - _ROPE_FIXED)}")
+        if {"dynamic", "longrope"} <= kinds:
+            raise UnsupportedModel("dynamic and longrope RoPE in one model")
+        rope = "original" if "dynamic" in kinds else "per_slot" if "longrope" in kinds else "batched"
+        attn = inner.layers[0].self_attn
+        qk_norm = mt in ("qwen3", "gemma3_text")
+        if qk_norm and not hasattr(attn, "q_norm"):
+            raise UnsupportedModel("no q_norm / k_norm on the attention")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        scale = cfg.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
+        return cls(
+            model_type=mt, fused_weights=mt == "phi3", gemma_norms=gemma, qk_norm=qk_norm,
+            embed_scale=cfg.hidden_size ** 0.5 if gemma else None, act=_ACTS[act_name],  # type: ignore[arg-type]
+            attn_scale=scale,
+            # transformers' gemma3 attention does not pass its softcap on: neither do we
+            attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if mt == "gemma2" else None,
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+            windows=windows, rope_keys=rope_keys, rope=rope)  # type: ignore[arg-type]
 
 
 INT4_GROUP = GROUP
@@ -85,20 +203,37 @@ def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP, *,
 pack_int8 = int8_pack
 
 
-def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
+def _linears(layer: Any) -> dict[str, list[Any]]:
+    """The decoder layer's linear modules per fused matrix of the runner: q/k/v and gate/up
+    are concatenated (phi3 stores them fused already)."""
     a, m = layer.self_attn, layer.mlp
-    return {"qkv": torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-            "o": a.o_proj.weight,
-            "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-            "down": m.down_proj.weight}
+    qkv = [a.qkv_proj] if hasattr(a, "qkv_proj") else [a.q_proj, a.k_proj, a.v_proj]
+    gate_up = [m.gate_up_proj] if hasattr(m, "gate_up_proj") else [m.gate_proj, m.up_proj]
+    return {"qkv": qkv, "o": [a.o_proj], "gate_up": gate_up, "down": [m.down_proj]}
+
+
+def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
+    return {name: torch.cat([lin.weight for lin in lins]) for name, lins in _linears(layer).items()}
+
+
+def _layer_biases(layer: Any) -> dict[str, torch.Tensor | None]:
+    """The fused biases (zeros for a part without one), None where no part has one."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, lins in _linears(layer).items():
+        if all(lin.bias is None for lin in lins):
+            out[name] = None
+        else:
+            out[name] = torch.cat([lin.weight.new_zeros(lin.weight.shape[0]) if lin.bias is None
+                                   else lin.bias for lin in lins])
+    return out
 
 
 def int4_weights(model: Any) -> dict[str, Int4Groups] | None:
-    """The exact 4-bit groups (`weights.Int4Groups`) of every linear of a Llama-family
-    ``model`` whose float32 weights are exactly 4-bit, keyed ``"{layer}.{name}"``; None when
-    there are none, the model is not Llama-family, or the CPU kernel is missing. Call before
-    casting to bf16."""
-    if not is_llama_family(model) or not int4_kernel_available():
+    """The exact 4-bit groups (`weights.Int4Groups`) of every linear of a ``model`` the lean
+    runner supports whose float32 weights are exactly 4-bit, keyed ``"{layer}.{name}"``; None
+    when there are none, the lean runner does not run the model, or the CPU kernel is missing.
+    Call before casting to bf16."""
+    if not lean_runner_supports(model) or not int4_kernel_available():
         return None
     groups = {}
     with torch.no_grad():
@@ -117,12 +252,6 @@ def _default_plan(dtype: torch.dtype, int4: bool) -> Any:
         return KernelPlan.uniform("fp32")
     return KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int4" if int4 else "bf16"),
                                              (1 << 30, "bf16")], lm_head="bf16")
-
-
-def _plain_rope(config: Any) -> bool:
-    # Sliding windows would need a different mask; anything else we hand to transformers.
-    return getattr(config, "sliding_window", None) in (None, 0) or not getattr(
-        config, "use_sliding_window", False)
 
 
 class Runner:
@@ -171,17 +300,21 @@ class Runner:
         from .errors import ConfigError
 
         raise ConfigError(f"{type(self).__name__} does not keep hidden states; drafters that read "
-                          "them (eagle3, mtp) need a Llama-family target (llama, mistral, qwen2)",
-                          option="speculative.method")
+                          "them (eagle3, mtp) need a target the lean runner runs (model types "
+                          f"{', '.join(LEAN_FAMILIES)}; see runner.Family); use method 'ngram' "
+                          "or 'draft_model' for this one", option="speculative.method")
 
 
-class LlamaRunner(Runner):
-    """Batched Llama-family forward with a position-indexed KV cache per slot."""
+class LeanRunner(Runner):
+    """Batched forward of the decoder families in `Family` with a position-indexed KV cache per
+    slot (every layer keeps every position, sliding-window layers included: only their mask
+    differs)."""
 
     def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device,
                  int4: dict[str, Any] | None = None) -> None:
         super().__init__()
         cfg = model.config
+        self.family = fam = Family.of(model)
         self.device, self.dtype = device, dtype
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
@@ -195,31 +328,41 @@ class LlamaRunner(Runner):
         def w(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
 
-        def lin(weight: torch.Tensor, key: str | None, bias: torch.Tensor | None = None) -> Linear:
-            groups = (int4 or {}).get(key) if key is not None and device.type == "cpu" else None
-            if groups is not None:
-                return Linear(int4=groups, bias=bias)
-            # dense weights are kept in the runner's dtype (bf16 by default: half the bytes)
-            return Linear(dense=w(weight), bias=bias)
+        def norm(t: torch.Tensor) -> torch.Tensor:
+            # Gemma scales by (1 + w) in float32 (see _rms)
+            return (1.0 + t.detach().to(device=device, dtype=torch.float32)) if fam.gemma_norms else w(t)
 
         self.embed = w(inner.embed_tokens.weight)
-        self.lm_head_weight = lin(model.get_output_embeddings().weight, None)
-        self.lm_head = self.lm_head_weight.dense  # drafters share the target's LM head rows
-        self.norm = w(inner.norm.weight)
+        # as transformers: the factor rounded to the model dtype, then a product in that dtype
+        self.embed_scale = None if fam.embed_scale is None else \
+            torch.tensor(fam.embed_scale).to(device=device, dtype=dtype)
+        # the LM head, shaped like a layer for _matmul
+        self.head: dict[str, Any] = {"lm_head": Linear(dense=w(model.get_output_embeddings().weight))}
+        self.norm = norm(inner.norm.weight)
         self.int4_linears = 0
-        self.layers = []
+        self.layers: list[dict[str, Any]] = []
+        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         for i, layer in enumerate(inner.layers):
             a = layer.self_attn
-            bias = None
-            if a.q_proj.bias is not None:
-                bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            entry: dict[str, Any] = {"ln1": w(layer.input_layernorm.weight),
-                                     "ln2": w(layer.post_attention_layernorm.weight)}
+            L: dict[str, Any] = {"ln_attn": norm(layer.input_layernorm.weight)}
+            if fam.gemma_norms:
+                L["post_attn"] = norm(layer.post_attention_layernorm.weight)
+                L["ln_mlp"] = norm(layer.pre_feedforward_layernorm.weight)
+                L["post_mlp"] = norm(layer.post_feedforward_layernorm.weight)
+            else:
+                L["ln_mlp"] = norm(layer.post_attention_layernorm.weight)
+            if fam.qk_norm:  # one weight row per q and k head: one norm call over [B, T, H + KV, hd]
+                L["qk_norm"] = norm(torch.cat([a.q_norm.weight.expand(H, hd), a.k_norm.weight.expand(KV, hd)]))
+            biases = _layer_biases(layer)
             for name, weight in _layer_weights(layer).items():
-                entry[name] = lin(weight, f"{i}.{name}", bias if name == "qkv" else None)
-                self.int4_linears += entry[name].int4 is not None
-            self.layers.append(entry)
-        self.vocab_size = int(self.lm_head_weight.shape[0])
+                groups = (int4 or {}).get(f"{i}.{name}") if device.type == "cpu" else None
+                # exact 4-bit weights keep their groups; the rest stay dense in the runner's
+                # dtype (bf16 by default: half the bytes)
+                L[name] = Linear(int4=groups, bias=biases[name]) if groups is not None else \
+                    Linear(dense=w(weight), bias=biases[name])
+                self.int4_linears += groups is not None
+            self.layers.append(L)
+        self.vocab_size = int(self.lm_head.shape[0])
         self.hidden_size = int(self.embed.shape[1])
         # which kernel runs each phase (constrained_spec.plan); until a plan is chosen, as
         # before plans: the 4-bit kernel for few rows where exact, dense in `dtype` otherwise
@@ -231,6 +374,15 @@ class LlamaRunner(Runner):
         # hidden states kept per slot and position for drafters that read them (EAGLE-3, MTP)
         self.feature_layers: tuple[int, ...] = ()
         self.f_cache: torch.Tensor | None = None
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head weight [V, D] (model dtype, on the device): drafters share its rows."""
+        return self.head["lm_head"].dense
+
+    @property
+    def lm_head_weight(self) -> Linear:
+        return self.head["lm_head"]
 
     def quantize_for_drafting(self) -> int:
         """Run every linear and the LM head on the weight-only quantized kernels for few-row
@@ -244,38 +396,38 @@ class LlamaRunner(Runner):
 
         self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (1 << 30, "bf16")],
                                lm_head="int8", source="drafting")
-        linears = [L[n] for L in self.layers for n in _LINEARS] + [self.lm_head_weight]
+        linears = self._linears() + [self.lm_head_weight]
         for lin in linears:
             lin.prepare({self._kernel(lin, "int8"), "bf16"}, resident=lin.int4 is None)
         self.int4_linears = len(linears) - 1
         return len(linears)
 
     # -- kernels --------------------------------------------------------------------------
+    def _linears(self) -> list[Linear]:
+        return [L[n] for L in self.layers for n in _LINEARS]
+
     def supports_kernel(self, kernel: str) -> bool:
         """Whether ``kernel`` runs any of this runner's linears (the others fall back)."""
-        return any(L[n].supports(kernel) for L in self.layers for n in _LINEARS)
+        return any(lin.supports(kernel) for lin in self._linears())
 
     @staticmethod
     def _kernel(lin: Linear, kernel: str) -> str:
         # "int8" means weight-only quantized: the exact 4-bit groups where the file has them;
-        # "int4" on a weight without them runs its dense bf16 form (same activations)
+        # a kernel a weight cannot run (int4 without exact groups) runs its dense bf16 form
         if kernel == "int8" and lin.supports("int4"):
             return "int4"
         return kernel if lin.supports(kernel) else "bf16"
 
     def set_plan(self, plan: Any) -> None:
         """Use ``plan`` from now on: build the packs and resident copies its kernels need, drop
-        the rest, and put the KV cache in its dtype."""
+        the rest, and put the KV cache in its dtype (every slot's cache is dropped)."""
         self.plan = plan
         decode = {k for _, k in plan.decode}
-        for L in self.layers:
-            for n in _LINEARS:
-                lin = L[n]
-                kernels = {self._kernel(lin, k) for k in plan.kernels()}
-                # dense forms a decode step uses stay resident (a per-step dequantization
-                # would cost more than the step); prefill may dequantize per call
-                lin.prepare(kernels, resident=any(k in ("fp32", "bf16") for k in
-                                                  {self._kernel(lin, d) for d in decode}))
+        for lin in self._linears():
+            # dense forms a decode step uses stay resident (a per-step dequantization would
+            # cost more than the step); a prefill may dequantize per call
+            lin.prepare({self._kernel(lin, k) for k in plan.kernels()},
+                        resident=any(self._kernel(lin, d) in ("fp32", "bf16") for d in decode))
         self.lm_head_weight.prepare({self._kernel(self.lm_head_weight, plan.lm_head)}, resident=True)
         self.reset_cache()
 
@@ -293,9 +445,8 @@ class LlamaRunner(Runner):
 
     def resident_bytes(self) -> int:
         """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
-        linears = [L[n] for L in self.layers for n in _LINEARS] + [self.lm_head_weight]
-        total = sum(lin.nbytes() for lin in linears)
-        if self.lm_head_weight.dense is None or self.embed.data_ptr() != self.lm_head_weight.dense.data_ptr():
+        total = sum(lin.nbytes() for lin in self._linears() + [self.lm_head_weight])
+        if self.embed.data_ptr() != self.lm_head.data_ptr():
             total += self.embed.numel() * self.embed.element_size()
         return total
 
@@ -303,8 +454,9 @@ class LlamaRunner(Runner):
     def enable_features(self, layers: Sequence[int]) -> None:
         """From now on every forward keeps, per slot and position, the hidden states of
         ``layers`` (transformers' ``hidden_states`` numbering: 0 = embeddings, i = output of
-        decoder layer i - 1, the last (n_layers, or -1) after the final norm), read back with `features`. Several
-        drafters may ask: the union is kept (positions cached before a change read as zeros)."""
+        decoder layer i - 1, the last (n_layers, or -1) after the final norm), read back with
+        `features`. Several drafters may ask: the union is kept (positions cached before a
+        change read as zeros)."""
         for i in layers:
             if not (i == -1 or 0 <= i <= self.n_layers):
                 raise ValueError(f"feature layer {i} is not in -1, 0..{self.n_layers}")
@@ -355,26 +507,108 @@ class LlamaRunner(Runner):
             if old_f is not None:
                 self.f_cache[:old_slots, :old_len] = old_f
 
-    # -- forward --------------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as transformers' LlamaRMSNorm: normalise in fp32, scale in the activations' dtype
-        return weight.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
+    # -- the pieces of the forward --------------------------------------------------------
     def _matmul(self, x: torch.Tensor, L: dict[str, Any], name: str, kernel: str) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` for the layer's linear ``name`` with the phase's ``kernel``."""
+        """``x @ W.T (+ bias)`` for the linear ``L[name]`` with the phase's ``kernel`` (from the
+        plan): EVERY weight multiply of the forward (qkv, o, gate_up, down, lm_head) goes
+        through here."""
         lin = L[name]
         return lin(x, self._kernel(lin, kernel))
 
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim as the family's transformers module computes it."""
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.family.gemma_norms:  # Gemma: (x * (1 + w)) in fp32, then cast (weight holds 1 + w)
+            return (h * weight).to(x.dtype)
+        return weight.to(x.dtype) * h.to(x.dtype)  # Llama: cast, then scale in the activations' dtype
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor, lengths: Sequence[int],
+              key: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, rot_dim] at ``pos`` [B, T] for the layers of rotary ``key``."""
+        args = () if key is None else (key,)
+        mode = self.family.rope
+        if mode == "batched":
+            return self.rotary(x, pos, *args)
+        if mode == "per_slot":  # padded rows get cos = sin = 0 (their q and k are never read)
+            T = pos.shape[1]
+            ns = [max(n, 1) for n in lengths]
+            parts = [self.rotary(x[b: b + 1, :n], pos[b: b + 1, :n], *args) for b, n in enumerate(ns)]
+            return tuple(torch.cat([F.pad(p[i], (0, 0, 0, T - n)) for p, n in zip(parts, ns)])
+                         for i in range(2))  # type: ignore[return-value]
+        # "original" (dynamic NTK): the module's forward with its init frequencies, which are
+        # transformers' own below max_position_embeddings (the forward refuses past it)
+        prefix = "" if key is None else f"{key}_"
+        inv_freq = getattr(self.rotary, prefix + "original_inv_freq").to(x.device, torch.float32)
+        scaling = getattr(self.rotary, prefix + "attention_scaling")
+        freqs = pos[..., None].float() * inv_freq  # [B, T, rot_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+    def _masks(self, pos: torch.Tensor, starts: Sequence[int], Lk: int) -> dict[int | None, tuple[int, torch.Tensor]]:
+        """Per window size of the model's layers (None = full attention): the first key
+        position ``lo`` its layers read and the mask [B, 1, T, Lk - lo] over keys lo..Lk-1.
+        Key j is visible to the query at position p iff j <= p, and, in a window w,
+        p - w < j (transformers' sliding_window_overlay). A window layer reads no key before
+        the earliest query's window: at long context its mask is the smaller one."""
+        # padded rows of a short slot may sit past Lk: clamped so that no row is fully masked
+        # (a fully masked row is NaN, and its k / v would land in the cache)
+        q = pos.clamp(max=Lk - 1)[:, :, None]  # [B, T, 1]
+        masks = {}
+        for win in set(self.family.windows):
+            lo = 0 if win is None else max(0, min(starts) - win + 1)
+            j = torch.arange(lo, Lk, device=pos.device)[None, None, :]  # [1, 1, Lk - lo]
+            visible = j <= q if win is None else (j <= q) & (j > q - win)
+            masks[win] = (lo, visible[:, None])  # [B, 1, T, Lk - lo]
+        return masks
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, T, H, hd] over keys / vals [B, S, KV, hd] under mask [B, 1, T, S]
+        -> [B, T, H * hd]."""
+        B, T, H, hd = q.shape
+        KV = keys.shape[2]
+        fam = self.family
+        if fam.attn_softcap is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
+                enable_gqa=KV != H, scale=fam.attn_scale)  # [B, H, T, hd]
+            return out.transpose(1, 2).reshape(B, T, H * hd)
+        # Soft-capped scores (gemma2): SDPA cannot cap, so the scores are computed here, in
+        # query chunks whose scores [B, H, t, S] hold no more entries than the mask; the q heads
+        # sharing a kv head are grouped so that keys are never repeated per head.
+        G, S, cap = H // KV, keys.shape[1], fam.attn_softcap
+        k = keys.permute(0, 2, 3, 1)  # [B, KV, hd, S]
+        v = vals.transpose(1, 2)  # [B, KV, S, hd]
+        out = q.new_empty(B, T, H, hd)
+        step = max(1, T // H)
+        for t0 in range(0, T, step):
+            t = min(step, T - t0)
+            qg = q[:, t0: t0 + t].reshape(B, t, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, G * t, hd)
+            s = (qg @ k) * fam.attn_scale  # [B, KV, G * t, S]
+            s = torch.tanh(s / cap) * cap
+            s = s.view(B, KV, G, t, S).masked_fill(~mask[:, :, None, t0: t0 + t], float("-inf"))
+            p = s.softmax(dim=-1, dtype=torch.float32).to(q.dtype).view(B, KV, G * t, S)
+            out[:, t0: t0 + t] = (p @ v).view(B, KV, G, t, hd).permute(0, 3, 1, 2, 4).reshape(B, t, H, hd)
+        return out.reshape(B, T, H * hd)
+
+    # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
                 num_logits: Sequence[int], *, return_hidden: bool = False,
                 phase: str | None = None) -> Any:
         """``phase``: "prefill" (a prompt) or "decode" (decode / verify rows); None = prefill
-        when no logits are asked for. It picks the kernel from the plan."""
+        when no logits are asked for. With the rows of the forward it picks the plan's kernel,
+        and the kernel the activations' dtype."""
+        fam = self.family
         B = len(slots)
         T = max(len(t) for t in tokens)
+        lengths = [len(t) for t in tokens]
         starts = [self._lengths[s] for s in slots]
-        ends = [st + len(t) for st, t in zip(starts, tokens)]
+        ends = [st + n for st, n in zip(starts, lengths)]
+        if fam.rope == "original" and max(ends) > self.max_context:
+            raise ValueError(f"position {max(ends) - 1} is past max_position_embeddings "
+                             f"{self.max_context}: beyond it transformers' dynamic RoPE rescales "
+                             "statefully, which this runner does not reproduce")
         # padded rows write up to start + T - 1: the cache must hold them too
         self._ensure_capacity(max(slots) + 1, max(starts) + T)
         dev = self.device
@@ -385,9 +619,7 @@ class LlamaRunner(Runner):
         start_t = torch.tensor(starts, device=dev)
         pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         Lk = max(ends)
-        # key j is visible to query at position p iff j <= p (stale/padded keys sit beyond p)
-        mask = torch.arange(Lk, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, Lk]
-        mask = mask[:, None]  # [B, 1, T, Lk]
+        masks = self._masks(pos, starts, Lk)  # {window: (first key, [B, 1, T, Lk - first key])}
         slot_t = torch.tensor(slots, device=dev)
         contiguous = list(slots) == list(range(slots[0], slots[0] + B))
 
@@ -395,9 +627,12 @@ class LlamaRunner(Runner):
             phase = "decode" if any(num_logits) else "prefill"
         kernel = (self.plan.prefill_kernel if phase == "prefill" else self.plan.decode_kernel)(B * T)
         act = ACT_DTYPE[kernel]
-        x = F.embedding(ids, self.embed).to(act)  # [B, T, D]
-        cos, sin = self.rotary(x, pos)  # [B, T, hd]
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, hd]
+        x = F.embedding(ids, self.embed)  # [B, T, D]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        x = x.to(act)
+        rope = {key: tuple(c[:, :, None] for c in self._rope(x, pos, lengths, key))
+                for key in set(fam.rope_keys)}  # {key: (cos, sin) [B, T, 1, rot_dim]}
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
         write_idx = (slot_t[:, None].expand(B, T), pos)
         keep = self.feature_layers
@@ -405,28 +640,37 @@ class LlamaRunner(Runner):
         for i, L in enumerate(self.layers):
             if i in keep:
                 kept[i] = x
-            h = self._rms(x, L["ln1"])
+            h = self._rms(x, L["ln_attn"])
             qkv = self._matmul(h, L, "qkv", kernel).view(B, T, H + 2 * KV, hd)
-            qk = qkv[:, :, : H + KV]
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
-            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + KV:]  # [B, T, heads, hd]
+            qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV:]  # q and k heads together: [B, T, H + KV, hd]
+            if fam.qk_norm:
+                qk = self._rms(qk, L["qk_norm"])
+            cos, sin = rope[fam.rope_keys[i]]
+            rd = cos.shape[-1]  # < hd: partial rotary (phi3), the rest passes through
+            rot = qk[..., :rd] * cos + _rotate_half(qk[..., :rd]) * sin
+            qk = rot if rd == hd else torch.cat([rot, qk[..., rd:]], dim=-1)
+            q, k = qk[:, :, :H], qk[:, :, H:]
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc.index_put_(write_idx, k.to(kc.dtype))  # cache layout [S, L, KV, hd]
             vc.index_put_(write_idx, v.to(vc.dtype))
+            lo, mask = masks[fam.windows[i]]
             if contiguous:
-                keys = kc[slots[0]: slots[0] + B, :Lk]
-                vals = vc[slots[0]: slots[0] + B, :Lk]
+                keys = kc[slots[0]: slots[0] + B, lo:Lk]
+                vals = vc[slots[0]: slots[0] + B, lo:Lk]
             else:
-                keys = kc.index_select(0, slot_t)[:, :Lk]
-                vals = vc.index_select(0, slot_t)[:, :Lk]
-            keys, vals = keys.to(act), vals.to(act)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
-                enable_gqa=KV != H, scale=1.0 / math.sqrt(hd))  # [B, H, T, hd]
-            x = x + self._matmul(attn.transpose(1, 2).reshape(B, T, H * hd), L, "o", kernel)
-            h = self._rms(x, L["ln2"])
+                keys = kc.index_select(0, slot_t)[:, lo:Lk]
+                vals = vc.index_select(0, slot_t)[:, lo:Lk]
+            a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask), L, "o", kernel)  # [B, T, D]
+            if fam.gemma_norms:
+                a = self._rms(a, L["post_attn"])
+            x = x + a
+            h = self._rms(x, L["ln_mlp"])
             gate, up = self._matmul(h, L, "gate_up", kernel).chunk(2, dim=-1)
-            x = x + self._matmul(F.silu(gate) * up, L, "down", kernel)
+            gate = F.silu(gate) if fam.act == "silu" else F.gelu(gate, approximate="tanh")
+            m = self._matmul(gate * up, L, "down", kernel)
+            if fam.gemma_norms:
+                m = self._rms(m, L["post_mlp"])
+            x = x + m
         if keep:
             if self.n_layers in keep or -1 in keep:  # the last one after the final norm
                 kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
@@ -438,8 +682,13 @@ class LlamaRunner(Runner):
         idx = torch.tensor(rows, device=dev, dtype=torch.long)
         hidden = x.reshape(B * T, -1).index_select(0, idx)
         hidden = self._rms(hidden, self.norm)
-        logits = self.lm_head_linear(hidden, self.plan.lm_head).float()  # [sum num_logits, V]
+        logits = self._matmul(hidden, self.head, "lm_head", self.plan.lm_head).float()  # [sum num_logits, V]
+        if fam.final_softcap is not None:
+            logits = torch.tanh(logits / fam.final_softcap) * fam.final_softcap
         return (logits, hidden) if return_hidden else logits
+
+
+LlamaRunner = LeanRunner  # the old name, kept for callers
 
 
 def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -459,7 +708,7 @@ class HFRunner(Runner):
     def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.model = model
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         self._caches: dict[int, Any] = {}

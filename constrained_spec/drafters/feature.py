@@ -293,6 +293,9 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
     from .checkpoints import load_head
 
     runner = target.runner
+    # a runner that keeps no hidden states (HFRunner) raises the ConfigError saying so here,
+    # before anything below reads the lean runner's weights (runner.embed, runner.lm_head)
+    runner.enable_features(())
     if source is None:
         own = getattr(target, "path", None)
         if method == "mtp" and own is not None and _has_mtp_layer(Path(own)):
