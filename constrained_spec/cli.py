@@ -637,6 +637,9 @@ def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
                                           f"concise-language string, got a JSON {type(schema).__name__}")
                     item.schema = wrap_multi(schema) if multi else schema
                     item.has_schema = True
+                    from .schemas import normalize_schema
+
+                    normalize_schema(item.schema)  # a malformed schema fails before a model loads
             else:
                 raise ConfigError(f"a line is a JSON string (the prompt) or an object "
                                   f"{{\"prompt\": ..., \"schema\": ...}}, got a JSON {type(data).__name__}",

@@ -18,8 +18,13 @@ Design: the handlers turn a request into engine requests with
 submit them to ONE :class:`~constrained_spec.serving.EngineLoop`, which batches every
 in-flight request in a background thread (continuous batching, each request with its own
 schema). Tokens come back to the handler as they are accepted; the handler detokenizes them,
-watches ``stop`` strings and writes SSE chunks. A client that goes away cancels its requests,
-which frees their slots at the next engine step.
+watches ``stop`` strings and writes SSE chunks. Final validation of a finished output runs on
+two more helper threads, so the event loop (and ``/health``) never waits on it. A client that
+goes away cancels its requests, which frees their slots at the next engine step.
+
+Untrusted schemas: a ``$ref`` that does not resolve inside the schema is refused with a 400
+naming its JSON pointer, whatever ``strict`` says; nothing a schema names is ever fetched or
+read (docs/security.md).
 
 Differences from OpenAI's API, on purpose: ``temperature`` defaults to 0 (greedy, the
 library's default); ``stop`` applies to free text only (under a schema the grammar decides
@@ -379,6 +384,9 @@ class Server:
                                max_batch_size=config.max_batch_size, max_queue=config.max_queue)
         # schema compiles and prompt encoding run here, off the event loop and off the engine
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-server-prep")
+        # final validation (jsonschema, Pydantic) of finished outputs runs here: it takes time
+        # on large outputs, and the event loop must keep answering (/health) meanwhile
+        self.finish = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-server-finish")
         self.created = int(time.time())
 
     def generator(self, mode: SchemaMode) -> Generator[Any]:
@@ -429,6 +437,10 @@ class Server:
                                                  else "response_format")) from e
             out.append((req, spec, mode))
         return out
+
+    async def outcome_async(self, choice: Choice) -> Outcome:
+        """`outcome`, computed on the finish threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.finish, self.outcome, choice)
 
     def outcome(self, choice: Choice) -> Outcome:
         """The final text and finish_reason of a finished choice (or its error)."""
@@ -549,6 +561,7 @@ def create_app(model: Any, config: ServerConfig) -> FastAPI:
         finally:
             server.loop.stop()
             server.prep.shutdown(wait=False, cancel_futures=True)
+            server.finish.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="constrained_spec OpenAI-compatible server", version=__version__,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -647,7 +660,7 @@ async def _run_attempts(server: Server, body: ChatCompletionRequest,
     invalid runs again as a new request (retry k: sampled, seed + k, as in the library) until
     one attempt succeeds or the retries run out; its outcome is its last attempt's."""
     await _run_choices(choices)
-    outcomes = [server.outcome(c) for c in choices]
+    outcomes = [await server.outcome_async(c) for c in choices]
     for attempt in range(1, (body.max_retries or 0) + 1):
         again = [c for c, o in zip(choices, outcomes) if o.retryable]
         if not again:
@@ -663,7 +676,7 @@ async def _run_attempts(server: Server, body: ChatCompletionRequest,
             c.ticket, c.text = ticket, ChoiceText(server.decode, c.text.stop)
         await _run_choices(again)
         for c in again:
-            outcomes[c.index] = server.outcome(c)
+            outcomes[c.index] = await server.outcome_async(c)
     return outcomes
 
 
@@ -722,7 +735,7 @@ async def _stream(server: Server, request: Request, choices: Sequence[Choice], c
     outcomes: dict[int, Outcome] = {}
 
     async def on_done(choice: Choice) -> None:
-        o = outcomes[choice.index] = server.outcome(choice)
+        o = outcomes[choice.index] = await server.outcome_async(choice)
         if o.error is not None:
             raise o.error
         rest = choice.text.finish(o.text)

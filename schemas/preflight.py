@@ -34,6 +34,7 @@ from .backends import (
     scan_regex,
     search_pattern,
 )
+from .refs import check_refs
 from .spec import SchemaSpec, to_pointer
 from .support import (
     ANNOTATIONS,
@@ -104,7 +105,11 @@ class PreflightReport:
 # --------------------------------------------------------------------------------------------
 
 def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgrammar") -> PreflightReport:
-    """Report what `backend` would not enforce in `spec` (see the module docstring)."""
+    """Report what `backend` would not enforce in `spec` (see the module docstring).
+
+    Raises `SchemaError` for an unknown backend, and for a reference that does not resolve
+    inside the schema (`refs.check_refs`; `normalize_schema` has already refused those).
+    """
     if backend not in ("xgrammar", "outlines"):
         raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")
     report = PreflightReport(backend=backend)
@@ -120,6 +125,9 @@ def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgra
             if backend == "xgrammar" and not report.unsupported:
                 _try_xgrammar_regex(spec.regex or "", report)
         return report
+    # a spec built by hand skipped normalisation: its walkers' jsonschema checks must not meet
+    # a reference outside the document either (refs.py)
+    check_refs(spec.json_schema or {})
     walker = _XGrammarWalker if backend == "xgrammar" else _OutlinesWalker
     report.issues.extend(walker(spec.json_schema or {}).run())
     if not report.unsupported:
@@ -332,12 +340,10 @@ class _Walker:
         return node
 
     def validator(self, schema: Any) -> Any:
-        import jsonschema
-        from jsonschema.validators import validator_for
+        from .refs import validator
 
         if self._validator is None:
-            cls = validator_for(self.root, default=jsonschema.Draft202012Validator)
-            self._validator = cls(self.root)
+            self._validator = validator(self.root)  # never fetches a reference (refs.py)
         return self._validator.evolve(schema=schema)
 
     def check_values(self, node: dict, path: list[Any], values: list[Any], winner: str) -> None:

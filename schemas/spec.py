@@ -7,8 +7,10 @@ the JSON layout to write JSON in, the object final parsing converts to (`target`
 content hash (`key`) the grammar cache uses.
 
 Normalisation checks what can be checked without a backend: JSON well-formedness, size and depth
-limits (`MAX_SCHEMA_VALUES`, `MAX_SCHEMA_DEPTH`), the JSON Schema metaschema, that a regex compiles, that choices are non-empty and distinct, that EBNF parses. What
-a *backend* enforces is the pre-flight report's business (`preflight.py`), not this module's.
+limits (`MAX_SCHEMA_VALUES`, `MAX_SCHEMA_DEPTH`), the JSON Schema metaschema, that every
+``$ref`` resolves inside the document (`refs.check_refs`: nothing is ever fetched), that a
+regex compiles, that choices are non-empty and distinct, that EBNF parses. What a *backend*
+enforces is the pre-flight report's business (`preflight.py`), not this module's.
 """
 
 from __future__ import annotations
@@ -232,6 +234,9 @@ def _from_json_schema(js: Any, layout: JsonLayout, *, target: Any) -> SchemaSpec
         raise SchemaError(f"a JSON Schema must be an object, got {type(js).__name__}", pointer="")
     check_json_document(js)
     check_json_schema(js)
+    from .refs import check_refs
+
+    check_refs(js)  # before anything resolves a reference: none is ever fetched
     return SchemaSpec(kind="json_schema", json_schema=js, layout=layout, target=target)
 
 
@@ -287,10 +292,11 @@ def check_json_document(js: Any) -> None:
 def check_json_schema(js: dict) -> None:
     """Raise `SchemaError` (keyword + pointer) if `js` fails its metaschema (default 2020-12)."""
     import jsonschema
-    from jsonschema.validators import validator_for
+
+    from .refs import validator, validator_class
 
     try:
-        cls = validator_for(js, default=jsonschema.Draft202012Validator)
+        cls = validator_class(js)
     except Exception as exc:  # unknown $schema URI
         raise SchemaError(f"unknown $schema {js.get('$schema')!r}: {exc}", keyword="$schema",
                           pointer="/$schema") from exc
@@ -299,7 +305,7 @@ def check_json_schema(js: dict) -> None:
     checker = jsonschema.FormatChecker(formats=("regex",))
     try:
         error = jsonschema.exceptions.best_match(
-            cls(cls.META_SCHEMA, format_checker=checker).iter_errors(js))
+            validator(cls.META_SCHEMA, cls=cls, format_checker=checker).iter_errors(js))
     except RecursionError:  # check_json_document bounds the depth; a deep caller stack remains
         raise SchemaError("the schema nests too deeply to be checked", pointer="") from None
     if error is None:

@@ -67,9 +67,16 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
 
 
 def _parse_json(spec: SchemaSpec, text: str) -> Any:
+    from referencing.exceptions import Unresolvable
+
     try:
         value = json.loads(text)
         errors = sorted(_validator(spec).iter_errors(value), key=lambda e: list(e.absolute_path))
+    except Unresolvable as exc:
+        # normalize_schema's check_refs refuses these up front; a spec built by hand can still
+        # carry one, and it is the schema's fault, not the output's
+        raise SchemaError(f"a reference of the schema cannot be resolved inside it: {exc}; "
+                          "nothing outside the schema is fetched", keyword="$ref") from None
     except json.JSONDecodeError as exc:
         raise OutputValidationError(f"output is not valid JSON: {exc.msg} at line {exc.lineno} "
                                     f"column {exc.colno}", text=text, errors=[str(exc)]) from exc
@@ -118,13 +125,12 @@ def _validator(spec: SchemaSpec) -> Any:
 def json_validator(schema: dict) -> Any:
     """The jsonschema validator final validation uses: the schema's ``$schema`` draft (default
     2020-12) with format checking, including the formats of `formats.FORMAT_CHECKS`."""
-    import jsonschema
-    from jsonschema.validators import validator_for
-
     from .formats import format_checker
+    from .refs import validator, validator_class
 
-    cls = validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=format_checker(cls))
+    cls = validator_class(schema)
+    # references resolve inside the schema only (refs.py): jsonschema never fetches one
+    return validator(schema, cls=cls, format_checker=format_checker(cls))
 
 
 def _grammar_accepts(spec: SchemaSpec, text: str) -> bool:

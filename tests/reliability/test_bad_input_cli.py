@@ -9,6 +9,7 @@ import json
 import sys
 
 import pytest
+from cs_testlib import recording_http_server
 
 from constrained_spec.cli import main
 from constrained_spec.schemas.spec import MAX_SCHEMA_DEPTH
@@ -59,6 +60,29 @@ def test_bad_schema_exits_3_with_one_line_naming_where(flags, where, capsys, no_
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("constrained-spec: schema error:")
     assert where in lines[0]
+
+
+@pytest.mark.parametrize("mode", ["default", "strict", "lenient"])
+def test_refs_outside_the_schema_exit_3_and_are_never_read(mode, tmp_path, capsys, monkeypatch,
+                                                           no_model):
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"const": "cli-secret-81d2"}')
+    with recording_http_server() as (base, paths):
+        for ref in (f"{base}/s.json", secret.as_uri()):
+            schema = json.dumps({"type": "object", "properties": {"a": {"$ref": ref}}})
+            for argv in (["generate", "a prompt", "--schema", schema, "--schema-mode", mode],
+                         ["schema-check", schema, "--schema-mode", mode]):
+                code, out, err = run(argv, capsys)
+                assert code == 3, argv
+                assert "/properties/a/$ref" in err and "never fetched" in err
+                assert "cli-secret-81d2" not in out + err
+            line = json.dumps({"prompt": "p", "schema": json.loads(schema)})
+            code, out, err = run(["generate", "--batch", "-", "--schema-mode", mode], capsys,
+                                 stdin=line + "\n", monkeypatch=monkeypatch)
+            assert code == 7
+            assert json.loads(out)["error"]["type"] == "SchemaError"
+            assert "cli-secret-81d2" not in out + err
+        assert paths == []
 
 
 @pytest.mark.parametrize("flags, where", [
