@@ -30,6 +30,7 @@ from .backends import (
     FORMAT_PATTERNS,
     all_of_values,
     convert_json_schema,
+    python_regex,
     resolve_local_ref,
     scan_regex,
     search_pattern,
@@ -229,7 +230,7 @@ def _try_xgrammar_regex(pattern: str, report: PreflightReport) -> None:
     from .spec import clean_backend_message
 
     try:
-        xgrammar.Grammar.from_regex(pattern)
+        xgrammar.Grammar.from_regex(python_regex(pattern))  # what compile_spec hands it
     except Exception as exc:
         message = f"xgrammar cannot compile the regex: {clean_backend_message(exc)}"
         report.issues.append(PreflightIssue("regex", "", "unsupported", "xgrammar", message))

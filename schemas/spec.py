@@ -33,8 +33,10 @@ __all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema",
 
 @dataclass(frozen=True)
 class Regex:
-    """A regular expression the whole output must match (full match, Python `re` syntax subset
-    shared by xgrammar and Rust's `regex`: no look-around, no backreferences)."""
+    """A regular expression the whole output must match: ``re.fullmatch(pattern, output)``, with
+    Python's semantics on every backend (``.`` matches no newline unless the pattern says
+    ``(?s)``), in the syntax subset shared by xgrammar and Rust's `regex`: no look-around, no
+    backreferences."""
 
     pattern: str
 

@@ -41,7 +41,9 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
     if spec.kind == "json_schema":
         return _parse_json(spec, text)
     if spec.kind == "regex":
-        if re.fullmatch(spec.regex or "", text, flags=re.DOTALL) is None:
+        # exactly re.fullmatch's semantics, which the Regex API promises ("." matches no
+        # newline unless the pattern says (?s)); the backends were given the same meaning
+        if re.fullmatch(spec.regex or "", text) is None:
             raise OutputValidationError(f"output does not match the regex {spec.regex!r}", text=text,
                                         errors=[f"no full match for {spec.regex!r}"])
         return text
