@@ -2,7 +2,8 @@
 
 Grammar-constrained decoding narrows what the model can write, but the pre-flight report lists
 keywords a backend does not enforce; this is where they are checked. json_schema outputs go
-through ``json.loads``, jsonschema (the schema's ``$schema`` draft, default 2020-12, with format
+through ``json.loads`` (numbers must be finite float64s: ``1e999`` is refused, not returned as
+``inf``), jsonschema (the schema's ``$schema`` draft, default 2020-12, with format
 checking; `formats.py` fills in the formats jsonschema leaves to optional packages) and, for a
 Pydantic target, ``model_validate_json``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 import threading
 from typing import Any
@@ -72,8 +74,13 @@ def _parse_json(spec: SchemaSpec, text: str) -> Any:
     from referencing.exceptions import Unresolvable
 
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
         errors = sorted(_validator(spec).iter_errors(value), key=lambda e: list(e.absolute_path))
+    except _NonFinite as exc:
+        raise OutputValidationError(
+            f"output has the number {exc.literal[:40]}, which is not finite as a float64 (it "
+            "would be inf / nan in Python, and not JSON once written back); generate again, or "
+            "bound the number with minimum / maximum", text=text, errors=[str(exc)]) from None
     except Unresolvable as exc:
         # normalize_schema's check_refs refuses these up front; a spec built by hand can still
         # carry one, and it is the schema's fault, not the output's
@@ -82,6 +89,9 @@ def _parse_json(spec: SchemaSpec, text: str) -> Any:
     except json.JSONDecodeError as exc:
         raise OutputValidationError(f"output is not valid JSON: {exc.msg} at line {exc.lineno} "
                                     f"column {exc.colno}", text=text, errors=[str(exc)]) from exc
+    except ValueError as exc:  # an integer past Python's int-from-string digit limit
+        raise OutputValidationError(f"output cannot be read as JSON values: {exc}", text=text,
+                                    errors=[str(exc)]) from None
     except RecursionError:
         # a recursive schema lets the model nest values until max_tokens; past Python's
         # recursion limit neither json nor jsonschema can check the output
@@ -110,6 +120,27 @@ def _parse_json(spec: SchemaSpec, text: str) -> Any:
         raise OutputValidationError(f"output fails pydantic validation: {exc.errors()[0].get('msg')}",
                                     text=text, errors=exc.errors()) from exc
     return value
+
+
+class _NonFinite(Exception):
+    """A JSON number that overflows a float64 (``1e999``) or a NaN / Infinity constant."""
+
+    def __init__(self, literal: str) -> None:
+        super().__init__(f"{literal[:40]} is not a finite float64")
+        self.literal = literal
+
+
+def _finite_float(literal: str) -> float:
+    # the grammars allow any JSON number, and JSON numbers have no range: 1e999 parses to inf,
+    # which jsonschema accepts and json.dumps(allow_nan=False) then refuses
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NonFinite(literal)
+    return value
+
+
+def _no_constant(literal: str) -> Any:
+    raise _NonFinite(literal)  # NaN / Infinity / -Infinity: not JSON (no grammar writes them)
 
 
 def _validator(spec: SchemaSpec) -> Any:
