@@ -199,7 +199,8 @@ class Generator(Generic[T]):
         self.schema_mode = schema_mode
         self.system_prompt = system_prompt
         self.layout = layout or DEFAULT_LAYOUT
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = _check_count(max_batch_size, "max_batch_size", minimum=1,
+                                           allow_none=False)
         # schema problems surface before any model is loaded
         self.spec = self._prepare_spec(schema)
         #: the spec the grammar is compiled from: ``spec`` plus any bounds (max_string_length,
