@@ -400,6 +400,14 @@ def _xgrammar_rewrite(node: Any) -> Any:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < bound:
                 del node[key]
                 node["minimum"] = max(bound, node.get("minimum", bound))
+        # a range wholly past 64 bits (minimum 2**70) has no 64-bit integer at all: xgrammar
+        # raises on it; pre-flight reports it unsupported, and under "lenient" the grammar
+        # generates unbounded integers and final validation checks the bound
+        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+                    v > INT64_MAX if key.endswith("inimum") else v < INT64_MIN):
+                del node[key]
     if node.get("type") == "integer":
         # xgrammar raises on fractional integer bounds; these roundings keep the same integers.
         for key, rnd in (("minimum", math.ceil), ("maximum", math.floor)):

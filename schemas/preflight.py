@@ -28,6 +28,8 @@ from constrained_spec.errors import SchemaError
 
 from .backends import (
     FORMAT_PATTERNS,
+    INT64_MAX,
+    INT64_MIN,
     all_of_values,
     convert_json_schema,
     python_regex,
@@ -621,6 +623,15 @@ class _XGrammarWalker(_Walker):
                     break
 
     def t_integer(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        for k, beyond in (("minimum", INT64_MAX), ("exclusiveMinimum", INT64_MAX),
+                          ("maximum", INT64_MIN), ("exclusiveMaximum", INT64_MIN)):
+            v = node.get(k)
+            if (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and (v > beyond if k.endswith("inimum") else v < beyond)):
+                self.add(k, to_pointer(path + [k]), "unsupported",
+                         f"integer {k} {v!r} is outside the 64-bit range (-2**63 .. 2**63 - 1) "
+                         "that xgrammar's integer grammar works in; use backend 'outlines' (the "
+                         "bound is then checked after generating), or a string with a 'pattern'")
         m = node.get("multipleOf")
         if m is None:
             return

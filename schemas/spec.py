@@ -429,10 +429,14 @@ def strip_edge_anchors(pattern: str) -> str:
 
 
 _XGR_LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+?:\d+:\s*")
+# xgrammar's internal assertions: "Check failed: (val <= MAX_INT64_AS_DOUBLE) is false: ..."
+_XGR_CHECK = re.compile(r"Check failed: \(.*?\) is false:?\s*")
 
 
 def clean_backend_message(exc: BaseException) -> str:
-    """The backend's own message without xgrammar's "[time] file.cc:line:" prefix and traceback."""
+    """The backend's own message without xgrammar's "[time] file.cc:line:" prefix, its
+    internal assertion text ("Check failed: (...) is false") and traceback."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
-    return _XGR_LOG_PREFIX.sub("", first).strip() or type(exc).__name__
+    first = _XGR_CHECK.sub("", _XGR_LOG_PREFIX.sub("", first))
+    return first.strip() or type(exc).__name__
