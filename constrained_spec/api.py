@@ -41,7 +41,7 @@ from .errors import (
     SchemaError,
 )
 from .models import LoadedModel, load_model
-from .prompts import Messages, encode_prompt
+from .prompts import Messages, check_text, encode_prompt
 from .stats import SpecStats
 
 T = TypeVar("T")
@@ -197,6 +197,8 @@ class Generator(Generic[T]):
         self.speculative = resolve_speculative(speculative)
         self.backend = backend
         self.schema_mode = schema_mode
+        if isinstance(system_prompt, str):
+            check_text(system_prompt, "system_prompt", "the system prompt")
         self.system_prompt = system_prompt
         self.layout = layout or DEFAULT_LAYOUT
         self.max_batch_size = _check_count(max_batch_size, "max_batch_size", minimum=1,

@@ -102,6 +102,9 @@ class APIError(Exception):
 
 
 def envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    # a lone surrogate echoed from the request could not be written as UTF-8: escape it, or
+    # the error response itself would fail (a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

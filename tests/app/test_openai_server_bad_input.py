@@ -3,6 +3,8 @@ OpenAI's envelope naming the parameter (never a 500), and the server serves on."
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from openai_server_process import import_example, serve_in_thread
@@ -52,3 +54,55 @@ def test_a_seed_past_64_bits_is_a_400_naming_seed(url, fields):
     err = assert_400(post(url, temperature=1.0, **fields), "seed")
     assert "64-bit" in err["message"]
     assert_serves_on(url)
+
+
+def post_raw(url: str, body: dict) -> httpx.Response:
+    """``body`` as ASCII JSON: lone surrogates travel as \\ud800 escapes, as any client sends them."""
+    return httpx.post(f"{url}/v1/chat/completions", content=json.dumps(body).encode(),
+                      headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def rf(schema):
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages"),
+    ({"messages": [{"role": "system", "content": "be \udcff"},
+                   {"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud83d"}]}]}, "messages"),
+    ({"response_format": rf({"type": "object", "properties": {"\ud800": {}}})},
+     "response_format.json_schema.schema"),
+    ({"response_format": rf({"enum": ["ok", "\udc80"]})}, "response_format.json_schema.schema"),
+    ({"response_format": rf({"type": "string", "pattern": "a\ud800"})},
+     "response_format.json_schema.schema"),
+])
+def test_text_that_is_not_unicode_is_a_400_not_a_500(url, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+    err = assert_400(post_raw(url, body), param)
+    assert "lone surrogate" in err["message"]
+    assert_serves_on(url)
+
+
+def test_bytes_that_are_not_utf8_are_a_400(url):
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                   content=b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}')
+    assert_400(r, None)
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
+def test_text_parts_are_joined_and_other_parts_are_refused(url):
+    parts = [{"type": "text", "text": "Pick "}, {"type": "text", "text": "one."}]
+    schema = rf({"enum": ["a", "b"]})
+    r = post(url, messages=[{"role": "user", "content": parts}], response_format=schema)
+    assert r.status_code == 200
+    joined = post(url, messages=[{"role": "user", "content": "Pick one."}], response_format=schema)
+    assert r.json()["choices"][0]["message"] == joined.json()["choices"][0]["message"]
+    assert r.json()["usage"]["prompt_tokens"] == joined.json()["usage"]["prompt_tokens"]
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    assert_400(post(url, messages=[{"role": "user", "content": image}]), "messages.0.content")
+    # content None (an assistant turn that only called tools, in OpenAI's API) is empty text
+    r = post(url, messages=[{"role": "user", "content": "Pick one."},
+                            {"role": "assistant", "content": None},
+                            {"role": "user", "content": "Again."}], response_format=schema)
+    assert r.status_code == 200
