@@ -106,3 +106,53 @@ def test_text_parts_are_joined_and_other_parts_are_refused(url):
                             {"role": "assistant", "content": None},
                             {"role": "user", "content": "Again."}], response_format=schema)
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("name, value, code", [
+    ("function_call", {"name": "f"}, "unsupported_parameter"),
+    ("min_p", 0.1, "unsupported_parameter"),
+    ("reasoning_effort", "low", "unsupported_parameter"),
+    ("modalities", ["text", "audio"], "unsupported_parameter"),
+    ("tempreature", 0.5, "unknown_parameter"),  # a misspelt parameter is not silently ignored
+    ("top_n", 3, "unknown_parameter"),
+])
+def test_unknown_or_unimplemented_parameters_are_400_naming_them(url, name, value, code):
+    err = assert_400(post(url, **{name: value}), name)
+    assert err["code"] == code and name in err["message"]
+
+
+@pytest.mark.parametrize("fields", [{"min_p": 0}, {"function_call": None}, {"user": "u-1"},
+                                    {"metadata": {"k": "v"}}, {"modalities": ["text"]},
+                                    {"tool_choice": "none"}])
+def test_defaults_and_bookkeeping_parameters_are_accepted(url, fields):
+    assert post(url, max_tokens=2, **fields).status_code == 200
+
+
+def test_top_k_is_implemented(url):
+    schema = rf({"enum": ["red", "green", "blue", "yellow"]})
+    greedy = post(url, response_format=schema).json()["choices"][0]["message"]["content"]
+    for seed in range(3):  # top_k 1 keeps the argmax only: sampling at any temperature is greedy
+        r = post(url, response_format=schema, temperature=2.0, top_k=1, seed=seed)
+        assert r.json()["choices"][0]["message"]["content"] == greedy
+    assert post(url, response_format=schema, temperature=1.0, top_k=-1).status_code == 200
+    assert_400(post(url, top_k=-2), "top_k")
+    assert_400(post(url, top_k="3"), "top_k")
+
+
+def test_internal_errors_are_counted_in_the_500_metric(served, url, monkeypatch):
+    server, _ = served
+    key = ("/v1/chat/completions", 500)
+    before = server.config.http_responses[key]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server, "build_requests", broken)
+    r = post(url)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert server.config.http_responses[key] == before + 1
+    monkeypatch.undo()
+    metrics = httpx.get(f"{url}/metrics").text
+    line = 'constrained_spec_http_responses_total{route="/v1/chat/completions",status="500"}'
+    assert f"{line} {before + 1}.0" in metrics
+    assert_serves_on(url)
