@@ -41,7 +41,7 @@ from .errors import (
     SchemaError,
 )
 from .models import LoadedModel, load_model
-from .prompts import Messages, encode_prompt
+from .prompts import Messages, check_text, encode_prompt
 from .stats import SpecStats
 
 T = TypeVar("T")
@@ -197,9 +197,12 @@ class Generator(Generic[T]):
         self.speculative = resolve_speculative(speculative)
         self.backend = backend
         self.schema_mode = schema_mode
+        if isinstance(system_prompt, str):
+            check_text(system_prompt, "system_prompt", "the system prompt")
         self.system_prompt = system_prompt
         self.layout = layout or DEFAULT_LAYOUT
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = _check_count(max_batch_size, "max_batch_size", minimum=1,
+                                           allow_none=False)
         # schema problems surface before any model is loaded
         self.spec = self._prepare_spec(schema)
         #: the spec the grammar is compiled from: ``spec`` plus any bounds (max_string_length,

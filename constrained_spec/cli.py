@@ -514,12 +514,26 @@ def output_json(text: str, *, is_json: bool, indent: int | None = None,
 # generate
 # ------------------------------------------------------------------------------------------------
 
+def _read_stdin() -> str:
+    """stdin as text, decoded as UTF-8 whatever the locale; bytes that are not UTF-8 become
+    lone surrogates (``surrogateescape``), which the prompt checks then name by position."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream without bytes underneath (tests, embedding programs)
+        return sys.stdin.read()
+    return buffer.read().decode("utf-8", errors="surrogateescape")
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
+    from .prompts import check_text
+
     if args.prompt is not None and args.prompt != "-":
+        # argv bytes that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
+        check_text(args.prompt, "prompt", "the PROMPT argument")
         return args.prompt
     if args.prompt is None and sys.stdin.isatty():
         raise ConfigError("give PROMPT, or pipe it on stdin", option="prompt")
-    text = sys.stdin.read()
+    text = _read_stdin()
+    check_text(text, "prompt", "the prompt read from stdin (not UTF-8?)")
     if not text.strip():
         raise ConfigError("the prompt read from stdin is empty", option="prompt")
     return text.rstrip("\n")
@@ -529,7 +543,10 @@ def _load_generator(args: argparse.Namespace, schema: Any, options: dict[str, An
                     speculative: Any, layout: Any) -> Any:
     from .api import Generator
     from .models import load_model
+    from .prompts import check_text
 
+    if isinstance(args.system, str):  # before the model loads
+        check_text(args.system, "--system", "the system prompt")
     with _transformers_quiet(args.quiet):
         loaded = load_model(args.model, quiet=args.quiet)
     return Generator(loaded, schema=schema, speculative=speculative, backend=args.backend,
@@ -655,11 +672,19 @@ class BatchLine:
 
 def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
     """Parse ``--batch`` lines (blank lines are skipped); a bad line becomes an error record."""
+    from .prompts import build_messages
+    from .schemas.spec import lone_surrogate
+
     items = []
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         item = BatchLine(number)
+        bad = lone_surrogate(raw)
+        if bad is not None:
+            item.error = ConfigError(f"the line is not UTF-8 text ({bad})", option="batch")
+            items.append(item)
+            continue
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -687,10 +712,14 @@ def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
                                           f"concise-language string, got a JSON {type(schema).__name__}")
                     item.schema = wrap_multi(schema) if multi else schema
                     item.has_schema = True
+                    from .schemas import normalize_schema
+
+                    normalize_schema(item.schema)  # a malformed schema fails before a model loads
             else:
                 raise ConfigError(f"a line is a JSON string (the prompt) or an object "
                                   f"{{\"prompt\": ..., \"schema\": ...}}, got a JSON {type(data).__name__}",
                                   option="batch")
+            build_messages(item.prompt, None, False)  # a bad prompt fails before a model loads
         except ConstrainedSpecError as e:
             item.error = e
         items.append(item)
@@ -698,9 +727,15 @@ def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
 
 
 def _read_batch_lines(path: str) -> list[str]:
+    # decoded with surrogateescape: a line that is not UTF-8 becomes that line's error record
+    # (read_batch), not the end of the whole batch
     if path == "-":
-        return sys.stdin.read().splitlines()
-    return _read_text(path, "--batch").splitlines()
+        return _read_stdin().splitlines()
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path!r}: {e.strerror}", option="--batch") from e
+    return data.decode("utf-8", errors="surrogateescape").splitlines()
 
 
 def error_record(exc: BaseException, line: int) -> dict[str, Any]:
@@ -714,6 +749,17 @@ def error_record(exc: BaseException, line: int) -> dict[str, Any]:
     elif isinstance(exc, OutputValidationError):
         error["text"] = exc.text
     return {"error": error}
+
+
+def _json_text(value: Any) -> str:
+    """One JSON line, UTF-8 where it can be: a string that is not Unicode text (a lone surrogate
+    echoed from the input) is written as a JSON escape instead of failing the whole output."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
@@ -756,7 +802,7 @@ def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
     for it in items:
         if it.error is not None:
             failed += 1
-            line = json.dumps(error_record(it.error, it.line), ensure_ascii=False)
+            line = _json_text(error_record(it.error, it.line))
             item_stats = getattr(it.error, "stats", None)
         else:
             is_json = _is_json_schema(it.schema if it.has_schema else schema)

@@ -17,6 +17,12 @@ METHODS: tuple[str, ...] = ("ngram", "eagle3", "mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 8
 # Chosen by measurement on the embedded model (benchmarks/RESULTS.md, "n-gram k sweep").
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+#: Forced drafts per step at most: each is one more verified row (a bitmask row per request).
+MAX_FORCED_TOKENS = 64
+#: Longest n-gram the prompt-lookup drafter matches.
+MAX_PROMPT_LOOKUP = 32
+#: A seed is a 64-bit generator seed (torch.Generator.manual_seed overflows past it).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_NO_REPEAT_NGRAM_SIZE = 64
 
@@ -43,7 +49,9 @@ class SpeculativeConfig:
     forced:
         Propose the grammar's forced continuation as drafts (q = 1). On by default.
     max_forced_tokens:
-        Cap on forced drafts per step (they are nearly free to verify, but not entirely).
+        Cap on forced drafts per step, 0..64 (they are nearly free to verify, but not entirely).
+    prompt_lookup_max, prompt_lookup_min:
+        The longest and shortest n-gram the ``ngram`` drafter matches (1..32).
     """
 
     method: SpeculativeMethod | None = "ngram"
@@ -67,11 +75,18 @@ class SpeculativeConfig:
             raise ConfigError("method 'draft_model' needs a draft model: a checkpoint folder, a "
                               ".gguf file or a (model, tokenizer) pair sharing the target's "
                               "tokenizer", option="speculative.model")
-        if not isinstance(self.max_forced_tokens, int) or self.max_forced_tokens < 0:
-            raise ConfigError("must be a non-negative integer", option="speculative.max_forced_tokens")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max",
-                              option="speculative.prompt_lookup_min")
+        if isinstance(self.max_forced_tokens, bool) or not isinstance(self.max_forced_tokens, int) or not (
+                0 <= self.max_forced_tokens <= MAX_FORCED_TOKENS):
+            # every step reserves a mask row per forced token, and the prompt check reserves
+            # context for them: a huge cap is a huge allocation and a bogus "prompt too long"
+            raise ConfigError(f"must be an integer in 0..{MAX_FORCED_TOKENS}, got "
+                              f"{self.max_forced_tokens!r:.40}", option="speculative.max_forced_tokens")
+        if any(isinstance(v, bool) or not isinstance(v, int)
+               for v in (self.prompt_lookup_min, self.prompt_lookup_max)) or not (
+                1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP):
+            raise ConfigError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max <= "
+                              f"{MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_min!r:.20} and "
+                              f"{self.prompt_lookup_max!r:.20}", option="speculative.prompt_lookup_min")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SpeculativeConfig":
@@ -132,8 +147,10 @@ class SamplingParams:
             raise ConfigError(f"must be an integer >= 0 (0 = off), got {self.top_k!r}", option="top_k")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"must be a positive integer, got {self.max_tokens!r}", option="max_tokens")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"must be an integer or None, got {self.seed!r}", option="seed")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ConfigError(f"must be None or an integer in [-2**63, 2**63 - 1] (a 64-bit "
+                              f"generator seed), got {self.seed!r:.40}", option="seed")
         if not _is_real(self.repetition_penalty) or not (
                 1.0 <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise ConfigError(f"must be a number in [1, {MAX_REPETITION_PENALTY:g}] (1 = off; 1.1 to "

@@ -19,7 +19,9 @@ Faults stay with their request: an exception from one request's own work (its ma
 drafting or committing, the drafter on its proposal, its ``on_tokens`` callback) finishes that
 request alone with ``finish_reason == "error"`` and a :class:`GenerationError` naming the
 stage; one from the shared forward or verification finishes the requests of that step. The
-engine stays usable either way: finished requests' slots are freed by ``reap``.
+engine stays usable either way: finished requests' slots are freed by ``reap``. Only
+``Exception`` is caught: KeyboardInterrupt and SystemExit always propagate (a failed prefill
+gives its slots back first).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from constrained_spec.kernels import apply_bitmask, rejection_sample
 from .config import SamplingParams, SpeculativeConfig
 from .drafters.base import DraftState, Drafter, GrammarCursor
 from .drafters.forced import ForcedDrafter
-from .errors import GenerationError
+from .errors import ConfigError, GenerationError
 from .sampling import apply_repetition_guard, process_logits
 from .stats import SpecStats
 
@@ -47,6 +49,12 @@ logger = logging.getLogger(__name__)
 _PREFILL_TOKENS = 4096
 # forced / n-gram alternations per step (each round must extend the proposal)
 _MAX_DRAFT_ROUNDS = 4
+
+
+def _check_batch_size(value: Any) -> None:
+    # 0 (or less) would admit nothing, and run() would step an empty batch forever
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"must be an integer >= 1, got {value!r}", option="max_batch_size")
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Engine:
 
     def __init__(self, runner: Any, *, speculative: SpeculativeConfig | None,
                  drafter: Drafter | None = None, max_batch_size: int = 64) -> None:
+        _check_batch_size(max_batch_size)
         self.runner = runner
         self.spec = speculative
         self.forced = ForcedDrafter(speculative.max_forced_tokens) if (
@@ -147,6 +156,7 @@ class Engine:
     # -- the loop -------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Add requests (up to ``max_batch_size`` at once) and step until all finish."""
+        _check_batch_size(self.max_batch_size)  # an attribute a caller may have changed
         waiting = list(requests)
         done = []
         while waiting or self.running:

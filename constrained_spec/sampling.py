@@ -36,7 +36,7 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     logits: float [N, V], already grammar-masked (disallowed = -inf).
     temperature: float [N]; rows with 0 are greedy and are returned unchanged.
     top_k: long [N]; 0 = off.
-    top_p: float [N]; 1.0 = off.
+    top_p: float [N]; 1.0 = off. However small, the most likely token is kept.
 
     Returns
     -------
@@ -56,10 +56,13 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     if bool(((top_p < 1.0) & sampled).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+        # drop a token when the mass strictly before it already reaches top_p
         before = probs.cumsum(dim=-1) - probs
         drop_sorted = before >= top_p[:, None]
         drop_sorted &= sampled[:, None]
+        # the most likely token always stays: a top_p that underflows float32 (< ~1e-45 is 0)
+        # would otherwise drop every token, as would rounding in the cumsum
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .engine import Request
-from .errors import ConstrainedSpecError, GenerationError
+from .errors import ConfigError, ConstrainedSpecError, GenerationError
 from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -230,10 +230,11 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Any, *, max_batch_size: int = 8, max_queue: int = 64) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ConfigError(f"must be an integer >= 1, got {max_batch_size!r}",
+                              option="max_batch_size")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ConfigError(f"must be an integer >= 0, got {max_queue!r}", option="max_queue")
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue

@@ -7,9 +7,10 @@
     person = client.beta.chat.completions.parse(model=..., messages=[...], response_format=Person)
 
 Routes: ``POST /v1/chat/completions`` (``response_format`` json_schema / json_object / text,
-``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, and the
-library's opt-in output-quality levers as vLLM-style extra parameters: ``repetition_penalty``,
-``no_repeat_ngram_size``, ``max_retries``),
+``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, and as
+vLLM-style extra parameters ``top_k`` and the library's opt-in output-quality levers:
+``repetition_penalty``, ``no_repeat_ngram_size``, ``max_retries``; any other parameter is
+refused with a 400 naming it, except bookkeeping ones such as ``user`` or ``metadata``),
 ``GET /v1/models``, ``GET /health`` and, with ``--enable-metrics``, ``GET /metrics``
 (Prometheus). Errors come in OpenAI's envelope ``{"error": {message, type, param, code}}``.
 
@@ -18,8 +19,13 @@ Design: the handlers turn a request into engine requests with
 submit them to ONE :class:`~constrained_spec.serving.EngineLoop`, which batches every
 in-flight request in a background thread (continuous batching, each request with its own
 schema). Tokens come back to the handler as they are accepted; the handler detokenizes them,
-watches ``stop`` strings and writes SSE chunks. A client that goes away cancels its requests,
-which frees their slots at the next engine step.
+watches ``stop`` strings and writes SSE chunks. Final validation of a finished output runs on
+two more helper threads, so the event loop (and ``/health``) never waits on it. A client that
+goes away cancels its requests, which frees their slots at the next engine step.
+
+Untrusted schemas: a ``$ref`` that does not resolve inside the schema is refused with a 400
+naming its JSON pointer, whatever ``strict`` says; nothing a schema names is ever fetched or
+read (docs/security.md).
 
 Differences from OpenAI's API, on purpose: ``temperature`` defaults to 0 (greedy, the
 library's default); ``stop`` applies to free text only (under a schema the grammar decides
@@ -97,11 +103,14 @@ class APIError(Exception):
 
 
 def envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    # a lone surrogate echoed from the request could not be written as UTF-8: escape it, or
+    # the error response itself would fail (a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 _OPTION_PARAMS = {"prompt": "messages", "max_tokens": "max_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "seed": "seed"}
+                  "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 
 
 def api_error(exc: BaseException, *, schema_param: str | None = "response_format") -> APIError:
@@ -138,8 +147,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The fields of OpenAI's chat-completions request this server reads (others are ignored,
-    except the unsupported ones in ``_UNSUPPORTED``, which are refused)."""
+    """The fields of OpenAI's chat-completions request this server reads. Any other field is
+    refused with a 400 naming it (`check_extra_fields`), except the bookkeeping ones in
+    ``_IGNORED`` and a falsy (default) value of the unimplemented ones in ``_UNSUPPORTED``."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -148,6 +158,8 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # vLLM's extra parameter; -1 (vLLM's "off") and 0 both switch it off
+    top_k: int | None = Field(default=None, ge=-1, strict=True)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
@@ -164,8 +176,12 @@ class ChatCompletionRequest(BaseModel):
 
 # request fields that would change the answer and that this server does not implement:
 # refused rather than silently ignored (a falsy value is accepted: clients send defaults)
-_UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs", "logit_bias", "audio",
-                "frequency_penalty", "presence_penalty", "prediction")
+_UNSUPPORTED = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+                "audio", "frequency_penalty", "presence_penalty", "prediction", "min_p",
+                "reasoning_effort", "web_search_options")
+# request fields that do not change the answer: accepted and ignored
+_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+            "prompt_cache_key")
 # OpenAI's penalties subtract from the logits by count; the guard here divides (as vLLM's and
 # transformers' repetition_penalty) or bans repeated n-grams: a different setting, not a rename
 _INSTEAD = dict.fromkeys(("frequency_penalty", "presence_penalty"),
@@ -187,13 +203,21 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
         param = ".".join(str(p) for p in err["loc"]) or None
         raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
                        code="invalid_value") from e
-    for name in _UNSUPPORTED:
-        if (body.model_extra or {}).get(name):
-            raise APIError(400, f"{name} is not supported by this server{_INSTEAD.get(name, '')}",
-                           param=name, code="unsupported_parameter")
-    if (body.model_extra or {}).get("tool_choice") not in (None, "none"):
-        raise APIError(400, "tool_choice is not supported by this server", param="tool_choice",
-                       code="unsupported_parameter")
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        if name in _UNSUPPORTED:
+            if value:
+                raise APIError(400, f"{name} is not supported by this server"
+                               f"{_INSTEAD.get(name, '')}", param=name, code="unsupported_parameter")
+        elif name in ("tool_choice", "modalities"):
+            if value not in (None, "none", [], ["text"]):  # what the server does anyway
+                raise APIError(400, f"{name} {value!r:.40} is not supported by this server",
+                               param=name, code="unsupported_parameter")
+        elif name not in _IGNORED:
+            # a misspelt or newer parameter would otherwise be silently ignored
+            raise APIError(400, f"unknown parameter {name!r:.60}: this server does not implement "
+                           "it; remove it from the request", param=name[:60],
+                           code="unknown_parameter")
     if body.stream and body.max_retries:
         raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
                        "attempt would already be sent", param="max_retries",
@@ -379,6 +403,9 @@ class Server:
                                max_batch_size=config.max_batch_size, max_queue=config.max_queue)
         # schema compiles and prompt encoding run here, off the event loop and off the engine
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-server-prep")
+        # final validation (jsonschema, Pydantic) of finished outputs runs here: it takes time
+        # on large outputs, and the event loop must keep answering (/health) meanwhile
+        self.finish = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-server-finish")
         self.created = int(time.time())
 
     def generator(self, mode: SchemaMode) -> Generator[Any]:
@@ -409,6 +436,8 @@ class Server:
             overrides["temperature"] = float(body.temperature)
         if body.top_p is not None:
             overrides["top_p"] = float(body.top_p)
+        if body.top_k is not None:
+            overrides["top_k"] = max(body.top_k, 0)  # -1: off, as in vLLM
         if body.repetition_penalty is not None:
             overrides["repetition_penalty"] = body.repetition_penalty
         if body.no_repeat_ngram_size is not None:
@@ -429,6 +458,10 @@ class Server:
                                                  else "response_format")) from e
             out.append((req, spec, mode))
         return out
+
+    async def outcome_async(self, choice: Choice) -> Outcome:
+        """`outcome`, computed on the finish threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.finish, self.outcome, choice)
 
     def outcome(self, choice: Choice) -> Outcome:
         """The final text and finish_reason of a finished choice (or its error)."""
@@ -526,15 +559,26 @@ class Guard:
         counted = self.config.http_responses
         route = path if path in ("/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
 
+        started = False
+
         async def counting_send(message: dict) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 counted[(route, message["status"])] += 1
             await send(message)
 
         if error is not None:
             await error.response()(scope, receive, counting_send)
             return
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            # Starlette's outermost middleware answers an unhandled error (the app's
+            # "internal_error" 500), past this one: count that response here
+            if not started:
+                counted[(route, 500)] += 1
+            raise
 
 
 def create_app(model: Any, config: ServerConfig) -> FastAPI:
@@ -549,6 +593,7 @@ def create_app(model: Any, config: ServerConfig) -> FastAPI:
         finally:
             server.loop.stop()
             server.prep.shutdown(wait=False, cancel_futures=True)
+            server.finish.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="constrained_spec OpenAI-compatible server", version=__version__,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -647,7 +692,7 @@ async def _run_attempts(server: Server, body: ChatCompletionRequest,
     invalid runs again as a new request (retry k: sampled, seed + k, as in the library) until
     one attempt succeeds or the retries run out; its outcome is its last attempt's."""
     await _run_choices(choices)
-    outcomes = [server.outcome(c) for c in choices]
+    outcomes = [await server.outcome_async(c) for c in choices]
     for attempt in range(1, (body.max_retries or 0) + 1):
         again = [c for c, o in zip(choices, outcomes) if o.retryable]
         if not again:
@@ -663,7 +708,7 @@ async def _run_attempts(server: Server, body: ChatCompletionRequest,
             c.ticket, c.text = ticket, ChoiceText(server.decode, c.text.stop)
         await _run_choices(again)
         for c in again:
-            outcomes[c.index] = server.outcome(c)
+            outcomes[c.index] = await server.outcome_async(c)
     return outcomes
 
 
@@ -722,7 +767,7 @@ async def _stream(server: Server, request: Request, choices: Sequence[Choice], c
     outcomes: dict[int, Outcome] = {}
 
     async def on_done(choice: Choice) -> None:
-        o = outcomes[choice.index] = server.outcome(choice)
+        o = outcomes[choice.index] = await server.outcome_async(choice)
         if o.error is not None:
             raise o.error
         rest = choice.text.finish(o.text)

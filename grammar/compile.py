@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from constrained_spec.errors import SchemaError
 from constrained_spec.schemas import SchemaSpec, convert_json_schema
+from constrained_spec.schemas.backends import python_regex
 from constrained_spec.schemas.spec import clean_backend_message, strip_edge_anchors
 
 from .matcher import Matcher, OutlinesMatcher, XGrammarMatcher, _OutlinesTables
@@ -125,7 +126,8 @@ def _compile_xgrammar(spec: SchemaSpec, tok: TokenizerData) -> Any:
         grammar = xgrammar.Grammar.from_ebnf(
             "root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
     elif spec.kind == "regex":
-        grammar = xgrammar.Grammar.from_regex(spec.regex or "")
+        # Python's "." (no newline unless (?s)), not xgrammar's (any character)
+        grammar = xgrammar.Grammar.from_regex(python_regex(spec.regex or ""))
     else:
         grammar = xgrammar.Grammar.from_ebnf(spec.ebnf or "", root_rule_name=spec.root)
     return _xgrammar_compiler(tok).compile_grammar(grammar)
@@ -155,7 +157,9 @@ def _compile_outlines(spec: SchemaSpec, tok: TokenizerData) -> _OutlinesTables:
 
     if spec.kind == "json_schema":
         regex = convert_json_schema(spec, "outlines")
-    else:
+    elif spec.kind == "regex":
+        regex = strip_edge_anchors(python_regex(spec.regex or ""))  # Python's "." (see above)
+    else:  # choices: escaped literals, no "." to translate
         regex = strip_edge_anchors(spec.regex or "")
     return _OutlinesTables(outlines_core.Index(regex, tok.outlines_vocabulary()), tok)
 

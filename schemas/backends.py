@@ -6,6 +6,9 @@ Both backends get a rewritten copy of the user's schema, never the original:
   unanchored (``"^[A-Z]"`` means "starts with a capital"), but both backends match the whole
   string, which would turn that pattern into "exactly one capital". ``p`` becomes
   ``.*(?:p).*`` minus the side(s) anchored by ``^`` / ``$``, per top-level alternative.
+* both: ``.`` in patterns gets Python's meaning spelled out (`python_dots`: jsonschema, and
+  ``re.fullmatch`` for a `Regex`, use Python's ``re``; xgrammar's ``.`` would match a newline);
+  the ``s`` flag of inline flag groups is applied there and taken out.
 * both: draft 4's boolean ``exclusiveMinimum`` / ``exclusiveMaximum`` become numeric bounds.
 * ``format: date`` (both), ``date-time``, ``ipv4`` and ``hostname`` (xgrammar) become an
   exact pattern (the backends' own grammars would write Feb 30, year 0000, "10.0.0.01" or a
@@ -37,6 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Literal
@@ -54,6 +58,8 @@ BACKENDS: tuple[str, ...] = ("xgrammar", "outlines")
 
 # One JSON string character as raw JSON text (outlines' STRING_INNER).
 OUTLINES_STRING_CHAR = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
+# ... any but a newline (its escape \n): what Python's ``.`` matches, as raw JSON text.
+OUTLINES_LINE_CHAR = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfrt])'
 
 # Keywords whose value is a schema / a list of schemas / a map of schemas.
 SCHEMA_KEYWORDS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items",
@@ -171,14 +177,81 @@ def _top_level_alternatives(pieces: list[tuple[str, str]]) -> list[list[tuple[st
     return alts
 
 
-def search_pattern(pattern: str, *, any_text: str, dot: str | None = None) -> str | None:
+#: What Python's ``.`` matches, spelled out for a backend (whose own ``.`` may differ: xgrammar's
+#: matches a newline, Rust's regex, under outlines-core, does not): without the DOTALL flag
+#: any character but a newline, with it (``(?s)``) any character.
+LINE_CHAR = r"[^\n]"
+ANY_CHAR = r"[\s\S]"
+_FLAG_GROUP = re.compile(r"\(\?([aiLmsux]*)(?:-([aiLmsux]*))?([:)])")
+
+
+def _without_dotall(text: str) -> str:
+    """A flag group (``(?si)``, ``(?s-i:``) without the ``s`` flag; ``""`` for a bare ``(?s)``."""
+    m = _FLAG_GROUP.fullmatch(text)
+    if m is None:
+        return text
+    on, off, end = m.group(1).replace("s", ""), (m.group(2) or "").replace("s", ""), m.group(3)
+    if end == ")" and not on and not off:
+        return ""
+    return "(?" + on + (f"-{off}" if off else "") + end
+
+
+def python_dots(pieces: list[tuple[str, str]], *, dot: str = LINE_CHAR,
+                dot_all: str = ANY_CHAR) -> list[tuple[str, str]]:
+    """`scan_regex` pieces with every ``.`` outside a character class replaced by what Python's
+    ``re`` matches there: `dot` (no newline) or, where the DOTALL flag is on, `dot_all`.
+
+    The ``s`` flag is taken out of inline flag groups: global (``(?s)``, ``(?si)``) and scoped
+    (``(?s:...)`` turns it on inside, ``(?-s:...)`` off), so the backend never sees it (xgrammar
+    cannot parse flag groups). Escaped dots and dots in classes are literal and left alone; a
+    class's leading ``]`` (literal in Python) is escaped, as xgrammar would end the class there.
+    """
+    def flags(text: str) -> tuple[str, str]:
+        m = _FLAG_GROUP.fullmatch(text)
+        return (m.group(1), m.group(2) or "") if m else ("", "")
+
+    dotall = any(kind == "flags" and "s" in flags(text)[0] for kind, text in pieces)
+    stack: list[bool] = []
+    out: list[tuple[str, str]] = []
+    for kind, text in pieces:
+        if kind == "flags":  # global flags: Python allows them only at the start
+            text = _without_dotall(text)
+            if text:
+                out.append((kind, text))
+            continue
+        if kind == "open":
+            stack.append(dotall)
+            on, off = flags(text)
+            if "s" in on or "s" in off:
+                dotall = "s" in on
+                text = _without_dotall(text)
+        elif kind == "close" and stack:
+            dotall = stack.pop()
+        elif kind == "dot":
+            text = dot_all if dotall else dot
+        elif kind == "class" and text.startswith(("[]", "[^]")):
+            # Python reads a "]" first in a class as a literal; xgrammar ends the class there
+            text = text.replace("]", "\\]", 1)
+        out.append((kind, text))
+    return out
+
+
+def python_regex(pattern: str) -> str:
+    """A whole-output `Regex` pattern with Python's ``.`` semantics spelled out (`python_dots`):
+    what a backend is given, so it matches the strings ``re.fullmatch(pattern, s)`` matches."""
+    return "".join(text for _, text in python_dots(scan_regex(pattern)))
+
+
+def search_pattern(pattern: str, *, any_text: str, dot: str = LINE_CHAR,
+                   dot_all: str = ANY_CHAR) -> str | None:
     """`pattern` (JSON Schema: search anywhere) as an equivalent whole-string regex.
 
-    `any_text` is the regex for "any string content" put on unanchored sides; `dot`, when given,
-    replaces ``.`` outside character classes. None if an anchor sits anywhere but at the start /
-    end of a top-level alternative (then no such rewrite exists).
+    `any_text` is the regex for "any string content" put on unanchored sides; `dot` / `dot_all`
+    replace ``.`` outside character classes (`python_dots`: jsonschema checks patterns with
+    Python's ``re``). None if an anchor sits anywhere but at the start / end of a top-level
+    alternative (then no such rewrite exists).
     """
-    pieces = scan_regex(pattern)
+    pieces = python_dots(scan_regex(pattern), dot=dot, dot_all=dot_all)
     leading_flags = ""
     if pieces and pieces[0][0] == "flags":
         leading_flags = pieces.pop(0)[1]  # a global flag group such as (?i) stays in front
@@ -190,7 +263,7 @@ def search_pattern(pattern: str, *, any_text: str, dot: str | None = None) -> st
         body = body[:-1] if end else body
         if any(kind in ("bol", "eol") for kind, _ in body):
             return None
-        core = "".join(dot if (kind == "dot" and dot is not None) else text for kind, text in body)
+        core = "".join(text for _, text in body)
         out.append(("" if start else any_text) + (f"(?:{core})" if core else "") + ("" if end else any_text))
     joined = out[0] if len(out) == 1 else "(?:" + "|".join(f"(?:{a})" for a in out) + ")"
     return leading_flags + joined
@@ -327,6 +400,14 @@ def _xgrammar_rewrite(node: Any) -> Any:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < bound:
                 del node[key]
                 node["minimum"] = max(bound, node.get("minimum", bound))
+        # a range wholly past 64 bits (minimum 2**70) has no 64-bit integer at all: xgrammar
+        # raises on it; pre-flight reports it unsupported, and under "lenient" the grammar
+        # generates unbounded integers and final validation checks the bound
+        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+                    v > INT64_MAX if key.endswith("inimum") else v < INT64_MIN):
+                del node[key]
     if node.get("type") == "integer":
         # xgrammar raises on fractional integer bounds; these roundings keep the same integers.
         for key, rnd in (("minimum", math.ceil), ("maximum", math.floor)):
@@ -359,7 +440,8 @@ def _outlines_rewrite(node: Any) -> Any:
     _exact_formats(node, ("pattern", "minLength", "maxLength"), ("date",))
     pattern = node.get("pattern")
     if isinstance(pattern, str):
-        rewritten = search_pattern(pattern, any_text=OUTLINES_STRING_CHAR + "*", dot=OUTLINES_STRING_CHAR)
+        rewritten = search_pattern(pattern, any_text=OUTLINES_STRING_CHAR + "*",
+                                   dot=OUTLINES_LINE_CHAR, dot_all=OUTLINES_STRING_CHAR)
         if rewritten is not None:
             # outlines strips one leading ^ and trailing $ (only both together) before use.
             node["pattern"] = "^" + rewritten + "$"

@@ -28,12 +28,16 @@ from constrained_spec.errors import SchemaError
 
 from .backends import (
     FORMAT_PATTERNS,
+    INT64_MAX,
+    INT64_MIN,
     all_of_values,
     convert_json_schema,
+    python_regex,
     resolve_local_ref,
     scan_regex,
     search_pattern,
 )
+from .refs import check_refs
 from .spec import SchemaSpec, to_pointer
 from .support import (
     ANNOTATIONS,
@@ -104,7 +108,11 @@ class PreflightReport:
 # --------------------------------------------------------------------------------------------
 
 def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgrammar") -> PreflightReport:
-    """Report what `backend` would not enforce in `spec` (see the module docstring)."""
+    """Report what `backend` would not enforce in `spec` (see the module docstring).
+
+    Raises `SchemaError` for an unknown backend, and for a reference that does not resolve
+    inside the schema (`refs.check_refs`; `normalize_schema` has already refused those).
+    """
     if backend not in ("xgrammar", "outlines"):
         raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")
     report = PreflightReport(backend=backend)
@@ -120,6 +128,9 @@ def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgra
             if backend == "xgrammar" and not report.unsupported:
                 _try_xgrammar_regex(spec.regex or "", report)
         return report
+    # a spec built by hand skipped normalisation: its walkers' jsonschema checks must not meet
+    # a reference outside the document either (refs.py)
+    check_refs(spec.json_schema or {})
     walker = _XGrammarWalker if backend == "xgrammar" else _OutlinesWalker
     report.issues.extend(walker(spec.json_schema or {}).run())
     if not report.unsupported:
@@ -221,7 +232,7 @@ def _try_xgrammar_regex(pattern: str, report: PreflightReport) -> None:
     from .spec import clean_backend_message
 
     try:
-        xgrammar.Grammar.from_regex(pattern)
+        xgrammar.Grammar.from_regex(python_regex(pattern))  # what compile_spec hands it
     except Exception as exc:
         message = f"xgrammar cannot compile the regex: {clean_backend_message(exc)}"
         report.issues.append(PreflightIssue("regex", "", "unsupported", "xgrammar", message))
@@ -332,12 +343,10 @@ class _Walker:
         return node
 
     def validator(self, schema: Any) -> Any:
-        import jsonschema
-        from jsonschema.validators import validator_for
+        from .refs import validator
 
         if self._validator is None:
-            cls = validator_for(self.root, default=jsonschema.Draft202012Validator)
-            self._validator = cls(self.root)
+            self._validator = validator(self.root)  # never fetches a reference (refs.py)
         return self._validator.evolve(schema=schema)
 
     def check_values(self, node: dict, path: list[Any], values: list[Any], winner: str) -> None:
@@ -614,6 +623,15 @@ class _XGrammarWalker(_Walker):
                     break
 
     def t_integer(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        for k, beyond in (("minimum", INT64_MAX), ("exclusiveMinimum", INT64_MAX),
+                          ("maximum", INT64_MIN), ("exclusiveMaximum", INT64_MIN)):
+            v = node.get(k)
+            if (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and (v > beyond if k.endswith("inimum") else v < beyond)):
+                self.add(k, to_pointer(path + [k]), "unsupported",
+                         f"integer {k} {v!r} is outside the 64-bit range (-2**63 .. 2**63 - 1) "
+                         "that xgrammar's integer grammar works in; use backend 'outlines' (the "
+                         "bound is then checked after generating), or a string with a 'pattern'")
         m = node.get("multipleOf")
         if m is None:
             return

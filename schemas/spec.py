@@ -7,8 +7,10 @@ the JSON layout to write JSON in, the object final parsing converts to (`target`
 content hash (`key`) the grammar cache uses.
 
 Normalisation checks what can be checked without a backend: JSON well-formedness, size and depth
-limits (`MAX_SCHEMA_VALUES`, `MAX_SCHEMA_DEPTH`), the JSON Schema metaschema, that a regex compiles, that choices are non-empty and distinct, that EBNF parses. What
-a *backend* enforces is the pre-flight report's business (`preflight.py`), not this module's.
+limits (`MAX_SCHEMA_VALUES`, `MAX_SCHEMA_DEPTH`), the JSON Schema metaschema, that every
+``$ref`` resolves inside the document (`refs.check_refs`: nothing is ever fetched), that a
+regex compiles, that choices are non-empty and distinct, that EBNF parses. What a *backend*
+enforces is the pre-flight report's business (`preflight.py`), not this module's.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from typing import Any, Literal
 from constrained_spec.errors import SchemaError
 
 __all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema",
-           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES"]
+           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES", "lone_surrogate"]
 
 
 @dataclass(frozen=True)
 class Regex:
-    """A regular expression the whole output must match (full match, Python `re` syntax subset
-    shared by xgrammar and Rust's `regex`: no look-around, no backreferences)."""
+    """A regular expression the whole output must match: ``re.fullmatch(pattern, output)``, with
+    Python's semantics on every backend (``.`` matches no newline unless the pattern says
+    ``(?s)``), in the syntax subset shared by xgrammar and Rust's `regex`: no look-around, no
+    backreferences."""
 
     pattern: str
 
@@ -232,6 +236,9 @@ def _from_json_schema(js: Any, layout: JsonLayout, *, target: Any) -> SchemaSpec
         raise SchemaError(f"a JSON Schema must be an object, got {type(js).__name__}", pointer="")
     check_json_document(js)
     check_json_schema(js)
+    from .refs import check_refs
+
+    check_refs(js)  # before anything resolves a reference: none is ever fetched
     return SchemaSpec(kind="json_schema", json_schema=js, layout=layout, target=target)
 
 
@@ -247,7 +254,8 @@ MAX_SCHEMA_VALUES = 10_000
 def check_json_document(js: Any) -> None:
     """Raise `SchemaError` (with a pointer) unless `js` is a plain JSON document within the
     limits: at most `MAX_SCHEMA_DEPTH` levels of nesting and `MAX_SCHEMA_VALUES` values, string
-    keys only, finite numbers only (NaN / Infinity are not JSON), JSON types only."""
+    keys only, Unicode text only (no lone surrogates), finite numbers only (NaN / Infinity are
+    not JSON), JSON types only."""
     count = 0
     largest: tuple[int, list[Any]] = (0, [])
     stack: list[tuple[Any, list[Any]]] = [(js, [])]
@@ -265,11 +273,14 @@ def check_json_document(js: Any) -> None:
                 if not isinstance(k, str):
                     raise SchemaError(f"schema keys must be strings, got {type(k).__name__} {k!r}",
                                       pointer=to_pointer(path))
+                _check_text(k, f"the key {k!r}", pointer=to_pointer(path))
                 stack.append((v, path + [k]))
         elif isinstance(value, list):
             if len(value) > largest[0]:
                 largest = (len(value), path)
             stack.extend((v, path + [i]) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, "the string", pointer=to_pointer(path))
         elif isinstance(value, float):
             if value != value or value in (float("inf"), float("-inf")):
                 raise SchemaError(f"{value} is not a JSON number", pointer=to_pointer(path))
@@ -287,10 +298,11 @@ def check_json_document(js: Any) -> None:
 def check_json_schema(js: dict) -> None:
     """Raise `SchemaError` (keyword + pointer) if `js` fails its metaschema (default 2020-12)."""
     import jsonschema
-    from jsonschema.validators import validator_for
+
+    from .refs import validator, validator_class
 
     try:
-        cls = validator_for(js, default=jsonschema.Draft202012Validator)
+        cls = validator_class(js)
     except Exception as exc:  # unknown $schema URI
         raise SchemaError(f"unknown $schema {js.get('$schema')!r}: {exc}", keyword="$schema",
                           pointer="/$schema") from exc
@@ -299,7 +311,7 @@ def check_json_schema(js: dict) -> None:
     checker = jsonschema.FormatChecker(formats=("regex",))
     try:
         error = jsonschema.exceptions.best_match(
-            cls(cls.META_SCHEMA, format_checker=checker).iter_errors(js))
+            validator(cls.META_SCHEMA, cls=cls, format_checker=checker).iter_errors(js))
     except RecursionError:  # check_json_document bounds the depth; a deep caller stack remains
         raise SchemaError("the schema nests too deeply to be checked", pointer="") from None
     if error is None:
@@ -321,6 +333,24 @@ def check_json_schema(js: dict) -> None:
                       pointer=to_pointer(path))
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Where `text` has a lone surrogate (a str that is not Unicode text: it cannot be encoded
+    as UTF-8, so no tokenizer, backend or JSON writer can take it), e.g. "U+D800 at character
+    3"; None when it has none. The message never contains the surrogate itself."""
+    m = _SURROGATE.search(text)
+    return None if m is None else f"U+{ord(m.group()):04X} at character {m.start()}"
+
+
+def _check_text(text: str, what: str, **where: Any) -> None:
+    bad = lone_surrogate(text)
+    if bad is not None:
+        raise SchemaError(f"{what} has a lone surrogate ({bad}), which is not Unicode text (it "
+                          "cannot be written as UTF-8): fix the encoding of the input", **where)
+
+
 def to_pointer(parts: typing.Iterable[Any]) -> str:
     """RFC 6901 JSON pointer for a path of keys / indices ("" is the document root)."""
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
@@ -329,6 +359,7 @@ def to_pointer(parts: typing.Iterable[Any]) -> str:
 def _from_regex(pattern: Any) -> SchemaSpec:
     if not isinstance(pattern, str):
         raise SchemaError(f"Regex pattern must be a str, got {type(pattern).__name__}")
+    _check_text(pattern, "the regular expression")
     try:
         re.compile(pattern)
     except re.error as exc:
@@ -339,6 +370,10 @@ def _from_regex(pattern: Any) -> SchemaSpec:
 def _from_grammar(g: Grammar) -> SchemaSpec:
     if not isinstance(g.ebnf, str) or not g.ebnf.strip():
         raise SchemaError("Grammar(ebnf) needs a non-empty EBNF string")
+    _check_text(g.ebnf, "the EBNF grammar")
+    if not isinstance(g.root, str):
+        raise SchemaError(f"Grammar root must be a rule name (str), got {type(g.root).__name__}")
+    _check_text(g.root, "the root rule name")
     import xgrammar
 
     try:
@@ -364,6 +399,8 @@ def _from_choices(values: list, *, target: Any, what: str) -> SchemaSpec:
     if not values:
         raise SchemaError(f"{what}: at least one choice is needed")
     texts = [choice_text(v) for v in values]
+    for i, t in enumerate(texts):
+        _check_text(t, f"{what}: choice {i}")
     if "" in texts:
         raise SchemaError(f"{what}: a choice cannot be the empty string (an empty output)")
     seen: dict[str, int] = {}
@@ -421,10 +458,14 @@ def strip_edge_anchors(pattern: str) -> str:
 
 
 _XGR_LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+?:\d+:\s*")
+# xgrammar's internal assertions: "Check failed: (val <= MAX_INT64_AS_DOUBLE) is false: ..."
+_XGR_CHECK = re.compile(r"Check failed: \(.*?\) is false:?\s*")
 
 
 def clean_backend_message(exc: BaseException) -> str:
-    """The backend's own message without xgrammar's "[time] file.cc:line:" prefix and traceback."""
+    """The backend's own message without xgrammar's "[time] file.cc:line:" prefix, its
+    internal assertion text ("Check failed: (...) is false") and traceback."""
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
-    return _XGR_LOG_PREFIX.sub("", first).strip() or type(exc).__name__
+    first = _XGR_CHECK.sub("", _XGR_LOG_PREFIX.sub("", first))
+    return first.strip() or type(exc).__name__

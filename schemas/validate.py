@@ -2,7 +2,8 @@
 
 Grammar-constrained decoding narrows what the model can write, but the pre-flight report lists
 keywords a backend does not enforce; this is where they are checked. json_schema outputs go
-through ``json.loads``, jsonschema (the schema's ``$schema`` draft, default 2020-12, with format
+through ``json.loads`` (numbers must be finite float64s: ``1e999`` is refused, not returned as
+``inf``), jsonschema (the schema's ``$schema`` draft, default 2020-12, with format
 checking; `formats.py` fills in the formats jsonschema leaves to optional packages) and, for a
 Pydantic target, ``model_validate_json``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import re
 import threading
 from typing import Any
@@ -41,7 +43,9 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
     if spec.kind == "json_schema":
         return _parse_json(spec, text)
     if spec.kind == "regex":
-        if re.fullmatch(spec.regex or "", text, flags=re.DOTALL) is None:
+        # exactly re.fullmatch's semantics, which the Regex API promises ("." matches no
+        # newline unless the pattern says (?s)); the backends were given the same meaning
+        if re.fullmatch(spec.regex or "", text) is None:
             raise OutputValidationError(f"output does not match the regex {spec.regex!r}", text=text,
                                         errors=[f"no full match for {spec.regex!r}"])
         return text
@@ -67,12 +71,27 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
 
 
 def _parse_json(spec: SchemaSpec, text: str) -> Any:
+    from referencing.exceptions import Unresolvable
+
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
         errors = sorted(_validator(spec).iter_errors(value), key=lambda e: list(e.absolute_path))
+    except _NonFinite as exc:
+        raise OutputValidationError(
+            f"output has the number {exc.literal[:40]}, which is not finite as a float64 (it "
+            "would be inf / nan in Python, and not JSON once written back); generate again, or "
+            "bound the number with minimum / maximum", text=text, errors=[str(exc)]) from None
+    except Unresolvable as exc:
+        # normalize_schema's check_refs refuses these up front; a spec built by hand can still
+        # carry one, and it is the schema's fault, not the output's
+        raise SchemaError(f"a reference of the schema cannot be resolved inside it: {exc}; "
+                          "nothing outside the schema is fetched", keyword="$ref") from None
     except json.JSONDecodeError as exc:
         raise OutputValidationError(f"output is not valid JSON: {exc.msg} at line {exc.lineno} "
                                     f"column {exc.colno}", text=text, errors=[str(exc)]) from exc
+    except ValueError as exc:  # an integer past Python's int-from-string digit limit
+        raise OutputValidationError(f"output cannot be read as JSON values: {exc}", text=text,
+                                    errors=[str(exc)]) from None
     except RecursionError:
         # a recursive schema lets the model nest values until max_tokens; past Python's
         # recursion limit neither json nor jsonschema can check the output
@@ -103,6 +122,27 @@ def _parse_json(spec: SchemaSpec, text: str) -> Any:
     return value
 
 
+class _NonFinite(Exception):
+    """A JSON number that overflows a float64 (``1e999``) or a NaN / Infinity constant."""
+
+    def __init__(self, literal: str) -> None:
+        super().__init__(f"{literal[:40]} is not a finite float64")
+        self.literal = literal
+
+
+def _finite_float(literal: str) -> float:
+    # the grammars allow any JSON number, and JSON numbers have no range: 1e999 parses to inf,
+    # which jsonschema accepts and json.dumps(allow_nan=False) then refuses
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NonFinite(literal)
+    return value
+
+
+def _no_constant(literal: str) -> Any:
+    raise _NonFinite(literal)  # NaN / Infinity / -Infinity: not JSON (no grammar writes them)
+
+
 def _validator(spec: SchemaSpec) -> Any:
     with _LOCK:
         v = _VALIDATORS.get(spec.key)
@@ -118,13 +158,12 @@ def _validator(spec: SchemaSpec) -> Any:
 def json_validator(schema: dict) -> Any:
     """The jsonschema validator final validation uses: the schema's ``$schema`` draft (default
     2020-12) with format checking, including the formats of `formats.FORMAT_CHECKS`."""
-    import jsonschema
-    from jsonschema.validators import validator_for
-
     from .formats import format_checker
+    from .refs import validator, validator_class
 
-    cls = validator_for(schema, default=jsonschema.Draft202012Validator)
-    return cls(schema, format_checker=format_checker(cls))
+    cls = validator_class(schema)
+    # references resolve inside the schema only (refs.py): jsonschema never fetches one
+    return validator(schema, cls=cls, format_checker=format_checker(cls))
 
 
 def _grammar_accepts(spec: SchemaSpec, text: str) -> bool:

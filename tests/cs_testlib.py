@@ -3,7 +3,11 @@ so ``from conftest import ...`` would be ambiguous)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -183,3 +187,68 @@ def greedy_outputs(runner, compiled, prompts, spec=None, drafter=None, max_token
             for p in prompts]
     eng.run(reqs)
     return [r.output_ids for r in reqs]
+
+
+@contextlib.contextmanager
+def recording_http_server(body: bytes = b'{"type": "string"}') -> Iterator[tuple[str, list[str]]]:
+    """A loopback HTTP server that answers every GET with ``body`` (a JSON Schema) and records
+    its path: yields ``(base_url, paths)``. A test asserts ``paths == []`` to show that a
+    ``$ref`` to it was never fetched."""
+    import http.server
+
+    paths: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            paths.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="recording-http")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", paths
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@contextlib.contextmanager
+def silent_listener() -> Iterator[tuple[str, list[socket.socket]]]:
+    """A loopback socket that accepts connections and never answers (a host that hangs):
+    yields ``(base_url, accepted)``, the connections accepted so far."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    sock.settimeout(0.05)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            accepted.append(conn)  # held open, never read or answered
+
+    thread = threading.Thread(target=accept, daemon=True, name="silent-listener")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", accepted
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in accepted:
+            conn.close()
+        sock.close()

@@ -62,10 +62,19 @@ BAD_SCHEMAS = {
     "pattern Python cannot run": ({"type": "string", "pattern": "\\p{L}+"},
                                   "invalid regular expression", "/pattern"),
     "look-behind pattern": ({"type": "string", "pattern": "(?<=a)b"}, "look-behind", "/pattern"),
+    "integer minimum past 64 bits": ({"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 2 ** 70}}}, "64-bit", "/properties/n/minimum"),
+    "integer maximum below -2**63": ({"type": "integer", "maximum": -1e30}, "64-bit", "/maximum"),
     "NaN bound": ({"type": "number", "minimum": math.nan}, "not a JSON number", "/minimum"),
     "infinite bound": ({"type": "number", "maximum": math.inf}, "not a JSON number", "/maximum"),
     "a set in the schema": ({"enum": {"a", "b"}}, "not a JSON value", "/enum"),
     "non-string key": ({"properties": {1: {}}}, "keys must be strings", "/properties"),
+    "lone surrogate in a property name": ({"type": "object", "properties": {"a\ud800": {}}},
+                                          "lone surrogate", "/properties"),
+    "lone surrogate in an enum value": ({"enum": ["ok", "x\udcff"]}, "lone surrogate", "/enum/1"),
+    "escaped lone surrogate in JSON text": ('{"enum": ["\\ud800"]}', "lone surrogate", "/enum/0"),
+    "lone surrogate in a regex": (Regex("a\udc80+"), "lone surrogate", None),
+    "lone surrogate in a choice": (["yes", "n\ud83do"], "lone surrogate", None),
     "empty choices": ([], "at least one choice", None),
     "duplicate choices": (["a", "a"], "both are written", None),
     "unsupported input type": (3.5, "unsupported schema input", None),
@@ -106,6 +115,15 @@ def test_bad_schema_is_a_schema_error_naming_where_before_loading_a_model(name, 
     ({"top_p": math.nan}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"seed": 1.5}, "seed"),
+    ({"seed": 2 ** 63}, "seed"),  # a 64-bit generator seed: past it torch overflows
+    ({"seed": -(2 ** 63) - 1}, "seed"),
+    ({"seed": 10 ** 30}, "seed"),
+    ({"speculative": {"method": "ngram", "max_forced_tokens": 10 ** 9}},
+     "speculative.max_forced_tokens"),  # was a bogus PromptTooLongError
+    ({"speculative": {"method": "ngram", "max_forced_tokens": -1}}, "speculative.max_forced_tokens"),
+    ({"speculative": {"method": "ngram", "prompt_lookup_max": 10 ** 6}},
+     "speculative.prompt_lookup_min"),
+    ({"max_batch_size": 0}, "max_batch_size"),
     ({"speculative": "medusa"}, "speculative.method"),
     ({"speculative": {"method": "medusa"}}, "speculative.method"),
     ({"speculative": {"method": "ngram", "num_speculative_tokens": 99}},
@@ -139,6 +157,36 @@ def test_recursive_schemas_compile_and_unbounded_output_depth_is_a_typed_error(a
     text = "[" * 5000 + "]" * 5000
     with pytest.raises(OutputValidationError, match="nests too deeply"):
         parse_output(normalize_schema(deep), text)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("hi \ud800 there", "lone surrogate"),
+    ([{"role": "user", "content": "a\udcff"}], "lone surrogate"),
+    ([{"role": "user", "content": None}], "content must be a string"),
+    ([{"role": "user", "content": 42}], "content must be a string"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "only text parts"),
+    ([{"role": None, "content": "hi"}], "role must be a string"),
+])
+def test_prompts_that_are_not_text_are_config_errors_before_any_compute(tiny_loaded, prompt, match):
+    gen = Generator(tiny_loaded, schema=["a", "b"], speculative=False, max_tokens=4)
+    with pytest.raises(ConfigError, match=match) as info:
+        gen.make_request(prompt)
+    assert info.value.option == "prompt"
+    assert "\ud800" not in str(info.value) and "\udcff" not in str(info.value)
+    out = gen.batch([prompt, "Say a."])  # one bad prompt does not end the batch
+    assert isinstance(out[0], ConfigError) and out[1] in ("a", "b")
+
+
+def test_text_parts_are_joined_and_a_bad_system_prompt_is_refused(tiny_loaded):
+    gen = Generator(tiny_loaded, schema=["a", "b"], speculative=False, max_tokens=4)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "},
+                                          {"type": "text", "text": "a."}]}]
+    joined = [{"role": "user", "content": "Say a."}]
+    assert gen.make_request(parts)[0].prompt_ids == gen.make_request(joined)[0].prompt_ids
+    with pytest.raises(ConfigError, match="lone surrogate") as info:
+        Generator(tiny_loaded, schema=["a", "b"], system_prompt="Be \ud800 brief")
+    assert info.value.option == "system_prompt"
 
 
 def test_layout_and_mode_mistakes_are_typed(no_model):

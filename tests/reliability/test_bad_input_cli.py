@@ -9,6 +9,7 @@ import json
 import sys
 
 import pytest
+from cs_testlib import recording_http_server
 
 from constrained_spec.cli import main
 from constrained_spec.schemas.spec import MAX_SCHEMA_DEPTH
@@ -61,12 +62,39 @@ def test_bad_schema_exits_3_with_one_line_naming_where(flags, where, capsys, no_
     assert where in lines[0]
 
 
+@pytest.mark.parametrize("mode", ["default", "strict", "lenient"])
+def test_refs_outside_the_schema_exit_3_and_are_never_read(mode, tmp_path, capsys, monkeypatch,
+                                                           no_model):
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"const": "cli-secret-81d2"}')
+    with recording_http_server() as (base, paths):
+        for ref in (f"{base}/s.json", secret.as_uri()):
+            schema = json.dumps({"type": "object", "properties": {"a": {"$ref": ref}}})
+            for argv in (["generate", "a prompt", "--schema", schema, "--schema-mode", mode],
+                         ["schema-check", schema, "--schema-mode", mode]):
+                code, out, err = run(argv, capsys)
+                assert code == 3, argv
+                assert "/properties/a/$ref" in err and "never fetched" in err
+                assert "cli-secret-81d2" not in out + err
+            line = json.dumps({"prompt": "p", "schema": json.loads(schema)})
+            code, out, err = run(["generate", "--batch", "-", "--schema-mode", mode], capsys,
+                                 stdin=line + "\n", monkeypatch=monkeypatch)
+            assert code == 7
+            assert json.loads(out)["error"]["type"] == "SchemaError"
+            assert "cli-secret-81d2" not in out + err
+        assert paths == []
+
+
 @pytest.mark.parametrize("flags, where", [
     (["--max-tokens", "0"], "max_tokens"),
     (["--max-tokens", "-3"], "max_tokens"),
     (["--temperature", "nan"], "temperature"),
     (["--temperature", "inf"], "temperature"),
     (["--top-p", "nan"], "top_p"),
+    (["--seed", str(2 ** 63)], "seed"),
+    (["--seed", str(-(2 ** 64))], "seed"),
+    (["--speculative-config", '{"method": "ngram", "max_forced_tokens": 1000000000}'],
+     "max_forced_tokens"),
     (["--speculative-config", '{"method": "medusa"}'], "speculative.method"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'],
      "num_speculative_tokens"),
@@ -124,3 +152,53 @@ def test_batch_runs_good_lines_and_reports_bad_ones(tmp_path, capsys, embedded, 
     assert types == [None, "SchemaError", "SchemaError", "ConfigError", "PromptTooLongError",
                      "ConfigError", None]
     assert [r["error"]["line"] for r in records if isinstance(r, dict) and "error" in r] == [2, 3, 4, 5, 6]
+
+
+def byte_stdin(monkeypatch, data: bytes) -> None:
+    """stdin as the real thing: a text stream over bytes (``.buffer``), not a StringIO."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+def test_text_that_is_not_unicode_exits_2_or_3_naming_it(capsys, monkeypatch, no_model):
+    byte_stdin(monkeypatch, b"Ada Lovelace \xff\xfe, 36")
+    code, out, err = run(["generate", "--schema", "name"], capsys)
+    assert code == 2 and out == "" and "stdin" in err and "U+DCFF at character 13" in err
+    # argv bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape)
+    code, out, err = run(["generate", "Ada \udcff", "--schema", "name"], capsys)
+    assert code == 2 and "PROMPT" in err
+    code, out, err = run(["generate", "hi", "--schema", "name", "--system", "be \ud800"], capsys)
+    assert code == 2 and "--system" in err
+    for flags in (["--choice", "a", "--choice", "b\udcff"], ["--regex", "a\ud800"],
+                  ["--schema", '{"enum": ["\\ud800"]}']):
+        code, out, err = run(["generate", "hi", *flags], capsys)
+        assert code == 3 and "lone surrogate" in err, flags
+
+
+def test_batch_lines_that_are_not_unicode_are_error_records_and_the_rest_run(
+        tmp_path, capsys, monkeypatch, tiny_loaded):
+    from constrained_spec import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_loaded)
+    lines = [b'"Say a."', b'"caf\xe9 in latin-1"', b'"an escaped \\ud800 surrogate"',
+             b'{"prompt": "p", "schema": {"enum": ["\\udc80"]}}',
+             b'{"prompt": [{"role": "user", "content": null}]}', b'"Say b."']
+    for source in ("file", "stdin"):
+        if source == "file":
+            path = tmp_path / "in.jsonl"
+            path.write_bytes(b"\n".join(lines) + b"\n")
+            argv = ["generate", "--batch", str(path)]
+        else:
+            byte_stdin(monkeypatch, b"\n".join(lines) + b"\n")
+            argv = ["generate", "--batch", "-"]
+        code, out, err = run([*argv, "--choice", "a", "--choice", "b", "--max-tokens", "4",
+                              "--no-speculation", "--quiet"], capsys)
+        assert code == 7
+        out.encode("utf-8")  # the output is UTF-8 text
+        records = [json.loads(x) for x in out.splitlines()]
+        assert len(records) == len(lines)
+        assert records[0] in ("a", "b") and records[-1] in ("a", "b")
+        errors = [r["error"] for r in records[1:-1]]
+        assert [e["type"] for e in errors] == ["ConfigError", "ConfigError", "SchemaError",
+                                               "ConfigError"]
+        assert [e["line"] for e in errors] == [2, 3, 4, 5]
+        assert "not UTF-8" in errors[0]["message"] and "lone surrogate" in errors[1]["message"]

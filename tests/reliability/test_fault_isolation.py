@@ -355,3 +355,86 @@ def test_cancelling_running_requests_frees_their_slots_and_grammar_state(make_en
     assert engine.running == []
     gc.collect()
     assert all(ref() is None for ref in refs)  # requests, their matchers and drafts are gone
+
+
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, None])
+def test_a_batch_size_below_one_is_a_config_error_naming_it(tiny_model, size):
+    """0 used to admit nothing and spin at 100% CPU in run() forever."""
+    from constrained_spec import ConfigError, Generator
+
+    runner = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        Engine(runner, speculative=None, max_batch_size=size)
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        EngineLoop(Engine(runner, speculative=None), max_batch_size=size)
+    with pytest.raises(ConfigError, match="max_batch_size") as info:
+        Generator(object(), max_batch_size=size)  # refused before the model is even looked at
+    assert info.value.option == "max_batch_size"
+
+
+def test_run_refuses_a_batch_size_changed_to_zero_instead_of_spinning(make_engine, compiled):
+    import threading
+
+    engine = make_engine()
+    engine.max_batch_size = 0
+    outcome = []
+
+    def run():
+        try:
+            engine.run(requests(compiled))
+        except Exception as e:  # noqa: BLE001 -- what run raised is the result
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "engine.run spins with max_batch_size=0"
+    assert "max_batch_size" in str(outcome[0])
+    assert_no_slot_held(engine)
+
+
+class Interrupting:
+    """A matcher whose ``fill_bitmask`` (drafting, through forks) raises ``exc`` on its 3rd call."""
+
+    def __init__(self, inner, exc, calls=None):
+        self.inner, self.exc, self.calls = inner, exc, calls if calls is not None else [0]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def fill_bitmask(self, bitmask, row=0):
+        self.calls[0] += 1
+        if self.calls[0] == 3:
+            raise self.exc()
+        return self.inner.fill_bitmask(bitmask, row)
+
+    def fork(self):
+        return Interrupting(self.inner.fork(), self.exc, self.calls)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("where", ["prefill", "forward", "matcher", "callback"])
+def test_keyboard_interrupt_and_system_exit_are_never_swallowed(make_engine, compiled, monkeypatch,
+                                                                exc, where):
+    engine = make_engine()
+    forward, calls = engine.runner.forward, [0]
+
+    def interrupted_forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == (1 if where == "prefill" else 3):
+            raise exc()
+        return forward(*args, **kwargs)
+
+    def callback(ids):
+        if where == "callback":
+            raise exc()
+
+    if where in ("prefill", "forward"):
+        monkeypatch.setattr(engine.runner, "forward", interrupted_forward)
+    reqs = requests(compiled, on_tokens=callback)
+    if where == "matcher":
+        reqs[BAD].matcher = Interrupting(reqs[BAD].matcher, exc)
+    with pytest.raises(exc):
+        engine.run(reqs)
+    if where == "prefill":  # the failed admission gave its slots back before propagating
+        assert engine.runner.slots_in_use == 0

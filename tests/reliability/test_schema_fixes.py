@@ -43,6 +43,29 @@ def test_integer_bounds_past_64_bits_are_clamped_not_refused(ascii_tok):
     assert not m.accepts_text("9223372036854775808")  # narrowed, never wider
 
 
+def test_an_integer_range_wholly_past_64_bits_is_refused_by_pointer_or_validated_after(ascii_tok):
+    """xgrammar raised its internal "Check failed: (val <= MAX_INT64_AS_DOUBLE)" here."""
+    from pydantic import BaseModel, Field
+
+    from constrained_spec.errors import OutputValidationError
+    from constrained_spec.schemas import check_schema, parse_output
+
+    class Big(BaseModel):
+        n: int = Field(ge=2 ** 70)
+
+    with pytest.raises(SchemaError, match="64-bit") as info:
+        check_schema(normalize_schema(Big), "xgrammar")
+    assert info.value.pointer == "/properties/n/minimum" and "Check failed" not in str(info.value)
+    with pytest.warns(UserWarning, match="64-bit"):  # lenient: generated unbounded, checked after
+        spec = normalize_schema(Big)
+        check_schema(spec, "xgrammar", "lenient")
+    m = compile_spec(spec, ascii_tok).new_matcher()
+    assert m.accepts_text('{"n": 5}')
+    with pytest.raises(OutputValidationError):
+        parse_output(spec, '{"n": 5}')
+    assert parse_output(spec, '{"n": %d}' % 2 ** 71).n == 2 ** 71
+
+
 def test_draft4_boolean_exclusive_bounds(ascii_tok):
     schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer",
               "minimum": 0, "exclusiveMinimum": True, "maximum": 10, "exclusiveMaximum": False}

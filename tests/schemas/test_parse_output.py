@@ -91,3 +91,33 @@ def test_grammar_checks_the_language():
     assert parse_output(spec, "aab") == "aab"
     with pytest.raises(OutputValidationError):
         parse_output(spec, "ba")
+
+
+@pytest.mark.parametrize("text", ["1e999", "-1e999", '{"x": 12e400}', "[1.0, 9" + "9" * 400 + ".5]"])
+def test_numbers_that_overflow_a_float64_are_refused_not_returned_as_inf(text):
+    schema = {} if text[0] in "{[" else {"type": "number"}
+    with pytest.raises(OutputValidationError, match="not finite") as info:
+        parse_output(normalize_schema(schema), text)
+    assert info.value.text == text
+    assert parse_output(normalize_schema({"type": "number"}), "1.7976931348623157e308") > 1e308
+
+
+def test_an_integer_past_the_digit_limit_is_an_output_validation_error():
+    with pytest.raises(OutputValidationError, match="cannot be read"):
+        parse_output(normalize_schema({"type": "integer"}), "1" * 5000)
+
+
+def test_a_model_that_writes_1e789_gets_a_typed_error():
+    """End to end: the number grammar lets a model write an overflowing exponent; the library
+    never hands back ``inf``."""
+    from cs_testlib import bigram_loaded
+
+    from constrained_spec import Generator
+
+    chain = ["Ċ", "1", "e", "7", "8", "9", "<|endoftext|>"]  # after the prompt's newline: 1e789
+    model = bigram_loaded({(a, b): 10.0 for a, b in zip(chain, chain[1:])})
+    gen = Generator(model, schema={"type": "number"}, system_prompt=False, speculative=False,
+                    max_tokens=12)
+    with pytest.raises(OutputValidationError, match="not finite") as info:
+        gen("a number")
+    assert info.value.text == "1e789"
