@@ -292,9 +292,9 @@ def read_gguf(path: str | Path) -> GGUFModel:
     try:
         config_dict = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
         config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(dict(config_dict))
-    except (ValueError, KeyError, OSError) as e:
-        raise ModelLoadError(f"{path.name}: transformers cannot read this GGUF's config: "
-                             f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # not a GGUF, a truncated one, an architecture transformers lacks
+        raise ModelLoadError(f"{path.name}: could not read its config (transformers' GGUF "
+                             f"metadata translation): {type(e).__name__}: {e}") from e
     try:
         reader = GGUFReader(path)
     except Exception as e:

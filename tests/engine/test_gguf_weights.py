@@ -501,9 +501,27 @@ def test_unsupported_type_raises_model_load_error_naming_tensor_and_type(tmp_pat
         read_gguf(path)
 
 
-def test_missing_file_raises_model_load_error(tmp_path):
+def test_architecture_whose_experts_transformers_merges_is_refused(tmp_path):
+    path = tmp_path / "moe.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2moe")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_vocab_size(VOCAB)
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="'qwen2moe'.*merges, splits or transposes"):
+        read_gguf(path)
+
+
+def test_missing_or_malformed_file_raises_model_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         read_gguf(tmp_path / "nope.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="junk.gguf: could not read its config"):
+        read_gguf(tmp_path / "junk.gguf")
 
 
 # -- the embedded model ----------------------------------------------------------------------------
