@@ -135,6 +135,23 @@ def quantize(w: np.ndarray, type_name: str, rng: np.random.Generator) -> np.ndar
     return blocks.reshape(n_rows, -1)
 
 
+def finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def single_tensor(path: Path, weight: np.ndarray, type_name: str, rng: np.random.Generator):
+    """A file holding ``weight`` in ``type_name`` and nothing else, as a QuantTensor."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("w", quantize(weight, type_name, rng), raw_dtype=T[type_name])
+    finish(writer)
+    stored = gguf.GGUFReader(path).tensors[0]
+    return gguf_weights.QuantTensor("w", "w", weight.shape, type_name, stored.data,
+                                    stored.tensor_type)
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's converter does to q / k rows (``LlamaModel.permute``)."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
@@ -183,10 +200,7 @@ def write_llama(path: Path, *, tied: bool = False, extra: dict | None = None,
         add("output.weight", (VOCAB, HIDDEN), OUTPUT_TYPE)
     for name, array in (extra or {}).items():
         w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return hf
 
 
@@ -350,10 +364,7 @@ def write_from_meta_model(path: Path, model_type: str, **writer_kv) -> None:
             w.add_tensor(f"{gguf_base}.{suffix}", gguf.quants.quantize(arr, T.Q4_1), raw_dtype=T.Q4_1)
         else:
             w.add_tensor(f"{gguf_base}.{suffix}", arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.mark.parametrize("model_type, writer_kv", [
@@ -440,16 +451,7 @@ def test_int8_rows_error_is_within_the_documented_table(type_name, tmp_path):
     blocks)."""
     rng = np.random.default_rng(1)
     weight = (0.05 * rng.standard_normal((256, 1024))).astype(np.float32)
-    path = tmp_path / f"{type_name}.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("w", quantize(weight, type_name, rng), raw_dtype=T[type_name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    reader = gguf.GGUFReader(path)
-    t = gguf_weights.QuantTensor("w", "w", (256, 1024), type_name, reader.tensors[0].data,
-                                 reader.tensors[0].tensor_type)
+    t = single_tensor(tmp_path / f"{type_name}.gguf", weight, type_name, rng)
     if type_name not in ("Q2_K", "Q3_K"):
         # the test's writer is right: the file holds the weights up to the type's own error
         own = float((t.dequantize() - torch.from_numpy(weight)).norm() / np.linalg.norm(weight))
@@ -470,15 +472,7 @@ def test_unpacking_holds_no_dense_float32_copy_of_the_whole_tensor(tmp_path, mon
     """numpy's allocations (tracemalloc sees them) stay well under one float32 copy."""
     rng = np.random.default_rng(2)
     weight = (0.05 * rng.standard_normal((1024, 1024))).astype(np.float32)
-    path = tmp_path / "big.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tensor("w", quantize(weight, "Q4_K", rng), raw_dtype=T.Q4_K)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    reader = gguf.GGUFReader(path)
-    t = gguf_weights.QuantTensor("w", "w", (1024, 1024), "Q4_K", reader.tensors[0].data, T.Q4_K)
+    t = single_tensor(tmp_path / "big.gguf", weight, "Q4_K", rng)
     monkeypatch.setattr(gguf_weights, "_CHUNK_ELEMENTS", 1 << 16)
     dense_bytes = weight.nbytes
     for method in (t.int4_groups, t.int8_rows, t.dequantize):
@@ -508,10 +502,7 @@ def test_architecture_whose_experts_transformers_merges_is_refused(tmp_path):
     w.add_embedding_length(64)
     w.add_vocab_size(VOCAB)
     w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(ModelLoadError, match="'qwen2moe'.*merges, splits or transposes"):
         read_gguf(path)
 
