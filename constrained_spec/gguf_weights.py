@@ -1,0 +1,440 @@
+"""A user's GGUF file, tensor by tensor, in the forms the packed kernels want.
+
+``transformers`` loads a GGUF by dequantizing every tensor to float32 (about 3.6x the peak
+memory of llama.cpp on the same file), and only a Q4_1 file reaches a packed kernel afterwards
+(``runner.pack_int4`` finds the exact 4-bit groups again in the float weights). Here the file
+is memory-mapped (gguf-py's ``GGUFReader``) and each tensor is unpacked only when asked for,
+straight from its blocks:
+
+- `QuantTensor.dequantize` -- the file's own dequantization (gguf-py's ``dequantize``, the one
+  ``transformers`` runs), equal to ``transformers``' load of the same file;
+- `QuantTensor.int4_groups` -- ``w = scale * q + min`` per group of 32 inputs, read from the
+  blocks without a float round trip, for Q4_0, Q4_1 and Q4_K (None for other types);
+- `QuantTensor.int8_rows` -- symmetric per-row int8 (torch's ``_weight_int8pack_mm`` layout),
+  for any type, re-quantized from the dequantized rows.
+
+None of them holds a dense float32 copy of more than one tensor; ``int8_rows`` and
+``dequantize`` work through the rows in chunks of about 4 MB of float32.
+
+Everything model-specific is ``transformers``' own, so the result equals its GGUF loading:
+the config (``load_gguf_checkpoint(path, return_tensors=False)``), the tensor names (its
+``get_gguf_hf_weights_map`` over the model's state-dict keys, built on the meta device, which
+uses gguf-py's ``TensorNameMap``) and the per-architecture fix-ups (its ``TENSOR_PROCESSORS``).
+A fix-up that only reorders rows -- the q/k un-permutation of llama-arch files, which
+llama.cpp's converter permutes for its RoPE layout -- is found by running the processor on a
+column of row indices; it is applied to the raw block rows (a block never spans two rows), so
+``int4_groups`` and ``int8_rows`` see the same rows as ``dequantize``. A fix-up that changes
+values (gemma2/3 and nemotron norms stored as ``w + 1``, mamba's ``A``) is applied by the
+processor itself to the dequantized tensor; such a tensor has no ``int4_groups``. Architectures
+whose processor merges, splits or transposes tensors (MoE experts, gpt2, t5) and those
+``transformers`` loads through its own packed path (qwen3.5, lfm2) raise `ModelLoadError`.
+
+Exactness of ``int4_groups`` (checked by tests, in float32, as values): the block scales are
+float16, a 4-bit ``q`` times a float16 ``d`` (or times ``d * sc`` with a 6-bit ``sc`` for
+Q4_K) is exact in float32, so ``scale * q + min`` rounds once, exactly where gguf-py's
+expression rounds: Q4_1 ``d * q + m`` is the same expression; Q4_K ``d*sc * q - dmin*m`` adds
+the negated min; Q4_0 ``d * (q - 8)`` is exact either way (``min = -8 * d``). The only
+difference is the sign of a zero (Q4_0 with ``q = 8``), which no product sees.
+
+Relative error of ``int8_rows`` against ``dequantize()`` (Frobenius norm of the difference
+over that of the weight; every element is within half a step, ``scale / 2``, by
+construction), measured on Gaussian weights [256 x 1024] quantized to each type by the tests'
+writer, and on the embedded model's tensors:
+
+| type | int8 rows | the type's own error |
+| --- | --- | --- |
+| F32  | 0.80% | 0 |
+| F16  | 0.80% | 0.02% |
+| BF16 | 0.80% | 0.17% |
+| Q8_0 | 0.78% | 0.54% |
+| Q6_K | 0.78% | 1.9% |
+| Q5_K | 0.80% | 3.8% |
+| Q5_1 | 0.80% | 3.8% |
+| Q5_0 | 0.77% | 4.3% |
+| Q4_K | 0.80% | 7.9% |
+| Q4_1 | 0.79% | 7.8% |
+| Q4_0 | 0.75% | 8.6% |
+| Q3_K | 0.83% | (random blocks) |
+| Q2_K | 0.86% | (random blocks) |
+| embedded model, Q4_1 linears | 0.85% | |
+| embedded model, Q8_0 embeddings | 1.17% | |
+
+(The K-quant files come from a plain round-to-nearest writer, not llama.cpp's quantizer, so
+their own error is an upper bound of what llama.cpp gets; the int8 error hardly depends on the
+type: it is the int8 grid's.)
+
+Load cost, embedded model (SmolLM2-135M-Instruct, Q4_1, 94 MiB, 30 layers, 210 linears),
+``benchmarks/gguf_load.py``: one process per row; peak RSS includes the imports (torch,
+transformers and its llama modeling code) and the mapped file pages touched. Measured on a
+busy 2-core x86 CPU (load average ~7), so the seconds are inflated; read their ratio:
+
+| load | seconds | peak RSS (MiB) |
+| --- | --- | --- |
+| imports only | | 443 |
+| `read_gguf` + ``int4_groups()`` of every linear, all kept | 16.1 (read 15.5) | 670 (+227) |
+| the same + every other tensor dequantized to float32 | 14.7 (read 13.5) | 807 (+364) |
+| transformers ``from_pretrained(gguf_file=..., dtype=float32)`` | 36.7 | 1239 (+796) |
+
+``read_gguf``'s time and most of its memory is gguf-py parsing the metadata twice (once in
+transformers' config translation, once in our ``GGUFReader``): the tokenizer's tokens and
+merges become Python objects (~160 MB, a few seconds, each time; freed afterwards). Unpacking
+all 210 linears into int4 groups takes ~0.3 s; the kept groups are 1.25 bytes per weight
+(uint8 ``q`` plus the float32 scales and mins).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Types whose dequantization gguf-py implements and the tests check (Q4_K_M / Q4_K_S files mix
+# Q4_K with Q5_K / Q6_K; Q2_K and Q3_K files carry Q4_K / Q5_K / Q6_K too).
+SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Types whose blocks are 4-bit groups of 32 with one scale and one min each.
+INT4_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
+INT4_GROUP = 32
+# Rows are unpacked in chunks of about this many elements (4 MB of float32).
+_CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass(eq=False)
+class QuantTensor:
+    """One tensor of a GGUF file, still in its blocks (a view of the memory-mapped file).
+
+    ``shape`` is the transformers parameter's shape (rows first: ``[out_features,
+    in_features]`` for a linear); ``ggml_type`` the GGML type name (``"Q4_K"``, ``"F16"``...).
+    """
+
+    name: str
+    gguf_name: str
+    shape: tuple[int, ...]
+    ggml_type: str
+    _data: np.ndarray = field(repr=False)
+    _qtype: Any = field(repr=False)
+    # HF row r is the file's row _row_perm[r] (llama q/k un-permutation), None: same order
+    _row_perm: np.ndarray | None = field(default=None, repr=False)
+    # transformers' processor, for fix-ups that change values (applied to the dense tensor)
+    _fixup: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def rows_permuted(self) -> bool:
+        """Whether the file stores the rows in another order (llama-arch q / k projections)."""
+        return self._row_perm is not None
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor as gguf-py dequantizes it (float32), fixed up like ``transformers``
+        does, then cast to ``dtype``; only one chunk of rows is float32 at a time."""
+        if self._fixup is not None:
+            # value fix-ups are norms and small SSM tensors: whole, exactly as transformers
+            w = self._fixup(self._dense_all())
+            return torch.from_numpy(np.copy(w)).to(dtype)
+        out = torch.empty(self.shape, dtype=dtype)
+        for start, stop in self._chunks():
+            out[start:stop] = torch.from_numpy(self._dense(start, stop))
+        return out
+
+    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Exact 4-bit groups: ``(q, scale, min)`` with ``w = scale * q + min`` per group of 32.
+
+        ``q``: uint8 [N, K], values 0..15; ``scale``, ``min``: float32 [N, K / 32]. Read
+        from the blocks, no float round trip: Q4_0 (``scale = d``, ``min = -8 d``), Q4_1
+        (``d``, ``m``), Q4_K (``d * sc``, ``-dmin * m`` of each 32-wide sub-block, from the
+        6-bit packed scales and mins). None for every other type, for a tensor that is not 2-D
+        and for one whose fix-up changes values.
+        """
+        if self.ggml_type not in INT4_TYPES or self._fixup is not None or len(self.shape) != 2:
+            return None
+        N, K = self.shape
+        q = np.empty((N, K), dtype=np.uint8)
+        scale = np.empty((N, K // INT4_GROUP), dtype=np.float32)
+        mn = np.empty((N, K // INT4_GROUP), dtype=np.float32)
+        unpack = _UNPACK_INT4[self.ggml_type]
+        for start, stop in self._chunks():
+            bq, bs, bm = unpack(self._raw_rows(start, stop))
+            q[start:stop] = bq.reshape(stop - start, K)
+            scale[start:stop] = bs.reshape(stop - start, -1)
+            mn[start:stop] = bm.reshape(stop - start, -1)
+        return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(mn)
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Symmetric per-row int8: ``(q int8 [N, K], scale float32 [N])``, ``w ~ q * scale``.
+
+        Re-quantized from the dequantized rows the way ``runner.pack_int8`` does (round to
+        nearest, ``scale = max|row| / 127``), for any type; None for a tensor that is not 2-D.
+        The error per type is in the module docstring.
+        """
+        if len(self.shape) != 2:
+            return None
+        N, K = self.shape
+        q = torch.empty((N, K), dtype=torch.int8)
+        scale = torch.empty(N, dtype=torch.float32)
+        if self._fixup is not None:
+            parts: Iterator[tuple[int, int, torch.Tensor]] = iter([(0, N, self.dequantize())])
+        else:
+            parts = ((a, b, torch.from_numpy(self._dense(a, b))) for a, b in self._chunks())
+        for start, stop, w in parts:
+            s = w.abs().amax(dim=1).clamp_min_(1e-12).div_(127)
+            q[start:stop] = w.div(s[:, None]).round_().clamp_(-127, 127)
+            scale[start:stop] = s
+        return q, scale
+
+    # -- rows of the file -------------------------------------------------------------------
+
+    def _chunks(self) -> Iterator[tuple[int, int]]:
+        n = self.shape[0]
+        if len(self.shape) == 1:
+            yield 0, n  # a 1-D quantized tensor's rows are not its elements
+            return
+        step = max(1, _CHUNK_ELEMENTS // max(1, int(np.prod(self.shape[1:]))))
+        for start in range(0, n, step):
+            yield start, min(n, start + step)
+
+    def _raw_rows(self, start: int, stop: int) -> np.ndarray:
+        if self._row_perm is None:
+            return self._data[start:stop]
+        return self._data[self._row_perm[start:stop]]
+
+    def _dense(self, start: int, stop: int) -> np.ndarray:
+        return self._dequantize_raw(self._raw_rows(start, stop))
+
+    def _dense_all(self) -> np.ndarray:
+        return self._dequantize_raw(self._data)
+
+    def _dequantize_raw(self, raw: np.ndarray) -> np.ndarray:
+        from gguf import dequantize
+
+        w = dequantize(raw, self._qtype)
+        # F32 comes back as a read-only view of the mapped file
+        return w if w.flags.writeable else np.array(w, dtype=np.float32)
+
+
+@dataclass(eq=False)
+class GGUFModel:
+    """A GGUF file read by `read_gguf`: its architecture, the ``transformers`` config and every
+    tensor ``transformers`` would load, keyed by its parameter name
+    (``model.layers.0.self_attn.q_proj.weight``, ``model.embed_tokens.weight``,
+    ``lm_head.weight`` when the embeddings are untied)."""
+
+    path: Path
+    arch: str
+    config: Any
+    tensors: dict[str, QuantTensor]
+    # file tensors transformers does not load either (e.g. llama3's rope_freqs)
+    skipped: tuple[str, ...] = ()
+
+
+# -- unpacking 4-bit blocks ---------------------------------------------------------------------
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """32 values from 16 bytes, as ggml packs them: the low nibbles are elements 0..15, the
+    high nibbles 16..31. ``qs``: [..., 16] -> [..., 32]."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _unpack_q4_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = rows.reshape(-1, 18)  # d f16, 16 bytes of nibbles
+    d = _half(blocks[:, :2])[:, 0]
+    return _nibbles(blocks[:, 2:]), d, d * np.float32(-8)
+
+
+def _unpack_q4_1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = rows.reshape(-1, 20)  # d f16, m f16, 16 bytes of nibbles
+    return _nibbles(blocks[:, 4:]), _half(blocks[:, :2])[:, 0], _half(blocks[:, 2:4])[:, 0]
+
+
+def _unpack_q4_k(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from gguf.quants import Q4_K
+
+    blocks = rows.reshape(-1, 144)  # d f16, dmin f16, 12 bytes of 6-bit scales/mins, 128 bytes
+    n = blocks.shape[0]
+    d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])  # [n, 1]
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [n, 8] each
+    # 4 runs of 32 bytes; run j holds sub-block 2j in its low nibbles, 2j+1 in its high ones
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8 * 32)
+    return q, d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+_UNPACK_INT4: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {
+    "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q4_K": _unpack_q4_k}
+
+
+# -- reading a file -------------------------------------------------------------------------------
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    """Read ``path``'s metadata and index its tensors by ``transformers`` parameter name; the
+    tensor data stays in the file (memory-mapped) until a `QuantTensor` method unpacks it.
+
+    Raises `ModelLoadError` for a missing or malformed file, an architecture ``transformers``
+    cannot load from GGUF (or loads through its own packed path), and a tensor of a type this
+    reader does not unpack (`SUPPORTED_TYPES`).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+    try:
+        from gguf import GGUFReader
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            load_gguf_checkpoint,
+        )
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError as e:  # an old transformers without the GGUF tensor processors
+        raise ModelLoadError(f"reading GGUF weights needs gguf and a transformers with GGUF "
+                             f"tensor processors: {e}") from e
+
+    # transformers' config translation first: it parses the metadata with a GGUFReader of its
+    # own, and a parsed tokenizer is big (~160 MB of Python objects for a 49k-token
+    # vocabulary), so one reader at a time
+    try:
+        config_dict = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+        config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(dict(config_dict))
+    except Exception as e:  # not a GGUF, a truncated one, an architecture transformers lacks
+        raise ModelLoadError(f"{path.name}: could not read its config (transformers' GGUF "
+                             f"metadata translation): {type(e).__name__}: {e}") from e
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path.name} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+    arch = str(reader.fields["general.architecture"].contents())
+    _check_legacy_path(arch, path)
+    processor_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    if processor_cls not in _per_tensor_processors():
+        raise ModelLoadError(
+            f"{path.name}: architecture {arch!r} has tensors that transformers merges, splits or "
+            f"transposes while loading ({processor_cls.__name__}); this reader maps tensors one to "
+            f"one. Load the file with transformers (from_pretrained(..., gguf_file=...)).")
+    try:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"{path.name}: transformers has no causal LM for architecture "
+                             f"{arch!r}: {type(e).__name__}: {e}") from e
+    processor = processor_cls(config=config_dict)
+    names = _hf_names(meta, processor, {t.name for t in reader.tensors})
+
+    tensors: dict[str, QuantTensor] = {}
+    skipped = []
+    for t in reader.tensors:
+        hf_name = names.get(t.name)
+        if hf_name is None:
+            skipped.append(t.name)
+            continue
+        type_name = t.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"{path.name}: tensor {t.name!r} ({hf_name}) is stored as {type_name}, which this "
+                f"reader does not unpack (supported: {', '.join(SUPPORTED_TYPES)}). Re-quantize "
+                f"the file to one of those types (llama.cpp's llama-quantize).")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        row_perm, fixup = _fixups(processor, t.name, shape, typed=t.data.shape == shape)
+        if fixup is not None:
+            with np.errstate(all="ignore"):
+                shape = tuple(fixup(np.zeros(shape, dtype=np.float32)).shape)
+        tensors[hf_name] = QuantTensor(hf_name, t.name, shape, type_name, t.data, t.tensor_type,
+                                       row_perm, fixup)
+    if skipped:
+        logger.info("%s: tensors transformers does not load either: %s", path.name, skipped)
+    # the tensors are views of the reader's memory map, which they keep open; the reader's
+    # parsed metadata is dropped with it
+    return GGUFModel(path, arch, config, tensors, tuple(skipped))
+
+
+def _check_legacy_path(arch: str, path: Path) -> None:
+    try:
+        from transformers.integrations.gguf.utils import is_gguf_arch_supported
+    except ImportError:  # transformers without the packed GGUF path: everything is legacy
+        return
+    if is_gguf_arch_supported(arch):
+        raise ModelLoadError(
+            f"{path.name}: transformers loads {arch!r} GGUF files through its own packed path "
+            f"(with its own weight conversions), which this reader does not follow. Load the file "
+            f"with transformers (from_pretrained(..., gguf_file=...)).")
+
+
+def _per_tensor_processors() -> tuple[type, ...]:
+    """``transformers``' processors that turn one GGUF tensor into one parameter, with no side
+    effects: identity, the llama q/k un-permutation, norm offsets, mamba's reshapes."""
+    from transformers import modeling_gguf_pytorch_utils as m
+
+    names = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor",
+             "NemotronTensorProcessor", "MambaTensorProcessor")
+    return tuple(getattr(m, n) for n in names if hasattr(m, n))
+
+
+def _hf_names(meta_model: Any, processor: Any, file_names: set[str]) -> dict[str, str]:
+    """GGUF tensor name -> transformers parameter name, by ``get_gguf_hf_weights_map``."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    # The full map recurses into every submodule and builds gguf-py's TensorNameMap once per
+    # module (~400 times for a 30-layer model: seconds). The submodule maps only add names the
+    # top-level map lacks, so the top level alone gives the same answer whenever it covers
+    # every tensor the file has; only when it does not is the full map built.
+    names = get_gguf_hf_weights_map(_TopLevel(meta_model), processor)
+    if file_names - names.keys():
+        names = get_gguf_hf_weights_map(meta_model, processor)
+    return names
+
+
+class _TopLevel:
+    """A model seen without its submodules, for `get_gguf_hf_weights_map`."""
+
+    def __init__(self, model: Any) -> None:
+        self.config = model.config
+        self._state_dict = model.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state_dict
+
+    def named_children(self) -> list[tuple[str, Any]]:
+        return []
+
+
+def _fixups(processor: Any, gguf_name: str, shape: tuple[int, ...], *, typed: bool
+            ) -> tuple[np.ndarray | None, Callable[[np.ndarray], np.ndarray] | None]:
+    """``(row_perm, None)`` when ``transformers``' processor only reorders this tensor's rows
+    (None: it leaves them as they are), ``(None, fixup)`` when it changes values or shape.
+
+    Found by running the processor on a column of row indices: a row permutation comes back
+    as a permutation of the indices, anything else (an offset, a log, a reshape) does not.
+    ``typed``: the file stores elements, not blocks, so a 1-D tensor's rows are its elements.
+    """
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+
+    if type(processor) is TensorProcessor:
+        return None, None
+    index = np.arange(shape[0], dtype=np.float64).reshape(shape[0], *([1] * (len(shape) - 1)))
+    try:
+        with np.errstate(all="ignore"):
+            out = np.asarray(processor.process(weights=index, name=gguf_name).weights)
+    except Exception:  # a processor that needs the real shape: let it see the real tensor
+        out = None
+    if (out is not None and out.shape == index.shape
+            and np.array_equal(np.sort(out.ravel()), index.ravel())):
+        perm = out.ravel().astype(np.int64)
+        if np.array_equal(perm, index.ravel().astype(np.int64)):
+            return None, None
+        if len(shape) >= 2 or typed:
+            return perm, None
+
+    def fixup(w: np.ndarray) -> np.ndarray:
+        return processor.process(weights=w, name=gguf_name).weights
+
+    return None, fixup
