@@ -270,6 +270,7 @@ class LoadedModel:
 
                 runner.set_plan(choose_plan(runner, dtype=self.dtype_choice, cache=self.plan_cache,
                                             quiet=self.quiet))
+                release_free_memory()
             self._runner = runner
         return self._runner
 
@@ -332,6 +333,7 @@ def load_model(
     dtype: DtypeChoice = "auto",
     device: str | torch.device | None = None,
     int4: bool | None = None,
+    full_model: bool = False,
     quiet: bool = False,
 ) -> LoadedModel:
     """Resolve any accepted ``model`` argument to a :class:`LoadedModel` (cached per process).
@@ -344,6 +346,13 @@ def load_model(
     dequantized from a Q4_1 GGUF, like the embedded model) run on torch's int4 kernel -- the
     file's own values, a quarter of the bytes (see `constrained_spec.runner`). None (default):
     when exact, unless ``CONSTRAINED_SPEC_INT4=0``; False: always dense.
+
+    A GGUF file (the embedded model's too) that the lean runner runs is converted ONCE into our
+    cache, keyed by its content hash (`load_gguf_lean`): 4-bit tensors (Q4_0, Q4_1, Q4_K) stay
+    4-bit, the rest is kept in bf16, and no dense float32 copy of the model is ever built; the
+    returned ``model`` is then a transformers model whose 4-bit linears are on the meta device
+    (the runner holds them). ``full_model=True`` loads a complete transformers model instead
+    (for callers that run transformers' own forward or train on its weights).
     """
     if isinstance(model, LoadedModel):
         return model
@@ -369,9 +378,21 @@ def load_model(
     spec = "default" if model is None else str(model)
     if int4 is None:
         int4 = os.environ.get("CONSTRAINED_SPEC_INT4", "1") not in ("0", "false", "False", "")
-    key = (spec, f"{dtype}/int4={int4}", str(dev))
+    key = (spec, f"{dtype}/int4={int4}/full={full_model}", str(dev))
     if key in _LOADED:
         return _LOADED[key]
+    env_dtype = os.environ.get("CONSTRAINED_SPEC_DTYPE", dtype) if dtype == "auto" else dtype
+    if not full_model and int4 and tokenizer is None and dev.type == "cpu" \
+            and env_dtype in ("auto", "bfloat16"):
+        gguf = fetch_default_gguf(quiet=quiet) if spec == "default" else Path(spec).expanduser()
+        if gguf.suffix == ".gguf" and gguf.is_file():
+            lean = load_gguf_lean(gguf, dtype_choice=env_dtype, quiet=quiet,
+                                  digest=_GGUF_SHA256 if spec == "default" else None)
+            if lean is not None:
+                if spec == "default":
+                    lean.name, lean.is_default = DEFAULT_MODEL_NAME, True
+                _LOADED[key] = lean
+                return lean
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     is_default = spec == "default"
@@ -404,7 +425,6 @@ def load_model(
 
     if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
         packs = int4_weights(hf)  # from the float32 weights, before any cast
-    env_dtype = os.environ.get("CONSTRAINED_SPEC_DTYPE", dtype) if dtype == "auto" else dtype
     if env_dtype == "auto" and dev.type == "cpu" and lean_runner_supports(hf):
         # the kernel plan chooses per phase; dense weights are kept in bf16 (fp32 phases read
         # 4-bit weights exactly from their groups)
@@ -421,6 +441,162 @@ def load_model(
                          plan_cache=path if is_default else _plan_cache_dir(spec), quiet=quiet)
     _LOADED[key] = loaded
     return loaded
+
+
+# -- a GGUF converted once into the lean runner's form -------------------------------------
+_LEAN_VERSION = 2
+_GROUP_PARTS = (".nibbles", ".scale", ".min")
+
+
+class _NotLean(Exception):
+    """The file's architecture does not run on the lean runner (transformers loads it)."""
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of ``path``, remembered in the cache by path, size and mtime (a multi-GB file is
+    hashed once)."""
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index = cache_dir() / "models" / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if ident in known:
+        return known[ident]
+    digest = _sha256(path)
+    with cache_lock(index.with_name(".digests.lock")):
+        try:
+            known = json.loads(index.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known[ident] = digest
+        tmp = index.with_name(f".digests.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, index)
+    return digest
+
+
+def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = False,
+                   digest: str | None = None) -> LoadedModel | None:
+    """``gguf`` converted once (cached by content hash) and opened for the lean runner, or None
+    when its architecture does not run on the lean runner."""
+    digest = digest or file_digest(gguf)
+    out = cache_dir() / "models" / f"{gguf.stem}-{digest[:16]}-v{_LEAN_VERSION}"
+    marker = out.with_name(out.name + ".not-lean")
+    if marker.exists():
+        return None
+    t0 = time.perf_counter()
+    try:
+        folder = cached_build(out, lambda tmp: _convert_gguf(gguf, tmp, quiet))
+    except _NotLean as e:
+        logger.info("%s: %s; loading it with transformers", gguf.name, e)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(e))
+        return None
+    loaded = _open_lean(folder, name=str(gguf), dtype_choice=dtype_choice, quiet=quiet)
+    release_free_memory()
+    logger.info("loaded %s in %.1fs (converted checkpoint %s)", gguf.name, time.perf_counter() - t0,
+                folder.name)
+    return loaded
+
+
+def release_free_memory() -> None:
+    """Hand memory freed after a load back to the OS (glibc keeps freed heap pages mapped: a
+    conversion's transient tensors would otherwise stay in the process's RSS)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _fused_parts(meta: Any) -> dict[str, list[str]]:
+    """Runner key ``"{layer}.{name}"`` -> the parameter names it concatenates (q, k, v ...)."""
+    from .runner import _linears
+
+    names = {id(m): n for n, m in meta.named_modules()}
+    return {f"{i}.{key}": [names[id(m)] + ".weight" for m in mods]
+            for i, layer in enumerate(meta.model.layers) for key, mods in _linears(layer).items()}
+
+
+def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
+    """Write config, tokenizer and ``weights.safetensors``: exact 4-bit groups for every fused
+    linear whose parts all have them, every other tensor dequantized (bf16 for matrices, fp32
+    for vectors)."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from .gguf_weights import read_gguf
+    from .runner import lean_runner_supports
+    from .weights import Int4Groups
+
+    g = read_gguf(gguf)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(g.config)
+    if not lean_runner_supports(meta):
+        raise _NotLean(f"architecture {g.arch!r} is not one the lean runner runs")
+    fused = {key: parts for key, parts in _fused_parts(meta).items()
+             if all(p in g.tensors and g.tensors[p].ggml_type in ("Q4_0", "Q4_1", "Q4_K")
+                    and g.tensors[p].shape[1] % 32 == 0 for p in parts)}
+    grouped = {p for parts in fused.values() for p in parts}
+    out: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(g.tensors), desc=f"convert {gguf.name} (once)", disable=quiet,
+               file=sys.stderr, unit="tensor")
+    for key, parts in fused.items():  # stored fused, as the runner multiplies them
+        values = [g.tensors[p].int4_groups() for p in parts]  # (q [N, K], scale, min) each
+        if any(v is None for v in values):
+            grouped -= set(parts)
+            continue
+        packed = Int4Groups.from_values(*(torch.cat([v[i] for v in values]) for i in range(3)))
+        for part, tensor in zip(_GROUP_PARTS, (packed.nibbles, packed.scale, packed.min)):
+            out[key + part] = tensor
+        bar.update(len(parts))
+    for name, t in g.tensors.items():
+        if name not in grouped:
+            w = t.dequantize(torch.float32)
+            out[name] = (w.to(torch.bfloat16) if w.dim() == 2 else w).contiguous()
+            bar.update(1)
+    bar.close()
+    save_file(out, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
+    config = g.config
+    config.dtype = "bfloat16"
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+
+
+def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> LoadedModel:
+    """A LoadedModel over a converted folder: dense tensors memory-mapped into a transformers
+    model built on the meta device, the 4-bit groups handed to the runner."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .weights import Int4Groups
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    stored = load_file(str(folder / "weights.safetensors"))  # memory-mapped
+    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS)}
+    hf.load_state_dict(dense, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        hf.tie_weights()
+    for mod_name, mod in list(hf.named_modules()):
+        # buffers computed at init (RoPE frequencies) were made on the meta device
+        if any(b.is_meta for b in mod.buffers(recurse=False)):
+            parent = hf.get_submodule(mod_name.rpartition(".")[0]) if "." in mod_name else hf
+            setattr(parent, mod_name.rpartition(".")[2], type(mod)(config=config))
+    groups = {key: Int4Groups(*(stored[key + s] for s in _GROUP_PARTS))
+              for key in _fused_parts(hf) if key + ".nibbles" in stored}
+    hf.eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(name=name, model=hf, tokenizer=tok, device=torch.device("cpu"),
+                       dtype=torch.bfloat16, vocab_size=_logits_width(hf), path=folder,
+                       _int4=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
+                       quiet=quiet)
 
 
 def _plan_cache_dir(spec: str) -> Path:

@@ -42,6 +42,7 @@ PLAN_FILE = "plan.json"
 # drafts, and a batch of four such requests
 DECODE_ROWS = (1, 6, 24)
 PREFILL_ROWS = (128, 512)  # a short prompt, a long one
+DENSE_DECODE_GAIN = 0.25  # see _merge
 _CONTEXT = 128  # context the decode rows attend to while timed
 _PLAN_VERSION = 2
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
@@ -151,16 +152,23 @@ def _parse_buckets(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1) -> list[tuple[int, str]]:
+def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
+           dense_margin: float | None = None) -> list[tuple[int, str]]:
     """Buckets from the kernels' times at measured row counts (boundaries halfway between
     them). A kernel takes over from the previous bucket's only when it is more than ``margin``
-    faster there: fewer kernels mean fewer packs in memory, and noise does not split buckets."""
+    faster there: fewer kernels mean fewer packs in memory, and noise does not split buckets.
+    ``dense_margin``: the gain a dense kernel needs to take over from a packed one (a dense
+    decode bucket keeps a dense copy of every 4-bit matrix: 2-4x their bytes)."""
     rows = sorted(times)
     merged: list[tuple[int, str]] = []
     for i, r in enumerate(rows):
         k = _best(times[r])
-        if merged and merged[-1][1] in times[r] and times[r][merged[-1][1]] <= (1 + margin) * times[r][k]:
-            k = merged[-1][1]
+        prev = merged[-1][1] if merged else None
+        need = margin
+        if dense_margin is not None and prev in ("int4", "int8") and k in ("fp32", "bf16"):
+            need = dense_margin
+        if prev in times[r] and times[r][prev] <= (1 + need) * times[r][k]:
+            k = prev
         limit = (r + rows[i + 1]) // 2 if i + 1 < len(rows) else 1 << 30
         if merged and merged[-1][1] == k:
             merged[-1] = (limit, k)
@@ -258,7 +266,7 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     finally:
         runner.free_slot(slot)
         runner.set_plan(saved)
-    decode = _merge({r: times[f"decode@{r}"] for r in rows})
+    decode = _merge({r: times[f"decode@{r}"] for r in rows}, dense_margin=DENSE_DECODE_GAIN)
     dense = [k for _, k in decode if k in ("fp32", "bf16")]
     if len(set(dense)) > 1:  # one resident dense copy at most: the one the largest rows chose
         decode = [(r, dense[-1] if k in ("fp32", "bf16") else k) for r, k in decode]

@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace, keep: list[int]) -> int:
         torch.set_num_threads(args.threads)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    target = load_model(args.model)
+    target = load_model(args.model, full_model=True)  # training reads the weights
     if args.kind == "draft_model":  # before the corpus: a wrong layer list fails in seconds
         check_layers(keep, int(target.model.config.num_hidden_layers))
     corpus_path = work / "corpus.jsonl"
