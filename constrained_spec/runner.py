@@ -98,8 +98,6 @@ class Family:
     (`Family.of`). One forward reads these switches for every family."""
 
     model_type: str
-    # phi3: q/k/v and gate/up are one matrix each in the checkpoint (kept fused as they are)
-    fused_weights: bool
     # gemma: RMSNorm scales by (1 + w) in float32 before the cast; a norm on the attention
     # output and on the MLP output, and the MLP's input norm is pre_feedforward_layernorm
     gemma_norms: bool
@@ -165,14 +163,17 @@ class Family:
         if {"dynamic", "longrope"} <= kinds:
             raise UnsupportedModel("dynamic and longrope RoPE in one model")
         rope = "original" if "dynamic" in kinds else "per_slot" if "longrope" in kinds else "batched"
-        attn = inner.layers[0].self_attn
+        try:  # q/k/v + o, gate/up + down (phi3: qkv_proj and gate_up_proj, kept fused)
+            _linears(inner.layers[0])
+        except AttributeError as e:
+            raise UnsupportedModel(f"decoder layer without the expected linear layers ({e})") from None
         qk_norm = mt in ("qwen3", "gemma3_text")
-        if qk_norm and not hasattr(attn, "q_norm"):
+        if qk_norm and not hasattr(inner.layers[0].self_attn, "q_norm"):
             raise UnsupportedModel("no q_norm / k_norm on the attention")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         scale = cfg.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
         return cls(
-            model_type=mt, fused_weights=mt == "phi3", gemma_norms=gemma, qk_norm=qk_norm,
+            model_type=mt, gemma_norms=gemma, qk_norm=qk_norm,
             embed_scale=cfg.hidden_size ** 0.5 if gemma else None, act=_ACTS[act_name],  # type: ignore[arg-type]
             attn_scale=scale,
             # transformers' gemma3 attention does not pass its softcap on: neither do we
