@@ -1,0 +1,119 @@
+"""A user's GGUF on the lean runner: converted once (cached by content hash), 4-bit tensors kept
+4-bit (never a dense float32 copy), the same logits as transformers' own load of the file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cs_testlib import byte_level_bpe
+
+gguf = pytest.importorskip("gguf")
+from test_gguf_weights import T, finish, llama_cpp_permute, quantize  # noqa: E402
+
+from constrained_spec import models  # noqa: E402
+from constrained_spec.models import load_model  # noqa: E402
+from constrained_spec.runner import LeanRunner  # noqa: E402
+
+HIDDEN, FFN, HEADS, KV = 256, 512, 4, 2
+# layer 0 all 4-bit (fused groups), layer 1 mixes in 8-bit parts (those matrices stay dense)
+TYPES = [{"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_K",
+          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q4_0"},
+         {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q6_K",
+          "ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_K"}]
+
+
+def write_tiny_llama(path):
+    """A two-layer llama GGUF with a byte-level BPE tokenizer in its metadata."""
+    tok = byte_level_bpe()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(len(TYPES))
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(vocab))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([1] * len(vocab))
+    w.add_token_merges(["Ġ a", '" :', '{ "'])
+    w.add_eos_token_id(0)
+    w.add_bos_token_id(0)
+
+    def add(name, shape, type_name, n_head=0):
+        weight = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+        stored = llama_cpp_permute(weight, n_head) if n_head else weight
+        w.add_tensor(name, quantize(stored, type_name, rng), raw_dtype=T[type_name])
+
+    add("token_embd.weight", (len(vocab), HIDDEN), "F32")
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV * HIDDEN // HEADS, HIDDEN),
+              "attn_v": (KV * HIDDEN // HEADS, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for i, types in enumerate(TYPES):
+        for leaf, t in types.items():
+            add(f"blk.{i}.{leaf}.weight", shapes[leaf], t, {"attn_q": HEADS, "attn_k": KV}.get(leaf, 0))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    add("output.weight", (len(vocab), HIDDEN), "Q8_0")
+    finish(w)
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CONSTRAINED_SPEC_PLAN", "prefill=fp32,decode=int4,lm_head=fp32")
+    monkeypatch.setattr(models, "_LOADED", {})
+    path = tmp_path / "tiny.Q4_K_M.gguf"
+    write_tiny_llama(path)
+    return path
+
+
+def test_gguf_runs_on_the_lean_runner_with_the_files_own_4bit_groups(tiny_gguf):
+    lean = load_model(tiny_gguf, quiet=True)
+    runner = lean.runner
+    assert isinstance(runner, LeanRunner)
+    four_bit = {(i, name) for i, L in enumerate(runner.layers)
+                for name in ("qkv", "o", "gate_up", "down") if L[name].int4 is not None}
+    # every fused matrix whose parts are all Q4_0 / Q4_1 / Q4_K, and no other
+    assert four_bit == {(0, "qkv"), (0, "o"), (0, "gate_up"), (0, "down"), (1, "down")}
+    # no dense copy of a 4-bit weight anywhere: the transformers model holds them on meta
+    assert lean.model.model.layers[0].self_attn.q_proj.weight.is_meta
+
+    full = load_model(tiny_gguf, full_model=True, dtype="float32", quiet=True)
+    ids = byte_level_bpe()("Ada Lovelace, 36")["input_ids"]
+    with torch.no_grad():
+        want = full.model(torch.tensor([ids])).logits[0, -3:]
+    slot = runner.new_slot()
+    runner.forward([slot], [ids[:-3]], [0], phase="prefill")
+    got = runner.forward([slot], [ids[-3:]], [3], phase="decode")
+    # the same model: 4-bit weights exact (bf16 scales in the int4 kernel), the rest bf16
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_second_load_reuses_the_converted_checkpoint(tiny_gguf, monkeypatch):
+    first = load_model(tiny_gguf, quiet=True)
+    monkeypatch.setattr(models, "_LOADED", {})
+
+    def no_second_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(models, "_convert_gguf", no_second_conversion)
+    again = load_model(tiny_gguf, quiet=True)
+    assert again.path == first.path and models.cache_complete(again.path)
+    assert again.runner.layers[0]["qkv"].int4 is not None
+
+
+def test_generate_on_a_gguf_returns_a_valid_choice(tiny_gguf):
+    from constrained_spec import generate
+
+    out = generate(str(tiny_gguf), "Is the sky blue?", schema=["yes", "no"], max_tokens=8)
+    assert out in ("yes", "no")
