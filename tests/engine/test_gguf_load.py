@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -110,6 +112,16 @@ def test_second_load_reuses_the_converted_checkpoint(tiny_gguf, monkeypatch):
     again = load_model(tiny_gguf, quiet=True)
     assert again.path == first.path and models.cache_complete(again.path)
     assert again.runner.layers[0]["qkv"].int4 is not None
+
+
+def test_info_describes_the_plan_and_weights_of_a_gguf(tiny_gguf, capsys):
+    from constrained_spec import cli
+
+    assert cli.main(["info", "--model", str(tiny_gguf), "--json", "--quiet"]) == 0
+    d = json.loads(capsys.readouterr().out)["model"]
+    assert d["runner"] == "LeanRunner" and d["plan_source"] == "env"
+    assert d["plan"].startswith("prefill=fp32") and d["resident_bytes"] > 0
+    assert d["weights"].startswith("5 of 8 linears exact 4-bit groups")
 
 
 def test_generate_on_a_gguf_returns_a_valid_choice(tiny_gguf):
