@@ -269,8 +269,8 @@ def test_family_switches_follow_the_config():
     assert fam["phi3"].rope == "per_slot"
     phi3 = model_of("phi3").model.layers[0]  # fused in the checkpoint, fused in the runner
     runner = LeanRunner(model_of("phi3"), dtype=torch.float32, device=CPU)
-    assert torch.equal(runner.layers[0]["qkv"], phi3.self_attn.qkv_proj.weight)
-    assert torch.equal(runner.layers[0]["gate_up"], phi3.mlp.gate_up_proj.weight)
+    assert torch.equal(runner.layers[0]["qkv"].dense, phi3.self_attn.qkv_proj.weight)
+    assert torch.equal(runner.layers[0]["gate_up"].dense, phi3.mlp.gate_up_proj.weight)
     assert fam["llama3"].rope == "batched" and fam["llama3"].windows == (None,) * 3
     assert LlamaRunner is LeanRunner
 
