@@ -539,15 +539,16 @@ def machine_line(cpu: str, flags: list[str], isa: str, facts: dict[str, dict]) -
     """The line above every table: the CPU and flags the run saw, what the workers ran with
     (torch's capability, llama.cpp's CPU features, our kernel plan), a simulation said so."""
     parts = [f"CPU {cpu}, flags {' '.join(flags) or '(not reported)'}"]
+    llama = facts.get("llama.cpp", {}).get("machine")
     if isa != "native":
         env = " ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items())
         parts.append(f"**{isa.upper()}-only simulation** on this CPU: the torch workers ran with "
-                     f"{env} (checked in each), llama.cpp built without AVX-512")
+                     f"{env} (checked in each)"
+                     + (", llama.cpp built without AVX-512 (checked)" if llama else ""))
     caps = sorted({f"{m['capability']}, oneDNN bf16 {'on' if m['mkldnn_bf16'] else 'off'}"
                    for f in facts.values() if (m := f.get("machine")) and "capability" in m})
     if caps:
         parts.append("torch capability " + "; ".join(caps))
-    llama = facts.get("llama.cpp", {}).get("machine")
     if llama:
         parts.append(f"llama.cpp {llama['llama_cpp']} CPU features {' '.join(llama['features'])}")
     plans = sorted({f"{k['plan']} ({k['plan_source']}; {k['weights']})"
@@ -1215,7 +1216,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.isa == "native" else f"-{args.isa}"  # the runs must not overwrite each other
     plot_path = args.plot or (args.out.parent / f"e2e{suffix}.png" if args.out else None)
     plot_name = None  # named in the section only beside it (no machine paths in RESULTS.md)
-    if plot_path and args.out and plot_path.resolve().parent == args.out.resolve().parent:
+    if (plot_path and args.out and records
+            and plot_path.resolve().parent == args.out.resolve().parent):
         plot_name = plot_path.name
     text, summary = report(records, notes, facts, systems, args, len(tasks), header, plot_name,
                            long_records, long and long["task"])

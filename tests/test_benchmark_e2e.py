@@ -191,8 +191,10 @@ def test_machine_line_names_cpu_flags_simulation_capability_and_plan(e2e):
     line = e2e.machine_line("AMD EPYC", ["avx2", "avx512f"], "avx2", facts)
     for part in ("AMD EPYC", "avx2 avx512f", "AVX2-only simulation", "ATEN_CPU_CAPABILITY=avx2",
                  "capability AVX2, oneDNN bf16 off", "llama.cpp 0.3.36 CPU features AVX AVX2",
-                 "prefill=fp32,decode=int4 (measured"):
+                 "prefill=fp32,decode=int4 (measured", "llama.cpp built without AVX-512"):
         assert part in line, part
+    refused = {"ours off": facts["ours off"]}  # llama.cpp refused: the line claims nothing of it
+    assert "llama.cpp" not in e2e.machine_line("AMD EPYC", ["avx2"], "avx2", refused)
     assert "simulation" not in e2e.machine_line("AMD EPYC", [], "native", {})
 
 
