@@ -1,5 +1,6 @@
 """The pure helpers of ``benchmarks/e2e.py``: output checks, loop detection, verbatim fields,
-summary and table, and the shared RESULTS.md section writer. No model runs here."""
+summary and table, the instruction-set checks of ``--isa``, the machine line, the long prompt
+and its table, and the shared RESULTS.md section writer. No model runs here."""
 
 from __future__ import annotations
 
