@@ -53,8 +53,29 @@ starts after the compile. Definitions, per system:
   prompt (strings: non-empty substrings; numbers: equal to a number written in the prompt).
 * **peak RSS**: the worker process's ``ru_maxrss`` at the end (model load included).
 
+**Long prompt** (its own table): one extraction request of about ``--long-tokens`` prompt tokens
+(default 1,000; the exact count is printed), a document of numbered notes made of the tasks'
+prompts (cycled) with the ``invoice_extract`` prompt among them, that task's schema, and the
+instruction to extract that note. Each system runs it ``--long-repeats`` times (after one
+untimed warm-up), the order rotated per repeat. **TTFT** as above (the whole prompt's prefill
+plus the first sampling step), median with [min, max]; **prefill tokens/s** = prompt tokens /
+median TTFT; tokens/s (prefill included) as above.
+
+**Instruction sets.** ``--isa native`` (default) runs every system as the machine allows.
+``--isa avx2`` simulates an AVX2-only CPU on a newer one: every torch worker starts with
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` in its
+environment (read when torch loads) and refuses to run unless torch then reports capability
+AVX2 and no oneDNN bf16; llama.cpp needs a llama-cpp-python built without AVX-512
+(``--llama-cpp-path DIR``: a folder holding an installed ``llama_cpp`` package, put first on
+that worker's ``sys.path``) and is refused when its system info reports any AVX512 or AMX
+feature. (A native run removes those variables from the workers' environment.) Every table is
+preceded by a line with the CPU model and flags the workers saw, torch's capability, llama.cpp's
+CPU features and our kernel plan; the two runs write separate RESULTS.md sections (and plots).
+
     python benchmarks/e2e.py --limit 3                       # quick look, prints the tables
     python benchmarks/e2e.py --out benchmarks/RESULTS.md --out-json e2e.json   # the full run
+    python benchmarks/e2e.py --isa avx2 --llama-cpp-path DIR --out benchmarks/RESULTS.md
+    python benchmarks/e2e.py --long-only --long-repeats 5   # the long-prompt table only
     python benchmarks/e2e.py --systems "ours off,ours forced+ngram,ours k=8" \\
         --ours-variant 'ours k=8={"speculative": {"method": "ngram", "num_speculative_tokens": 8}}'
 """
@@ -75,7 +96,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -98,6 +119,16 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
 PACKAGES = ("constrained_spec", "torch", "transformers", "tokenizers", "xgrammar", "outlines",
             "outlines_core", "llama_cpp_python", "jsonschema", "numpy", "matplotlib")
 LOOP_MAX_PERIOD, LOOP_MIN_SPAN, LOOP_COPIES = 64, 24, 3
+#: Per simulated instruction set: the variables that cap torch's own kernels (ATen), oneDNN and
+#: MKL to it. Each library reads its variable once, when it loads: a worker process gets them
+#: in its environment at start, before anything imports torch.
+ISA_ENV: dict[str, dict[str, str]] = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+LONG_TASK_ID = "long_prompt"
+LONG_SOURCE_TASK = "invoice_extract"  # the note to extract and its schema
 
 
 def _speculation() -> Any:
@@ -307,6 +338,83 @@ def render_table(summary: dict[str, dict], peak_rss_mb: dict[str, float | None])
     return "\n".join(lines)
 
 
+def long_prompt_task(tasks: list[dict], count_tokens: Callable[[dict], int], target_tokens: int,
+                     *, max_tokens: int | None = None) -> dict:
+    """The long-prompt request: the fewest notes that bring the prompt to ``target_tokens``.
+
+    The document numbers the prompts of the other tasks (cycled) as notes, with the source
+    task's prompt (``invoice_extract``; else the first JSON task) in the middle, and asks for
+    that note under the source task's schema. ``count_tokens(task)`` is the prompt's length
+    as every system gets it (schema system message and chat template included).
+    """
+    source = next((t for t in tasks if t["id"] == LONG_SOURCE_TASK), None) or next(
+        (t for t in tasks if t["kind"] == "json_schema"), None)
+    if source is None:
+        raise ValueError("the long prompt needs a json_schema task in --tasks")
+    others = [t["prompt"] for t in tasks if t is not source] or [source["prompt"]]
+
+    def make(n: int) -> dict:
+        notes = [others[i % len(others)] for i in range(n)]
+        at = n // 2
+        notes.insert(at, source["prompt"])
+        body = "\n".join(f"Note {i + 1}: {text}" for i, text in enumerate(notes))
+        prompt = (f"Notes collected this week, one per line:\n\n{body}\n\n"
+                  f"Extract the information in note {at + 1} above.")
+        return dict(id=LONG_TASK_ID, kind=source["kind"], schema=source["schema"],
+                    max_tokens=max_tokens or source["max_tokens"], prompt=prompt,
+                    source=source["id"], notes=len(notes))
+
+    n, task = 0, make(0)
+    while count_tokens(task) < target_tokens:
+        n += 1
+        task = make(n)
+    return task
+
+
+def summarize_long(records: list[dict], systems: list[str]) -> dict[str, dict]:
+    """Per system, over its finished long-prompt requests: TTFT median and range, prefill
+    tokens/s (prompt tokens / median TTFT), tokens/s (prefill included), ratios to llama.cpp."""
+    out: dict[str, dict] = {}
+    for s in systems:
+        rs = [r for r in records if r["system"] == s and "error" not in r]
+        if not rs:
+            continue
+        ttft = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
+        med = statistics.median(ttft) if ttft else None
+        out[s] = dict(n=len(rs), prompt_tokens=rs[0]["prompt_tokens"],
+                      ttft_ms=None if med is None else 1000 * med,
+                      ttft_range_ms=(1000 * min(ttft), 1000 * max(ttft)) if ttft else None,
+                      prefill_tok_s=rs[0]["prompt_tokens"] / med if med else None,
+                      tok_s=_all_tok_s(rs), tokens=statistics.median(r["tokens"] for r in rs),
+                      completed_valid=_share(rs, "completed_valid"))
+    ref = out.get("llama.cpp")
+    for row in out.values():
+        row["prefill_vs_llama"] = (row["prefill_tok_s"] / ref["prefill_tok_s"]
+                                   if ref and ref["prefill_tok_s"] and row["prefill_tok_s"] else None)
+        row["tok_s_vs_llama"] = row["tok_s"] / ref["tok_s"] if ref and ref["tok_s"] else None
+    return out
+
+
+def render_long_table(summary: dict[str, dict]) -> str:
+    """The markdown table of :func:`summarize_long`, one row per system."""
+    def num(x: float | None, fmt: str, suffix: str = "") -> str:
+        return "—" if x is None else f"{x:{fmt}}{suffix}"
+
+    head = ["system", "prompt tokens", "TTFT median ms [min, max]", "prefill tokens/s",
+            "prefill vs llama.cpp", "tokens/s (prefill included)", "tokens/s vs llama.cpp",
+            "output tokens median", "completed valid", "requests"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for s, r in summary.items():
+        ttft = "—" if r["ttft_ms"] is None else (
+            f"{r['ttft_ms']:.0f} [{r['ttft_range_ms'][0]:.0f}, {r['ttft_range_ms'][1]:.0f}]")
+        lines.append("| " + " | ".join([
+            s, str(r["prompt_tokens"]), ttft, num(r["prefill_tok_s"], ".0f"),
+            num(r["prefill_vs_llama"], ".2f", "x"), f"{r['tok_s']:.1f}",
+            num(r["tok_s_vs_llama"], ".2f", "x"), f"{r['tokens']:.0f}",
+            f"{100 * r['completed_valid']:.0f}%", str(r["n"])]) + " |")
+    return "\n".join(lines)
+
+
 def plot(summary: dict[str, dict], path: Path, title: str) -> None:
     """Tokens/s per system (median, [q1, q3] bars, all-requests dot) and completion rates."""
     import matplotlib
@@ -376,6 +484,84 @@ def versions() -> str:
         except metadata.PackageNotFoundError:
             out.append(f"{name} (not installed)")
     return ", ".join(out)
+
+
+def worker_env(base: Mapping[str, str], isa: str, threads: int) -> dict[str, str]:
+    """A worker's environment: ``threads`` for OpenMP and MKL, and ``isa``'s caps
+    (:data:`ISA_ENV`); ``native`` drops them, so a leftover export cannot simulate silently."""
+    env = {k: v for k, v in base.items() if k not in ISA_VARS}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", **ISA_ENV.get(isa, {}))
+    return env
+
+
+def torch_isa_problem(isa: str, capability: str, mkldnn_bf16: bool) -> str | None:
+    """Why a torch worker must not run under ``--isa`` (None: it may): torch's capability and
+    oneDNN's bf16 support as reported after the environment of :func:`worker_env`."""
+    if isa == "native":
+        return None
+    env = " ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items())
+    if capability != isa.upper():
+        return (f"--isa {isa}: torch reports CPU capability {capability}, not {isa.upper()}, "
+                f"with {env} in the environment; this torch ignores the cap, so no simulation")
+    if mkldnn_bf16:
+        return (f"--isa {isa}: oneDNN still offers bf16 with {env}; an {isa.upper()}-only CPU "
+                "has no bf16 units, so no simulation")
+    return None
+
+
+_LLAMA_FEATURE = re.compile(r"\b([A-Z][A-Z0-9_]*) = 1\b")
+
+
+def llama_features(system_info: str) -> list[str]:
+    """The CPU features ``llama_cpp.llama_print_system_info()`` reports as on (``AVX2 = 1``)."""
+    return list(dict.fromkeys(_LLAMA_FEATURE.findall(system_info)))
+
+
+def llama_isa_problem(isa: str, system_info: str) -> str | None:
+    """Why llama.cpp must not run under ``--isa`` (None: it may): a build that uses AVX-512 or
+    AMX, or system info that does not say it uses AVX2."""
+    if isa == "native":
+        return None
+    features = llama_features(system_info)
+    wide = [f for f in features if f.startswith(("AVX512", "AMX"))]
+    if wide:
+        return (f"--isa {isa}: this llama-cpp-python uses {', '.join(wide)}; pass "
+                "--llama-cpp-path with a build without them (CMAKE_ARGS: -DGGML_NATIVE=OFF "
+                "-DGGML_AVX2=ON -DGGML_AVX512=OFF ..., benchmarks/requirements-peers.txt)")
+    if "AVX2" not in features:
+        return (f"--isa {isa}: llama.cpp's system info does not report AVX2 = 1 "
+                f"({system_info.strip()!r}), so what it runs with is unknown")
+    return None
+
+
+def machine_line(cpu: str, flags: list[str], isa: str, facts: dict[str, dict]) -> str:
+    """The line above every table: the CPU and flags the run saw, what the workers ran with
+    (torch's capability, llama.cpp's CPU features, our kernel plan), a simulation said so."""
+    parts = [f"CPU {cpu}, flags {' '.join(flags) or '(not reported)'}"]
+    llama = facts.get("llama.cpp", {}).get("machine")
+    if isa != "native":
+        env = " ".join(f"{k}={v}" for k, v in ISA_ENV[isa].items())
+        parts.append(f"**{isa.upper()}-only simulation** on this CPU: the torch workers ran with "
+                     f"{env} (checked in each)"
+                     + (", llama.cpp built without AVX-512 (checked)" if llama else ""))
+    caps = sorted({f"{m['capability']}, oneDNN bf16 {'on' if m['mkldnn_bf16'] else 'off'}"
+                   for f in facts.values() if (m := f.get("machine")) and "capability" in m})
+    if caps:
+        parts.append("torch capability " + "; ".join(caps))
+    if llama:
+        parts.append(f"llama.cpp {llama['llama_cpp']} CPU features {' '.join(llama['features'])}")
+    plans = sorted({f"{k['plan']} ({k['plan_source']}; {k['weights']})"
+                    for f in facts.values() if (k := f.get("kernels"))})
+    if plans:
+        parts.append("ours' kernel plan " + "; ".join(plans))
+    return "Machine: " + ". ".join(parts) + "."
+
+
+def public_argv(argv: list[str]) -> list[str]:
+    """The command line as written into RESULTS.md: absolute paths shortened to their last
+    part (``--llama-cpp-path`` points into someone's file system)."""
+    return [re.sub(r"(^|=)/(?:[^/]+/)*([^/]+)/?$", r"\1.../\2", a) for a in argv]
 
 
 # --- workers: one process per system ---------------------------------------------------------
@@ -520,15 +706,29 @@ class OutlinesHF(_HFSystem):
 class LlamaCpp(_System):
     """llama-cpp-python on the GGUF, greedy, fed the same token ids; one token at a time."""
 
-    def __init__(self, gguf: str, threads: int) -> None:
+    def __init__(self, gguf: str, threads: int, isa: str = "native",
+                 package_dir: str | None = None) -> None:
+        if package_dir:  # --llama-cpp-path: this build, not the environment's
+            sys.path.insert(0, package_dir)
         try:
             import llama_cpp
         except ImportError as e:
             raise Skip(f"llama-cpp-python is not installed ({e}); see "
                        "benchmarks/requirements-peers.txt") from e
+        if package_dir and Path(package_dir).resolve() not in Path(llama_cpp.__file__).resolve().parents:
+            raise Skip("--llama-cpp-path holds no llama_cpp package (its llama_cpp folder must "
+                       "sit directly inside; pip install --no-deps --target DIR WHEEL makes one)")
         self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=4096,
                                    n_threads=threads, n_threads_batch=threads, seed=0,
                                    verbose=False)
+        # read once the backend is up (a backend loaded at run time reports its features then)
+        info = llama_cpp.llama_print_system_info()
+        info = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
+        problem = llama_isa_problem(isa, info)
+        if problem:
+            raise Skip(problem)
+        self.machine = {"llama_cpp": getattr(llama_cpp, "__version__", "?"),
+                        "features": llama_features(info)}
         self.eos = {int(self.llm.token_eos())}
         self.dtype = "Q4_1 (the GGUF)"
 
@@ -576,6 +776,8 @@ class Ours(_System):
         self.gen = Generator(_load_torch_model(dtype, threads), **kwargs)
         self.eos = set()
         self.dtype = str(self.gen.model.dtype).removeprefix("torch.")
+        describe = getattr(self.gen.model, "describe_kernels", None)
+        self.kernels = {k: v for k, v in describe().items() if k != "times_ms"} if describe else None
 
     def prepare(self, task: dict) -> Any:
         schema = _speculation().task_schema(task)
@@ -620,7 +822,7 @@ def _make_system(spec: dict) -> _System:
     if name == "transformers+outlines":
         return OutlinesHF(dtype, threads)
     if name == "llama.cpp":
-        return LlamaCpp(spec["gguf"], threads)
+        return LlamaCpp(spec["gguf"], threads, spec.get("isa", "native"), spec.get("llama_cpp_path"))
     return Ours(dtype, threads, spec["kwargs"])
 
 
@@ -652,6 +854,18 @@ def _decode(system: _System, ids: list[int]) -> str:
     return system.tok.decode(ids)
 
 
+def _check_torch_isa(spec: dict) -> dict:
+    """This torch worker's :func:`constrained_spec.plan.machine_info` (the first import of torch
+    in the process, so the environment's caps apply); :class:`Skip` when ``--isa`` did not take."""
+    from constrained_spec.plan import machine_info
+
+    info = machine_info()
+    problem = torch_isa_problem(spec.get("isa", "native"), info["capability"], info["mkldnn_bf16"])
+    if problem:
+        raise Skip(problem)
+    return info
+
+
 def worker_main(spec: dict) -> None:
     """Serve one system over stdin/stdout JSON lines (stdout proper goes to stderr)."""
     import faulthandler
@@ -666,6 +880,7 @@ def worker_main(spec: dict) -> None:
 
     t0 = time.perf_counter()
     try:
+        machine = _check_torch_isa(spec) if spec["name"] != "llama.cpp" else {}
         system = _make_system(spec)
     except Skip as e:
         send({"skip": str(e)})
@@ -674,7 +889,9 @@ def worker_main(spec: dict) -> None:
         traceback.print_exc()
         send({"skip": f"failed to load: {type(e).__name__}: {e}"})
         return
-    send({"ready": True, "load_s": time.perf_counter() - t0, "dtype": system.dtype})
+    send({"ready": True, "load_s": time.perf_counter() - t0, "dtype": system.dtype,
+          "machine": {**machine, **getattr(system, "machine", {})},
+          "kernels": getattr(system, "kernels", None)})
     cache: dict[str, Any] = {}
     for line in sys.stdin:
         msg = json.loads(line)
@@ -696,8 +913,7 @@ class Worker:
     def __init__(self, spec: dict, log_dir: Path, timeout_s: float) -> None:
         self.name, self.timeout_s = spec["name"], timeout_s
         self.log = log_dir / (re.sub(r"[^\w.+-]+", "_", self.name) + ".log")
-        env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
-               "MKL_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}
+        env = worker_env(os.environ, spec.get("isa", "native"), spec["threads"])
         self._log_file = open(self.log, "w")  # noqa: SIM115 (the worker's lifetime)
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
@@ -740,8 +956,8 @@ class Worker:
 
 
 # --- the parent ------------------------------------------------------------------------------
-def build_prompts(tasks: list[dict]) -> dict[str, dict]:
-    """Per task: the chat messages (our schema system message) and their token ids."""
+def prompt_builder() -> Callable[[dict], dict]:
+    """A task -> its chat messages (our schema system message) and their token ids."""
     from constrained_spec.schemas import normalize_schema
     from transformers import AutoTokenizer
 
@@ -749,11 +965,18 @@ def build_prompts(tasks: list[dict]) -> dict[str, dict]:
     from constrained_spec.prompts import build_messages, encode_prompt
 
     tok = AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
-    out = {}
-    for t in tasks:
+
+    def build(t: dict) -> dict:
         messages = build_messages(t["prompt"], normalize_schema(_speculation().task_schema(t)))
-        out[t["id"]] = dict(messages=messages, ids=encode_prompt(tok, messages, None, False))
-    return out
+        return dict(messages=messages, ids=encode_prompt(tok, messages, None, False))
+
+    return build
+
+
+def build_prompts(tasks: list[dict], build: Callable[[dict], dict] | None = None) -> dict[str, dict]:
+    """Per task: the chat messages (our schema system message) and their token ids."""
+    build = build or prompt_builder()
+    return {t["id"]: build(t) for t in tasks}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -771,12 +994,13 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def run(tasks: list[dict], specs: list[dict], repeats: int, timeout_s: float,
-        log_dir: Path) -> tuple[list[dict], dict[str, str], dict[str, dict]]:
-    """All requests, rotated per task; returns (records, notes per system, worker facts per
-    system: ``dtype``, ``load_s``, ``peak_rss_mb``)."""
+        log_dir: Path, prompts: dict[str, dict], long: dict | None = None,
+        ) -> tuple[list[dict], list[dict], dict[str, str], dict[str, dict]]:
+    """All requests, rotated per task, then the long prompt's (``long``: ``task``, ``prompt``,
+    ``repeats``; rotated per repeat); returns (records, long-prompt records, notes per system,
+    worker facts per system: ``dtype``, ``load_s``, ``machine``, ``kernels``, ``peak_rss_mb``)."""
     from tqdm import tqdm
 
-    prompts = build_prompts(tasks)
     notes: dict[str, str] = {}
     workers: dict[str, Worker] = {}
     facts: dict[str, dict] = {}
@@ -785,37 +1009,53 @@ def run(tasks: list[dict], specs: list[dict], repeats: int, timeout_s: float,
         ready = w.call(None, timeout_s=max(timeout_s, 600))
         if ready.get("ready"):
             # warm-up (not recorded): the first task, short, so lazy initialisation is not timed
-            w.call({"op": "run", "task": {**tasks[0], "id": "__warmup__", "max_tokens": 8},
-                    "prompt": prompts[tasks[0]["id"]]})
+            first, prompt = (tasks[0], prompts[tasks[0]["id"]]) if tasks else (long["task"], long["prompt"])
+            w.call({"op": "run", "task": {**first, "id": "__warmup__", "max_tokens": 8},
+                    "prompt": prompt})
         if w.dead or not ready.get("ready"):
             notes[spec["name"]] = ready.get("skip") or _died(w)
             w.close()
             continue
         workers[spec["name"]] = w
-        facts[spec["name"]] = dict(dtype=ready.get("dtype"), load_s=ready.get("load_s"))
+        facts[spec["name"]] = dict(dtype=ready.get("dtype"), load_s=ready.get("load_s"),
+                                   machine=ready.get("machine"), kernels=ready.get("kernels"))
     names = list(workers)
+
+    def one(name: str, task: dict, prompt: dict, rep: int) -> dict | None:
+        if workers[name].dead:
+            return None
+        reply = workers[name].call({"op": "run", "task": task, "prompt": prompt})
+        rec = dict(system=name, task=task["id"], rep=rep, **reply)
+        if workers[name].dead:
+            notes[name] = f"stopped at task {task['id']}: {_died(workers[name])}"
+        elif "error" in reply:
+            key = "skipped" if reply.get("skipped") else "failed"
+            notes.setdefault(name, "")
+            notes[name] += f"{'; ' if notes[name] else ''}{task['id']} {key}: {reply['error']}"
+        else:
+            rec.update(evaluate(task, rec))
+        return rec
+
     records: list[dict] = []
     for ti, task in enumerate(tqdm(tasks, desc="tasks", file=sys.stderr)):
         for rep in range(repeats):
             k = (ti * repeats + rep) % max(len(names), 1)
             for name in names[k:] + names[:k]:
-                if workers[name].dead:
-                    continue
-                reply = workers[name].call({"op": "run", "task": task, "prompt": prompts[task["id"]]})
-                rec = dict(system=name, task=task["id"], rep=rep, **reply)
-                if workers[name].dead:
-                    notes[name] = f"stopped at task {task['id']}: {_died(workers[name])}"
-                elif "error" in reply:
-                    key = "skipped" if reply.get("skipped") else "failed"
-                    notes.setdefault(name, "")
-                    notes[name] += f"{'; ' if notes[name] else ''}{task['id']} {key}: {reply['error']}"
-                else:
-                    rec.update(evaluate(task, rec))
-                records.append(rec)
+                if (rec := one(name, task, prompts[task["id"]], rep)) is not None:
+                    records.append(rec)
+    long_records: list[dict] = []
+    if long and long["repeats"]:
+        for name in names:  # warm-up at the long prompt's length (buffers, kernels for its shapes)
+            one(name, {**long["task"], "id": "__warmup_long__", "max_tokens": 4}, long["prompt"], -1)
+        for rep in tqdm(range(long["repeats"]), desc="long prompt", file=sys.stderr):
+            k = rep % max(len(names), 1)
+            for name in names[k:] + names[:k]:
+                if (rec := one(name, long["task"], long["prompt"], rep)) is not None:
+                    long_records.append(rec)
     for name, w in workers.items():
         w.close()
         facts[name]["peak_rss_mb"] = w.peak_rss_mb
-    return records, notes, facts
+    return records, long_records, notes, facts
 
 
 def _died(w: Worker) -> str:
@@ -830,8 +1070,10 @@ def _died(w: Worker) -> str:
 
 def report(records: list[dict], notes: dict[str, str], facts: dict[str, dict],
            systems: list[str], args: argparse.Namespace, n_tasks: int, header: str,
-           plot_name: str | None) -> tuple[str, dict]:
-    """The RESULTS.md section (all tasks, extraction, generation) and the all-tasks summary."""
+           plot_name: str | None, long_records: list[dict] | None = None,
+           long_task: dict | None = None) -> tuple[str, dict]:
+    """The RESULTS.md section (all tasks, extraction, generation, the long prompt) and the
+    all-tasks summary."""
     rss = {s: f.get("peak_rss_mb") for s, f in facts.items()}
     dtypes = sorted({f["dtype"] for f in facts.values() if f.get("dtype")})
     summary = summarize(records, systems)
@@ -840,23 +1082,39 @@ def report(records: list[dict], notes: dict[str, str], facts: dict[str, dict],
     ext = summarize([r for r in records if r["task"] in extraction], systems)
     gen = summarize([r for r in records if r["task"] not in extraction], systems)
     variants = {s: v for s, v in args.variants.items() if s in systems}
+    seen = next((f["machine"] for f in facts.values() if (f.get("machine") or {}).get("cpu")), None)
+    if seen is None:  # no torch worker ran: the parent reads the same /proc/cpuinfo
+        from constrained_spec.plan import machine_info
+
+        seen = machine_info()
+    machine = machine_line(seen["cpu"], seen["flags"], args.isa, facts)
     lines = [
-        (f"`python benchmarks/e2e.py {shlex.join(args.argv)}` — {n_tasks} tasks x {args.repeats} "
-         f"from `{args.tasks.name}`, greedy, each task's max_tokens, {args.threads} CPU thread(s) in "
-         "every system, the order of the systems rotated per task."),
+        (f"`python benchmarks/e2e.py {shlex.join(public_argv(args.argv))}` — {n_tasks} tasks x "
+         f"{args.repeats} from `{args.tasks.name}`, greedy, each task's max_tokens, {args.threads} "
+         "CPU thread(s) in every system, the order of the systems rotated per task."),
         "",
         header + " Weights as run: " + "; ".join(
             d + ": " + ", ".join(s for s, f in facts.items() if f.get("dtype") == d) for d in dtypes) + ".",
-        "",
-        render_table(summary, rss),
-        "",
-        f"Best peer by tokens/s: {best or '—'}. Ours: "
-        + "; ".join(f"`{s}` = `Generator(**{json.dumps(v)})`" for s, v in variants.items()) + ".",
     ]
+    if summary:
+        lines += [
+            "", "**All tasks** — " + machine, "", render_table(summary, rss), "",
+            f"Best peer by tokens/s: {best or '—'}. Ours: "
+            + "; ".join(f"`{s}` = `Generator(**{json.dumps(v)})`" for s, v in variants.items()) + ".",
+        ]
     if ext:
-        lines += ["", "**Extraction tasks** (values copied from the prompt)", "", render_table(ext, rss)]
+        lines += ["", "**Extraction tasks** (values copied from the prompt) — " + machine, "",
+                  render_table(ext, rss)]
     if gen:
-        lines += ["", "**Generation tasks**", "", render_table(gen, rss)]
+        lines += ["", "**Generation tasks** — " + machine, "", render_table(gen, rss)]
+    long_summary = summarize_long(long_records or [], systems)
+    if long_summary and long_task:
+        n_prompt = next(iter(long_summary.values()))["prompt_tokens"]
+        lines += ["", (f"**Long prompt** ({n_prompt} prompt tokens: {long_task['notes']} notes "
+                       f"from the tasks' prompts, `{long_task['source']}`'s schema, "
+                       f"max_tokens {long_task['max_tokens']}; repeats: {args.long_repeats}, after "
+                       "a warm-up, the order rotated per repeat) — " + machine), "",
+                  render_long_table(long_summary)]
     if notes:
         lines += ["", "Notes:"] + [f"- {s}: {n}" for s, n in notes.items()]
     lines += ["", "Definitions (tokens, TTFT, loop, verbatim fields, ...) are in the docstring of "
@@ -890,6 +1148,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="PNG plot (default: e2e.png beside --out, when --out is given)")
     ap.add_argument("--out-json", type=Path, default=None, help="raw records (JSON)")
     ap.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temp dir)")
+    ap.add_argument("--isa", default="native", choices=["native", *ISA_ENV],
+                    help="instruction set the workers may use (avx2: simulate an AVX2-only CPU)")
+    ap.add_argument("--llama-cpp-path", type=Path, default=None, metavar="DIR",
+                    help="a folder holding an installed llama_cpp package (pip install --no-deps "
+                    "--target DIR WHEEL), used by the llama.cpp worker instead of the environment's")
+    ap.add_argument("--long-tokens", type=int, default=1000,
+                    help="prompt tokens of the long-prompt request (at least)")
+    ap.add_argument("--long-repeats", type=int, default=3,
+                    help="long-prompt requests per system (0: no long-prompt table)")
+    ap.add_argument("--long-max-tokens", type=int, default=None,
+                    help="max_tokens of the long-prompt request (default: its source task's)")
+    ap.add_argument("--long-only", action="store_true", help="the long-prompt table only")
     args = ap.parse_args(argv)
     args.argv = argv
     args.tasks = args.tasks or _speculation().DEFAULT_TASKS
@@ -900,9 +1170,15 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown task ids: {', '.join(sorted(unknown))}")
         tasks = [t for t in tasks if t["id"] in wanted]
-    tasks = tasks[: args.limit] if args.limit else tasks
-    if not tasks:
+    all_tasks, tasks = tasks, tasks[: args.limit] if args.limit else tasks
+    if args.long_only:
+        if not args.long_repeats:
+            ap.error("--long-only needs --long-repeats of at least 1")
+        tasks = []
+    elif not tasks:
         ap.error("no tasks to run")
+    if args.llama_cpp_path and not args.llama_cpp_path.is_dir():
+        ap.error(f"--llama-cpp-path {args.llama_cpp_path} is not a folder")
     args.variants = {**OURS_VARIANTS, **dict(args.ours_variant)}
     systems = list(PEERS) + list(args.variants)
     if args.systems:
@@ -914,27 +1190,47 @@ def main(argv: list[str] | None = None) -> int:
     from constrained_spec.models import fetch_default_gguf
 
     gguf = str(fetch_default_gguf(quiet=True))  # resolved here: the llama.cpp worker imports no torch
-    specs = [dict(name=s, threads=args.threads, dtype=args.dtype, kwargs=args.variants.get(s), gguf=gguf)
+    specs = [dict(name=s, threads=args.threads, dtype=args.dtype, kwargs=args.variants.get(s),
+                  gguf=gguf, isa=args.isa,
+                  llama_cpp_path=str(args.llama_cpp_path.resolve()) if args.llama_cpp_path else None)
              for s in systems]
+    build = prompt_builder()
+    prompts = build_prompts(tasks, build)
+    long = None
+    if args.long_repeats:
+        # the long request is built from every task of the file, whatever --limit runs
+        task = long_prompt_task(all_tasks, lambda t: len(build(t)["ids"]), args.long_tokens,
+                                max_tokens=args.long_max_tokens)
+        long = dict(task=task, prompt=build(task), repeats=args.long_repeats)
+        print(f"long prompt: {len(long['prompt']['ids'])} tokens ({task['notes']} notes, "
+              f"{task['source']}'s schema)", file=sys.stderr)
 
     header = f"Hardware: {hardware()}. Versions: {versions()}."  # before the run: load average
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="e2e-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     print(f"worker logs: {log_dir}", file=sys.stderr)
-    records, notes, facts = run(tasks, specs, args.repeats, args.timeout, log_dir)
+    records, long_records, notes, facts = run(tasks, specs, args.repeats, args.timeout, log_dir,
+                                              prompts, long)
     header += f" Run time {(time.perf_counter() - t0) / 60:.1f} min."
-    plot_path = args.plot or (args.out.parent / "e2e.png" if args.out else None)
+    suffix = "" if args.isa == "native" else f"-{args.isa}"  # the runs must not overwrite each other
+    plot_path = args.plot or (args.out.parent / f"e2e{suffix}.png" if args.out else None)
     plot_name = None  # named in the section only beside it (no machine paths in RESULTS.md)
-    if plot_path and args.out and plot_path.resolve().parent == args.out.resolve().parent:
+    if (plot_path and args.out and records
+            and plot_path.resolve().parent == args.out.resolve().parent):
         plot_name = plot_path.name
-    text, summary = report(records, notes, facts, systems, args, len(tasks), header, plot_name)
+    text, summary = report(records, notes, facts, systems, args, len(tasks), header, plot_name,
+                           long_records, long and long["task"])
     print(text)
     if args.out_json:
-        args.out_json.write_text(json.dumps(dict(argv=argv, header=header, notes=notes,
-                                                 systems=facts, records=records), indent=1))
+        args.out_json.write_text(json.dumps(dict(argv=argv, header=header, isa=args.isa, notes=notes,
+                                                 systems=facts, records=records,
+                                                 long_task=long and long["task"],
+                                                 long_records=long_records), indent=1))
     if args.out:
-        write_section(args.out, RESULTS_HEADING, text)
+        heading = RESULTS_HEADING + ("" if args.isa == "native" else
+                                     f" ({args.isa.upper()}-only simulation)")
+        write_section(args.out, heading, text)
     if plot_path and summary:
         plot(summary, plot_path, f"SmolLM2-135M-Instruct, greedy, {len(tasks)} tasks x {args.repeats}, "
                                  f"{args.threads} CPU thread(s) per system")

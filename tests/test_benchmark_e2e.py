@@ -1,5 +1,6 @@
 """The pure helpers of ``benchmarks/e2e.py``: output checks, loop detection, verbatim fields,
-summary and table, and the shared RESULTS.md section writer. No model runs here."""
+summary and table, the instruction-set checks of ``--isa``, the machine line, the long prompt
+and its table, and the shared RESULTS.md section writer. No model runs here."""
 
 from __future__ import annotations
 
@@ -146,3 +147,101 @@ def test_write_section_replaces_in_place_and_appends(tmp_path):
     write_section(path, "## B", "two")
     write_section(path, "## A", "uno\n")
     assert path.read_text() == "# Benchmark results\n\n## A\n\nuno\n\n## B\n\ntwo\n"
+
+
+# --- instruction-set simulation, machine line, long prompt -----------------------------------
+NATIVE_INFO = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+               "AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | "
+               "REPACK = 1 | ")
+AVX2_INFO = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | LLAMAFILE = 1 "
+             "| OPENMP = 1 | REPACK = 1 | ")
+
+
+def test_worker_env_caps_the_isa_and_native_drops_leftover_caps(e2e):
+    base = {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    native = e2e.worker_env(base, "native", 2)
+    assert not set(e2e.ISA_VARS) & set(native)
+    assert native["PATH"] == "/bin" and native["OMP_NUM_THREADS"] == "2"
+    avx2 = e2e.worker_env({"PATH": "/bin"}, "avx2", 4)
+    assert {k: avx2[k] for k in e2e.ISA_VARS} == e2e.ISA_ENV["avx2"]
+    assert avx2["MKL_NUM_THREADS"] == "4"
+
+
+def test_torch_isa_check_refuses_a_torch_that_ignored_the_caps(e2e):
+    assert e2e.torch_isa_problem("native", "AVX512", True) is None
+    assert e2e.torch_isa_problem("avx2", "AVX2", False) is None
+    assert "capability AVX512" in e2e.torch_isa_problem("avx2", "AVX512", False)
+    assert "bf16" in e2e.torch_isa_problem("avx2", "AVX2", True)
+
+
+def test_llama_isa_check_refuses_builds_with_avx512_or_amx(e2e):
+    assert e2e.llama_isa_problem("avx2", AVX2_INFO) is None
+    assert e2e.llama_isa_problem("native", NATIVE_INFO) is None
+    problem = e2e.llama_isa_problem("avx2", NATIVE_INFO)
+    assert "AVX512, AVX512_VNNI, AVX512_BF16" in problem and "--llama-cpp-path" in problem
+    assert "AMX_INT8" in e2e.llama_isa_problem("avx2", AVX2_INFO + "AMX_INT8 = 1 |")
+    assert "does not report AVX2" in e2e.llama_isa_problem("avx2", "CPU : SSE3 = 1 | AVX2 = 0 |")
+    assert e2e.llama_features(AVX2_INFO)[:4] == ["SSE3", "SSSE3", "AVX", "AVX2"]
+
+
+def test_machine_line_names_cpu_flags_simulation_capability_and_plan(e2e):
+    facts = {"ours off": {"machine": {"cpu": "X", "capability": "AVX2", "mkldnn_bf16": False},
+                          "kernels": {"plan": "prefill=fp32,decode=int4", "plan_source": "measured",
+                                      "weights": "210 of 210 linears exact 4-bit groups"}},
+             "llama.cpp": {"machine": {"llama_cpp": "0.3.36", "features": ["AVX", "AVX2"]}}}
+    line = e2e.machine_line("AMD EPYC", ["avx2", "avx512f"], "avx2", facts)
+    for part in ("AMD EPYC", "avx2 avx512f", "AVX2-only simulation", "ATEN_CPU_CAPABILITY=avx2",
+                 "capability AVX2, oneDNN bf16 off", "llama.cpp 0.3.36 CPU features AVX AVX2",
+                 "prefill=fp32,decode=int4 (measured", "llama.cpp built without AVX-512"):
+        assert part in line, part
+    refused = {"ours off": facts["ours off"]}  # llama.cpp refused: the line claims nothing of it
+    assert "llama.cpp" not in e2e.machine_line("AMD EPYC", ["avx2"], "avx2", refused)
+    assert "simulation" not in e2e.machine_line("AMD EPYC", [], "native", {})
+
+
+def test_public_argv_keeps_no_absolute_path(e2e):
+    argv = ["--isa", "avx2", "--llama-cpp-path", "/home/me/builds/avx2-pkg/", "--out=/tmp/x/R.md",
+            "--out", "benchmarks/RESULTS.md"]
+    assert e2e.public_argv(argv) == ["--isa", "avx2", "--llama-cpp-path", ".../avx2-pkg",
+                                     "--out=.../R.md", "--out", "benchmarks/RESULTS.md"]
+
+
+def test_long_prompt_task_is_the_shortest_document_over_the_target(e2e):
+    tasks = [PERSON, {"id": "invoice_extract", "kind": "json_schema", "max_tokens": 256,
+                      "prompt": "Invoice INV-1 from A to B.", "schema": {"type": "object"}},
+             {"id": "yes_no", "kind": "choice", "max_tokens": 16, "prompt": "Yes or no?",
+              "choices": ["yes", "no"]}]
+
+    def words(t):
+        return len(t["prompt"].split())
+
+    task = e2e.long_prompt_task(tasks, words, 200)
+    assert words(task) >= 200 and task["source"] == "invoice_extract"
+    assert task["schema"] == {"type": "object"} and task["max_tokens"] == 256
+    assert task["prompt"].count("Invoice INV-1") == 1  # the note to extract is there once
+    note = int(task["prompt"].rsplit("note ", 1)[1].split()[0])
+    assert f"Note {note}: Invoice INV-1" in task["prompt"]
+    length = {}  # notes -> words, over every smaller target
+    for target in range(words(task)):
+        t = e2e.long_prompt_task(tasks, words, target)
+        length[t["notes"]] = words(t)
+    assert length[task["notes"] - 1] < 200  # the fewest notes: one fewer falls short
+    assert e2e.long_prompt_task(tasks, words, 200, max_tokens=8)["max_tokens"] == 8
+
+
+def test_long_summary_prefill_is_prompt_tokens_over_median_ttft(e2e):
+    recs = [_record("llama.cpp", "long_prompt", 50, 5.0, ttft_s=t, prompt_tokens=1000)
+            for t in (2.0, 1.0, 4.0)]
+    recs += [_record("ours off", "long_prompt", 50, 2.5, ttft_s=t, prompt_tokens=1000)
+             for t in (0.5, 0.4)]
+    recs.append(dict(system="ours off", task="long_prompt", rep=2, error="timed out"))
+    s = e2e.summarize_long(recs, ["llama.cpp", "ours off"])
+    assert s["llama.cpp"]["prefill_tok_s"] == pytest.approx(500.0)  # median TTFT 2 s
+    assert s["llama.cpp"]["ttft_range_ms"] == pytest.approx((1000.0, 4000.0))
+    assert s["ours off"]["prefill_tok_s"] == pytest.approx(1000 / 0.45)
+    assert s["ours off"]["prefill_vs_llama"] == pytest.approx(1000 / 0.45 / 500)
+    assert s["ours off"]["tok_s_vs_llama"] == pytest.approx(2.0) and s["ours off"]["n"] == 2
+    lines = e2e.render_long_table(s).splitlines()
+    assert len(lines) == 4 and "TTFT" in lines[0]
+    assert all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "2000 [1000, 4000]" in lines[2] and "1.00x" in lines[2]
