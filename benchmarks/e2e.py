@@ -613,20 +613,21 @@ class _System:
         raise NotImplementedError
 
 
-def _load_torch_model(dtype: str, threads: int) -> Any:
+def _load_torch_model(dtype: str, threads: int, *, full_model: bool = False) -> Any:
     import torch
 
     from constrained_spec import load_model
 
     torch.set_num_threads(threads)
-    return load_model(None, dtype=dtype, quiet=True)
+    # transformers' generate needs the complete transformers model (ours runs the lean one)
+    return load_model(None, dtype=dtype, full_model=full_model, quiet=True)
 
 
 class _HFSystem(_System):
     """transformers ``generate``, greedy, with a logits processor from a grammar library."""
 
     def __init__(self, dtype: str, threads: int) -> None:
-        self.loaded = _load_torch_model(dtype, threads)
+        self.loaded = _load_torch_model(dtype, threads, full_model=True)
         self.model, self.tok = self.loaded.model, self.loaded.tokenizer
         self.eos = set(self.loaded.eos_token_ids)
         self.dtype = str(self.loaded.dtype).removeprefix("torch.")

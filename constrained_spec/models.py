@@ -425,11 +425,11 @@ def load_model(
 
     if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
         packs = int4_weights(hf)  # from the float32 weights, before any cast
-    if env_dtype == "auto" and dev.type == "cpu" and lean_runner_supports(hf):
+    if env_dtype == "auto" and dev.type == "cpu" and lean_runner_supports(hf) and not full_model:
         # the kernel plan chooses per phase; dense weights are kept in bf16 (fp32 phases read
         # 4-bit weights exactly from their groups)
         chosen = torch.bfloat16
-    else:
+    else:  # one dtype for transformers' own forward: the faster one here (measured)
         chosen = _choose_dtype(env_dtype, dev, hf, path if is_default else None)
     if chosen != torch.bfloat16:
         packs = None
