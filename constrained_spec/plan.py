@@ -165,8 +165,11 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
         k = _best(times[r])
         prev = merged[-1][1] if merged else None
         need = margin
-        if dense_margin is not None and prev in ("int4", "int8") and k in ("fp32", "bf16"):
+        if dense_margin is not None and k in ("fp32", "bf16"):
             need = dense_margin
+            if prev is None:  # the first bucket: against the fastest packed kernel
+                prev = min((p for p in times[r] if p in ("int4", "int8")), key=times[r].get,
+                           default=None)
         if prev in times[r] and times[r][prev] <= (1 + need) * times[r][k]:
             k = prev
         limit = (r + rows[i + 1]) // 2 if i + 1 < len(rows) else 1 << 30
@@ -175,6 +178,26 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
         else:
             merged.append((limit, k))
     return merged
+
+
+def _decode_buckets(times: dict[int, dict[str, float]]) -> list[tuple[int, str]]:
+    """Decode buckets over at most one dense kernel (each keeps a resident dense copy of the
+    model) plus the packed ones: of the kernel sets allowed, the one whose buckets are closest
+    to the fastest kernel at every measured row count (sum of time / best time)."""
+    kernels = set().union(*(t.keys() for t in times.values()))
+    packed = kernels & {"int4", "int8"}
+    sets = [{k} for k in kernels] + [packed | {d} for d in kernels - packed if packed]
+    best: tuple[float, int, list[tuple[int, str]]] | None = None
+    for allowed in sets:
+        sub = {r: {k: v for k, v in t.items() if k in allowed} for r, t in times.items()}
+        if any(not t for t in sub.values()):
+            continue
+        buckets = _merge(sub, dense_margin=DENSE_DECODE_GAIN)
+        cost = sum(times[r][_bucket(buckets, r)] / min(times[r].values()) for r in times)
+        key = (round(cost, 3), len({k for _, k in buckets}), buckets)
+        if best is None or key[:2] < best[:2]:
+            best = key
+    return best[2]
 
 
 # -- the machine ---------------------------------------------------------------------------
@@ -266,10 +289,7 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     finally:
         runner.free_slot(slot)
         runner.set_plan(saved)
-    decode = _merge({r: times[f"decode@{r}"] for r in rows}, dense_margin=DENSE_DECODE_GAIN)
-    dense = [k for _, k in decode if k in ("fp32", "bf16")]
-    if len(set(dense)) > 1:  # one resident dense copy at most: the one the largest rows chose
-        decode = [(r, dense[-1] if k in ("fp32", "bf16") else k) for r, k in decode]
+    decode = _decode_buckets({r: times[f"decode@{r}"] for r in rows})
     first = decode[0][1]
     return KernelPlan(prefill=_merge({r: times[f"prefill@{r}"] for r in prefill_rows}),
                       decode=decode, lm_head=_best(times["lm_head"]),
