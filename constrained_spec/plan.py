@@ -13,7 +13,9 @@ memory-bound 1-row decode. So the plan is chosen per phase:
 each timed at a model's first load on a machine over the kernels the machine and the weights
 offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups; int8, a
 re-quantization, only when asked for), and cached beside the converted checkpoint keyed by the
-machine (CPU flags, torch's capability, threads). ``CONSTRAINED_SPEC_PLAN`` overrides it:
+machine (CPU flags, torch's capability, threads) and the memory mode (``CONSTRAINED_SPEC_MEMORY``:
+``fast`` keeps the dense copies the fastest kernels need, ``lean`` keeps 4-bit weights 4-bit and
+dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
 ``measure`` (measure again) or a fixed plan such as
 ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
 """
@@ -43,8 +45,19 @@ PLAN_FILE = "plan.json"
 DECODE_ROWS = (1, 6, 24)
 PREFILL_ROWS = (128, 512)  # a short prompt, a long one
 DENSE_DECODE_GAIN = 0.25  # see _merge
+MEMORY_MODES = ("fast", "lean")
+
+
+def memory_mode() -> str:
+    """``CONSTRAINED_SPEC_MEMORY``: "fast" (default) keeps the dense copies the plan's fastest
+    kernels need; "lean" keeps 4-bit weights 4-bit and dequantizes a prompt's per call."""
+    mode = os.environ.get("CONSTRAINED_SPEC_MEMORY", "fast").strip() or "fast"
+    if mode not in MEMORY_MODES:
+        raise ConfigError(f"CONSTRAINED_SPEC_MEMORY={mode!r}: use fast or lean",
+                          option="CONSTRAINED_SPEC_MEMORY")
+    return mode
 _CONTEXT = 128  # context the decode rows attend to while timed
-_PLAN_VERSION = 2
+_PLAN_VERSION = 3
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
 
@@ -58,6 +71,9 @@ class KernelPlan:
     lm_head: str
     kv: str = "bf16"  # the KV cache's dtype
     source: str = "fixed"  # "measured", "env" or "fixed"
+    # "fast": every dense form the plan uses stays resident; "lean": a prompt dequantizes
+    # 4-bit weights per call and a dense decode bucket must win by DENSE_DECODE_GAIN
+    memory: str = "fast"
     times_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kernel -> ms
 
     def __post_init__(self) -> None:
@@ -67,6 +83,9 @@ class KernelPlan:
             if k not in KERNELS:
                 raise ConfigError(f"unknown kernel {k!r} in the kernel plan; use one of "
                                   f"{', '.join(KERNELS)}", option="CONSTRAINED_SPEC_PLAN")
+        if self.memory not in MEMORY_MODES:
+            raise ConfigError(f"memory mode {self.memory!r} is not one of {', '.join(MEMORY_MODES)}",
+                              option="CONSTRAINED_SPEC_MEMORY")
         if self.kv not in ("fp32", "bf16"):
             raise ConfigError(f"kv cache dtype {self.kv!r} is not fp32 or bf16",
                               option="CONSTRAINED_SPEC_PLAN")
@@ -95,7 +114,7 @@ class KernelPlan:
 
     def describe(self) -> str:
         return (f"prefill={_describe(self.prefill)},decode={_describe(self.decode)},"
-                f"lm_head={self.lm_head},kv={self.kv}")
+                f"lm_head={self.lm_head},kv={self.kv},memory={self.memory}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,7 +122,7 @@ class KernelPlan:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> KernelPlan:
         return cls(prefill=[tuple(x) for x in d["prefill"]], decode=[tuple(x) for x in d["decode"]],
-                   lm_head=d["lm_head"],
+                   lm_head=d["lm_head"], memory=d.get("memory", "fast"),
                    kv=d.get("kv", "bf16"), source=d.get("source", "fixed"),
                    times_ms=d.get("times_ms", {}))
 
@@ -114,19 +133,23 @@ class KernelPlan:
         parts: dict[str, str] = {}
         for item in text.split(","):
             key, sep, value = item.strip().partition("=")
-            if not sep or key not in ("prefill", "decode", "lm_head", "kv"):
+            if not sep or key not in ("prefill", "decode", "lm_head", "kv", "memory"):
                 raise ConfigError(f"cannot read kernel plan entry {item!r}: write phase=kernel "
-                                  "with phase in prefill, decode, lm_head, kv "
+                                  "with phase in prefill, decode, lm_head, kv, memory "
                                   "(e.g. prefill=fp32,decode=int4,lm_head=bf16)",
                                   option="CONSTRAINED_SPEC_PLAN")
             parts[key] = value.strip()
         if "decode" not in parts:
             raise ConfigError("a kernel plan needs decode=KERNEL", option="CONSTRAINED_SPEC_PLAN")
+        if parts.get("memory", "fast") not in MEMORY_MODES:
+            raise ConfigError(f"memory={parts['memory']!r} in the kernel plan: use fast or lean",
+                              option="CONSTRAINED_SPEC_PLAN")
         decode = _parse_buckets(parts["decode"])
         first = sorted(decode)[0][1]
         return cls(prefill=_parse_buckets(parts.get("prefill", first)), decode=decode,
                    lm_head=parts.get("lm_head", first),
-                   kv=parts.get("kv", "fp32" if first == "fp32" else "bf16"), source="env")
+                   kv=parts.get("kv", "fp32" if first == "fp32" else "bf16"), source="env",
+                   memory=parts.get("memory") or memory_mode())
 
 
 def _bucket(buckets: list[tuple[int, str]], rows: int) -> str:
@@ -180,7 +203,8 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
     return merged
 
 
-def _decode_buckets(times: dict[int, dict[str, float]]) -> list[tuple[int, str]]:
+def _decode_buckets(times: dict[int, dict[str, float]], *,
+                    dense_margin: float | None = DENSE_DECODE_GAIN) -> list[tuple[int, str]]:
     """Decode buckets over at most one dense kernel (each keeps a resident dense copy of the
     model) plus the packed ones: of the kernel sets allowed, the one whose buckets are closest
     to the fastest kernel at every measured row count (sum of time / best time)."""
@@ -192,7 +216,7 @@ def _decode_buckets(times: dict[int, dict[str, float]]) -> list[tuple[int, str]]
         sub = {r: {k: v for k, v in t.items() if k in allowed} for r, t in times.items()}
         if any(not t for t in sub.values()):
             continue
-        buckets = _merge(sub, dense_margin=DENSE_DECODE_GAIN)
+        buckets = _merge(sub, dense_margin=dense_margin)
         cost = sum(times[r][_bucket(buckets, r)] / min(times[r].values()) for r in times)
         key = (round(cost, 3), len({k for _, k in buckets}), buckets)
         if best is None or key[:2] < best[:2]:
@@ -252,7 +276,7 @@ def _best(times: dict[str, float]) -> str:
 
 
 def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DECODE_ROWS,
-            prefill_rows: Sequence[int] = PREFILL_ROWS, repeats: int = 2,
+            prefill_rows: Sequence[int] = PREFILL_ROWS, repeats: int = 2, memory: str = "fast",
             progress: Callable[[str], None] | None = None) -> KernelPlan:
     """Time each phase of ``runner`` (a lean runner) with each kernel in ``candidates`` and
     return the fastest per phase. Uses one scratch slot, freed after."""
@@ -267,11 +291,11 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         for kernel in candidates:
             if progress:
                 progress(kernel)
-            # a prompt runs as it would next to a 4-bit decode: dense forms dequantized per
-            # call (no resident dense copy), the cache in the kernel's dtype
+            # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
+            # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
             kv = "fp32" if kernel == "fp32" else "bf16"
             runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
-                                       lm_head=kernel, kv=kv))
+                                       lm_head=kernel, kv=kv, memory=memory))
             for r in prefill_rows:
                 times[f"prefill@{r}"][kernel] = _timed(1 if r > 256 else repeats, lambda r=r: (
                     runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
@@ -289,11 +313,12 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     finally:
         runner.free_slot(slot)
         runner.set_plan(saved)
-    decode = _decode_buckets({r: times[f"decode@{r}"] for r in rows})
+    decode = _decode_buckets({r: times[f"decode@{r}"] for r in rows},
+                             dense_margin=DENSE_DECODE_GAIN if memory == "lean" else None)
     first = decode[0][1]
     return KernelPlan(prefill=_merge({r: times[f"prefill@{r}"] for r in prefill_rows}),
                       decode=decode, lm_head=_best(times["lm_head"]),
-                      kv="fp32" if first == "fp32" else "bf16", source="measured",
+                      kv="fp32" if first == "fp32" else "bf16", source="measured", memory=memory,
                       times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()})
 
 
@@ -324,7 +349,8 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
                           lm_head="bf16")
     if env and env != "measure":
         return KernelPlan.parse(env)
-    key = machine_key(runner.device)
+    memory = memory_mode()
+    key = machine_key(runner.device) + "|" + memory
     path = None if cache is None else cache / PLAN_FILE
     if path is not None and env != "measure":
         try:
@@ -341,7 +367,8 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
 
     with tqdm(total=len(candidates), desc="measure the kernel plan (once per machine)",
               disable=quiet, file=sys.stderr) as bar:
-        plan = measure(runner, candidates, progress=lambda k: (bar.set_postfix_str(k), bar.update(0)))
+        plan = measure(runner, candidates, memory=memory,
+                       progress=lambda k: (bar.set_postfix_str(k), bar.update(0)))
         bar.update(len(candidates))
     logger.info("kernel plan: %s", plan.describe())
     if path is not None:

@@ -424,11 +424,12 @@ class LeanRunner(Runner):
         the rest, and put the KV cache in its dtype (every slot's cache is dropped)."""
         self.plan = plan
         decode = {k for _, k in plan.decode}
+        # dense forms a decode step uses stay resident (a per-step dequantization would cost
+        # more than the step); a prefill's too unless the plan is lean on memory
+        resident_for = decode if plan.memory == "lean" else plan.kernels()
         for lin in self._linears():
-            # dense forms a decode step uses stay resident (a per-step dequantization would
-            # cost more than the step); a prefill may dequantize per call
             lin.prepare({self._kernel(lin, k) for k in plan.kernels()},
-                        resident=any(self._kernel(lin, d) in ("fp32", "bf16") for d in decode))
+                        resident=any(self._kernel(lin, d) in ("fp32", "bf16") for d in resident_for))
         self.lm_head_weight.prepare({self._kernel(self.lm_head_weight, plan.lm_head)}, resident=True)
         self.reset_cache()
 

@@ -35,7 +35,8 @@ def test_plan_text_round_trips_and_bad_text_names_the_variable():
     assert plan.decode_kernel(13) == "bf16" and plan.kv == "bf16"
     assert KernelPlan.parse(plan.describe()).describe() == plan.describe()
     assert KernelPlan.from_json(json.loads(json.dumps(plan.to_json()))).describe() == plan.describe()
-    for bad in ("prefill=fp32", "decode=int3", "speed=fast,decode=int4", "decode=int4:x"):
+    for bad in ("prefill=fp32", "decode=int3", "speed=fast,decode=int4", "decode=int4:x",
+                "decode=int4,memory=small"):
         with pytest.raises(ConfigError) as e:
             KernelPlan.parse(bad)
         assert e.value.option == "CONSTRAINED_SPEC_PLAN"
@@ -82,7 +83,7 @@ def test_every_planned_kernel_gives_the_models_logits(kernel):
 
 def test_mixed_plan_prefill_fp32_then_decode_int4_keeps_one_cache():
     runner = _runner()
-    runner.set_plan(KernelPlan.parse("prefill=fp32,decode=int4,lm_head=bf16,kv=bf16"))
+    runner.set_plan(KernelPlan.parse("prefill=fp32,decode=int4,lm_head=bf16,kv=bf16,memory=lean"))
     same = _runner()
     same.set_plan(KernelPlan.parse("prefill=int4,decode=int4,lm_head=bf16,kv=bf16"))
     outs = []
@@ -92,8 +93,16 @@ def test_mixed_plan_prefill_fp32_then_decode_int4_keeps_one_cache():
         outs.append(r.forward([slot], [[6]], [1], phase="decode"))
     assert (outs[0] - outs[1]).abs().max() <= 0.03 * outs[1].abs().max()
     assert runner.k_cache[0].dtype == torch.bfloat16
-    # no dense copy of 4-bit weights is kept for a streamed fp32 prefill
+    # lean memory: no dense copy of 4-bit weights is kept for a streamed fp32 prefill
     assert all(not L["qkv"]._dense for L in runner.layers)
+    # fast memory (the default): the prefill's fp32 copies stay resident, the numbers do not change
+    fast = _runner()
+    fast.set_plan(KernelPlan.parse("prefill=fp32,decode=int4,lm_head=bf16,kv=bf16,memory=fast"))
+    assert all(L["qkv"]._dense for L in fast.layers)
+    slot = fast.new_slot()
+    fast.forward([slot], [[3, 9, 4, 1, 7, 2, 8, 5]], [0], phase="prefill")
+    # (fp32 products may split their reduction differently with the machine's load: not bits)
+    assert torch.allclose(fast.forward([slot], [[6]], [1], phase="decode"), outs[0], rtol=1e-4, atol=1e-4)
 
 
 def test_measured_plan_picks_the_fastest_measured_kernel_per_phase():
@@ -109,11 +118,19 @@ def test_measured_plan_picks_the_fastest_measured_kernel_per_phase():
 
 def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, monkeypatch):
     monkeypatch.delenv("CONSTRAINED_SPEC_PLAN", raising=False)
+    monkeypatch.delenv("CONSTRAINED_SPEC_MEMORY", raising=False)
     runner = _runner()
     first = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
     assert len(stored["plans"]) == 1 and first.source == "measured"
     assert choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True).times_ms == first.times_ms
+    monkeypatch.setenv("CONSTRAINED_SPEC_MEMORY", "lean")  # a plan of its own, measured and kept
+    lean = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    assert lean.memory == "lean" and len(json.loads((tmp_path / PLAN_FILE).read_text())["plans"]) == 2
+    monkeypatch.setenv("CONSTRAINED_SPEC_MEMORY", "small")
+    with pytest.raises(ConfigError):
+        choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    monkeypatch.delenv("CONSTRAINED_SPEC_MEMORY")
     monkeypatch.setenv("CONSTRAINED_SPEC_PLAN", "prefill=fp32,decode=int4")
     fixed = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     assert fixed.source == "env" and fixed.prefill_kernel(1000) == "fp32"
