@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -362,8 +363,6 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     candidates = [k for k in ("fp32", "bf16", "int4", "int8")
                   if runner.supports_kernel(k) and (k != "int8" or int8)]
     from tqdm.auto import tqdm
-
-    import sys
 
     with tqdm(total=len(candidates), desc="measure the kernel plan (once per machine)",
               disable=quiet, file=sys.stderr) as bar:

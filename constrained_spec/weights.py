@@ -235,13 +235,3 @@ class Linear:
         dense = sum(t.numel() * t.element_size() for t in self._dense.values()
                     if self.dense is None or t.data_ptr() != self.dense.data_ptr())
         return own + packs + dense
-
-    def to(self, device: torch.device) -> Linear:
-        """A copy on ``device`` (packs are rebuilt there on demand)."""
-        if self.int4 is not None:
-            g = self.int4
-            moved = Linear(int4=Int4Groups(g.nibbles.to(device), g.scale.to(device), g.min.to(device)))
-        else:
-            moved = Linear(dense=self.dense.to(device))
-        moved.bias = None if self.bias is None else self.bias.to(device)
-        return moved
