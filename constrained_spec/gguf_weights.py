@@ -94,6 +94,7 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError
+from .weights import GROUP as INT4_GROUP  # the kernels' group of 32 inputs
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,6 @@ SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"
                                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Types whose blocks are 4-bit groups of 32 with one scale and one min each.
 INT4_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
-INT4_GROUP = 32
 # Rows are unpacked in chunks of about this many elements (4 MB of float32).
 _CHUNK_ELEMENTS = 1 << 20
 

@@ -123,3 +123,15 @@ def serve_in_thread(app, timeout: float = 60.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_tiny(loaded, model_name: str = "tiny") -> Iterator[tuple]:
+    """The example app over ``loaded`` with the small limits the in-process tests use (batch 4,
+    queue 8, 8 tokens, metrics on), served in a thread; yields ``(server, url)``."""
+    srv = import_example()
+    config = srv.ServerConfig(model_name=model_name, max_batch_size=4, max_queue=8, max_tokens=8,
+                              enable_metrics=True)
+    app = srv.create_app(loaded, config)
+    with serve_in_thread(app) as url:
+        yield app.state.server, url

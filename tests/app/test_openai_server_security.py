@@ -11,9 +11,8 @@ import time
 import httpx
 import pytest
 from cs_testlib import recording_http_server, silent_listener
-from openai_server_process import import_example, serve_in_thread
+from openai_server_process import serve_tiny
 
-srv = import_example()
 
 MODEL = "tiny"
 HEALTH_LIMIT_S = 1.0
@@ -21,11 +20,8 @@ HEALTH_LIMIT_S = 1.0
 
 @pytest.fixture(scope="module")
 def served(tiny_loaded):
-    config = srv.ServerConfig(model_name=MODEL, max_batch_size=4, max_queue=8, max_tokens=8,
-                              enable_metrics=True)
-    app = srv.create_app(tiny_loaded, config)
-    with serve_in_thread(app) as url:
-        yield app.state.server, url
+    with serve_tiny(tiny_loaded, MODEL) as served:
+        yield served
 
 
 def body(schema, strict):
