@@ -488,7 +488,7 @@ class LeanRunner(Runner):
     def _ensure_capacity(self, slots: int, length: int) -> None:
         if slots <= self._cap_slots and length <= self._cap_len:
             return
-        new_slots = self._cap_slots if slots <= self._cap_slots else max(slots, 2 * self._cap_slots, 4)
+        new_slots = self._cap_slots if slots <= self._cap_slots else max(slots, 2 * self._cap_slots)
         new_len = self._cap_len
         while new_len < length:
             new_len = max(256, new_len * 2)

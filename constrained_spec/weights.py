@@ -51,15 +51,25 @@ def int8_kernel_available() -> bool:
 @dataclass
 class Int4Groups:
     """A weight that is exactly ``scale * q + min`` in every group of `GROUP` input weights of
-    every row, ``q`` in 0..15 (the layout of Q4_0 / Q4_1 / Q4_K after unpacking)."""
+    every row, ``q`` in 0..15 (the layout of Q4_0 / Q4_1 / Q4_K after unpacking).
 
-    nibbles: torch.Tensor  # uint8 [N, K // 2]: q[:, 2j] in the low nibble, q[:, 2j + 1] high
+    ``q`` is held ONCE: as ``nibbles`` in row order (as loaded), or -- after `keep_packed_only`, when
+    torch's CPU int4 kernel uses a layout `pack_block` recognises -- only as that kernel's own
+    pack, from which `values` and `dequantize` read it back (the kernel and the dense paths
+    then share one copy of the 4-bit weights instead of two).
+    """
+
+    nibbles: torch.Tensor | None  # uint8 [N, K // 2]: q[:, 2j] in the low nibble, q[:, 2j + 1] high
     scale: torch.Tensor  # float32 [N, K // GROUP]
     min: torch.Tensor  # float32 [N, K // GROUP]
+    # torch's CPU int4 pack (uint8 [N, K // 2] in blocks of `block` rows), when nibbles is None
+    packed: torch.Tensor | None = None
+    block: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.nibbles.shape[0]), int(self.nibbles.shape[1]) * 2
+        q = self.nibbles if self.nibbles is not None else self.packed
+        return int(q.shape[0]), int(q.shape[1]) * 2
 
     @classmethod
     def from_values(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Groups:
@@ -86,18 +96,52 @@ class Int4Groups:
             return None
         return cls.from_values(q.view(N, K), d.view(N, -1), lo.view(N, -1))
 
+    def _unpack_into(self, out: torch.Tensor) -> None:
+        """Write q into ``out`` (float32 [N, K // GROUP, GROUP] or any dtype [N, K])."""
+        N, K = self.shape
+        if self.nibbles is not None:
+            nb = self.nibbles.view(N, K // 2)
+            pairs = out.view(N, K // 2, 2)
+            torch.bitwise_and(nb, 15, out=pairs[..., 0])
+            torch.bitwise_right_shift(nb, 4, out=pairs[..., 1])
+            return
+        # the kernel's layout: for rows b*B..b*B+B-1 and each input k, B/2 bytes whose low
+        # nibbles are rows b*B + j and high nibbles rows b*B + B/2 + j
+        B = self.block
+        p = self.packed.view(N // B, K, B // 2)
+        blocks = out.view(N // B, B, K).transpose(1, 2)  # [N/B, K, B] view of out
+        blocks[..., : B // 2] = p & 15
+        blocks[..., B // 2:] = p >> 4
+
     def values(self) -> torch.Tensor:
         """q as uint8 [N, K]."""
-        N = self.nibbles.shape[0]
-        return torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(N, -1)
+        out = torch.empty(self.shape, dtype=torch.uint8, device=self.scale.device)
+        self._unpack_into(out)
+        return out
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[N, K] ``scale * q + min`` computed in float32 (the file's own dequantization),
-        then cast to ``dtype``."""
+        """[N, K] ``scale * q + min`` computed in float32 (the file's own dequantization: a
+        multiply, then an add), then cast to ``dtype``. Written in place into one float32
+        buffer: ~0.45 ms for a 3072x576 matrix on 2 cores, 2x faster than a broadcasting
+        stack/addcmul form, which matters because the lean memory mode and the float32 path
+        dequantize every weight on every prefill call."""
         N, K = self.shape
-        q = self.values().view(N, K // GROUP, GROUP).float()
-        w = torch.addcmul(self.min[..., None], q, self.scale[..., None]).view(N, K)
+        w = torch.empty(N, K // GROUP, GROUP, dtype=torch.float32, device=self.scale.device)
+        self._unpack_into(w)
+        w.mul_(self.scale[..., None]).add_(self.min[..., None])
+        w = w.view(N, K)
         return w if dtype == torch.float32 else w.to(dtype)
+
+    def keep_packed_only(self, packed: torch.Tensor) -> None:
+        """Hold q only as ``packed`` (this weight's int4 kernel pack) from now on, when the
+        kernel's layout is one `pack_block` recognises and fits; else keep the nibbles. In
+        place, so every holder of these groups (a second runner, the loaded model) frees the
+        nibbles too and shares the one pack."""
+        N, _ = self.shape
+        B = pack_block()
+        if self.nibbles is None or not B or N % B or packed.shape != self.nibbles.shape:
+            return
+        self.packed, self.block, self.nibbles = packed, B, None
 
     def int4_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel, or None without it. The
@@ -105,15 +149,48 @@ class Int4Groups:
         N, K = self.shape
         if not int4_kernel_available() or N % 16:
             return None
-        try:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.values().to(torch.int32), 1)
-        except RuntimeError:  # a torch build without the CPU int4 kernel
-            return None
+        if self.packed is not None:
+            packed = self.packed
+        else:
+            try:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    self.values().to(torch.int32), 1)
+            except RuntimeError:  # a torch build without the CPU int4 kernel
+                return None
         sz = torch.stack([self.scale, self.min + 8 * self.scale], -1).transpose(0, 1)  # [K/G, N, 2]
         return packed, sz.contiguous().to(torch.bfloat16)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.nibbles, self.scale, self.min))
+        q = self.nibbles if self.nibbles is not None else self.packed
+        return sum(t.numel() * t.element_size() for t in (q, self.scale, self.min))
+
+
+_PACK_BLOCK: int | None = None
+
+
+def pack_block() -> int:
+    """Rows per block of torch's CPU int4 pack on this machine (it depends on the torch build
+    and the CPU capability it dispatches to), found by packing random values and reading them
+    back; 0 when no candidate layout reads them back exactly (then weights keep their nibbles)."""
+    global _PACK_BLOCK
+    if _PACK_BLOCK is None:
+        _PACK_BLOCK = 0
+        if int4_kernel_available():
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randint(0, 16, (128, 2 * GROUP), generator=gen)
+            try:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            except RuntimeError:
+                packed = None
+            for B in (64, 32, 16, 128):
+                if packed is None or packed.shape != (128, GROUP):
+                    break
+                probe = Int4Groups(nibbles=None, scale=torch.ones(128, 2), min=torch.zeros(128, 2),
+                                   packed=packed, block=B)
+                if torch.equal(probe.values(), q.to(torch.uint8)):
+                    _PACK_BLOCK = B
+                    break
+    return _PACK_BLOCK
 
 
 def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -164,7 +241,7 @@ class Linear:
 
     @property
     def device(self) -> torch.device:
-        return (self.dense if self.dense is not None else self.int4.nibbles).device
+        return (self.dense if self.dense is not None else self.int4.scale).device
 
     @property
     def packed_kernels(self) -> tuple[str, ...]:
@@ -207,6 +284,8 @@ class Linear:
             if pack is None:
                 raise ValueError(f"kernel {kernel!r} is not available in this torch build")
             self._packs[kernel] = pack
+            if kernel == "int4":  # from now on q lives only in the kernel's pack
+                self.int4.keep_packed_only(pack[0])
         return pack
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -229,9 +308,11 @@ class Linear:
         return y if self.bias is None else y + self.bias.to(act)
 
     def nbytes(self) -> int:
-        """Bytes held: the resident form, packs and dense copies."""
-        own = self.int4.nbytes() if self.int4 is not None else self.dense.numel() * self.dense.element_size()
-        packs = sum(t.numel() * t.element_size() for p in self._packs.values() for t in p)
-        dense = sum(t.numel() * t.element_size() for t in self._dense.values()
-                    if self.dense is None or t.data_ptr() != self.dense.data_ptr())
-        return own + packs + dense
+        """Bytes held: the resident form, packs and dense copies (a tensor shared between them,
+        as the int4 pack and the packed 4-bit groups are, counted once)."""
+        own = [self.dense] if self.int4 is None else [
+            t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min)
+            if t is not None]
+        tensors = own + [t for p in self._packs.values() for t in p] + list(self._dense.values())
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        return sum(seen.values())
