@@ -32,11 +32,9 @@ from .backends import (
     INT64_MIN,
     all_of_values,
     convert_json_schema,
-    python_regex,
-    resolve_local_ref,
-    scan_regex,
-    search_pattern,
 )
+from .patterns import python_regex, scan_regex, search_pattern
+from .pointers import resolve_local_ref
 from .refs import check_refs
 from .spec import SchemaSpec, to_pointer
 from .support import (
