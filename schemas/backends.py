@@ -190,7 +190,10 @@ def _xgrammar_rewrite(node: Any) -> Any:
         rewritten = search_pattern(pattern, any_text=".*")
         node["pattern"] = xgrammar_pattern(rewritten if rewritten is not None else pattern)
     if isinstance(node.get("patternProperties"), dict):
-        node["patternProperties"] = {xgrammar_pattern(k): v for k, v in node["patternProperties"].items()}
+        # keys are matched whole (narrowed, see support.py), with Python's "." and (?s) as in
+        # `pattern`
+        node["patternProperties"] = {xgrammar_pattern(python_regex(k)): v
+                                     for k, v in node["patternProperties"].items()}
     if "integer" in types:
         # xgrammar raises on integer bounds past 64 bits; clamping them only narrows.
         for key, bound in (("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):

@@ -5,15 +5,19 @@ enough structure to find top-level alternatives, anchors, dots, groups and escap
 built on it give a backend Python's meaning of a pattern (`python_dots`, `python_regex`),
 JSON Schema's search semantics as a whole-string match (`search_pattern`), xgrammar's spelling
 of optional groups (`xgrammar_pattern`) and outlines' anchor-free form (`strip_edge_anchors`).
-`regex_escape` writes a literal every targeted dialect reads the same way.
+`regex_escape` writes a literal every targeted dialect reads the same way. `regex_features`
+names the constructs whose meaning differs between Python's ``re`` (the reference: final
+validation uses it) and the backends; `support.REGEX_SUPPORT` says what each backend does with
+them.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["ANY_CHAR", "LINE_CHAR", "python_dots", "python_regex", "regex_escape", "scan_regex",
-           "search_pattern", "strip_edge_anchors", "top_level_alternatives", "xgrammar_pattern"]
+__all__ = ["ANY_CHAR", "LINE_CHAR", "REGEX_FEATURES", "python_dots", "python_regex",
+           "regex_escape", "regex_features", "scan_regex", "search_pattern", "strip_edge_anchors",
+           "top_level_alternatives", "xgrammar_pattern"]
 
 
 
@@ -187,7 +191,7 @@ def search_pattern(pattern: str, *, any_text: str, dot: str = LINE_CHAR,
         body = alt[1:] if start else alt
         end = bool(body) and body[-1][0] == "eol"
         body = body[:-1] if end else body
-        if any(kind in ("bol", "eol") for kind, _ in body):
+        if _inner_anchor(body):
             return None
         core = "".join(text for _, text in body)
         out.append(("" if start else any_text) + (f"(?:{core})" if core else "") + ("" if end else any_text))
@@ -251,3 +255,146 @@ def strip_edge_anchors(pattern: str) -> str:
             alt = alt[:-1]
         alts.append("".join(text for _, text in alt))
     return flags + (alts[0] if len(alts) == 1 else "|".join(alts))
+
+
+# --------------------------------------------------------------------------------------------
+# constructs whose support differs between Python's re and the backends
+# --------------------------------------------------------------------------------------------
+
+#: feature -> how a report names it. Keys of `support.REGEX_SUPPORT`.
+REGEX_FEATURES: dict[str, str] = {
+    "lookahead": "look-ahead",
+    "negative-lookahead": "negative look-ahead",
+    "lookbehind": "look-behind",
+    "negative-lookbehind": "negative look-behind",
+    "backreference": "backreference",
+    "conditional": "conditional group",
+    "word-boundary": "word boundary",
+    "non-word-boundary": "non-word boundary",
+    "digit": "digit class (in Python any Unicode decimal digit, e.g. '\u0663')",
+    "non-digit": "non-digit class (in Python it excludes every Unicode digit)",
+    "word": "word class (in Python any Unicode letter or digit, e.g. '\u00e9')",
+    "non-word": "non-word class (in Python it excludes every Unicode letter and digit)",
+    "space": "space class (in Python any Unicode space, e.g. U+00A0)",
+    "non-space": "non-space class (in Python it excludes every Unicode space)",
+    "flag-i": "case-insensitive flag",
+    "flag-m": "multi-line flag",
+    "flag-s": "dot-all flag",
+    "flag-x": "verbose flag",
+    "flag-a": "ASCII flag",
+    "atomic-group": "atomic group",
+    "possessive": "possessive quantifier",
+    "inner-anchor": "anchor inside the pattern (not at the start / end of an alternative)",
+    "string-anchor": "\\A / \\Z anchor",
+}
+_LOOKAROUND = {"(?=": "lookahead", "(?!": "negative-lookahead", "(?<=": "lookbehind",
+               "(?<!": "negative-lookbehind"}
+_CLASS_ESCAPES = {"d": "digit", "D": "non-digit", "w": "word", "W": "non-word", "s": "space",
+                  "S": "non-space"}
+_NEGATED = {"digit": "non-digit", "non-digit": "digit", "word": "non-word", "non-word": "word",
+            "space": "non-space", "non-space": "space"}
+_QUANTIFIER_BRACES = re.compile(r"\{[0-9]*(?:,[0-9]*)?\}")
+
+
+def _inner_anchor(pieces: list[tuple[str, str]]) -> bool:
+    """A ``^`` / ``$`` among `pieces` (an alternative without its edge anchors), not counting
+    those inside a look-around: an assertion is dropped or refused whole, and reported as such."""
+    stack: list[bool] = []
+    for kind, text in pieces:
+        if kind == "open":
+            stack.append(text in _LOOKAROUND or (bool(stack) and stack[-1]))
+        elif kind == "close" and stack:
+            stack.pop()
+        elif kind in ("bol", "eol") and not (stack and stack[-1]):
+            return True
+    return False
+
+
+def _flag_letters(kind: str, text: str) -> str:
+    if kind not in ("flags", "open"):
+        return ""
+    m = _FLAG_GROUP.fullmatch(text)
+    return (m.group(1) + (m.group(2) or "")) if m else ""
+
+
+def regex_features(pattern: str) -> dict[str, str]:
+    """The `REGEX_FEATURES` used in `pattern`: feature -> the text that uses it, first occurrence.
+
+    Anchors count as inner when no whole-string rewrite exists (`search_pattern` returns None);
+    under the ASCII flag ``(?a)`` the class escapes mean what every backend means by them and
+    are not listed.
+    """
+    pieces = scan_regex(pattern)
+    found: dict[str, str] = {}
+
+    def add(feature: str, text: str) -> None:
+        found.setdefault(feature, text)
+
+    for i, (kind, text) in enumerate(pieces):
+        if kind == "open":
+            if text in _LOOKAROUND:
+                add(_LOOKAROUND[text], _group_text(pieces, i))
+            elif text == "(?>":
+                add("atomic-group", _group_text(pieces, i))
+            elif text == "(?P=":
+                add("backreference", _group_text(pieces, i))
+        elif kind == "flags" and text.startswith("(?("):
+            add("conditional", text)
+        elif kind == "esc":
+            if text[1:2].isdigit() and text[1:2] != "0":
+                add("backreference", text)
+            elif text == "\\b":
+                add("word-boundary", text)
+            elif text == "\\B":
+                add("non-word-boundary", text)
+            elif text in ("\\A", "\\Z"):
+                add("string-anchor", text)
+            elif text[1:2] in _CLASS_ESCAPES:
+                add(_CLASS_ESCAPES[text[1:2]], text)
+        elif kind == "class":
+            negated = text.startswith("[^")
+            for esc in re.findall(r"\\(.)", text):
+                if esc in _CLASS_ESCAPES:
+                    feature = _CLASS_ESCAPES[esc]
+                    add(_NEGATED[feature] if negated else feature, text)
+        elif kind == "char" and text == "+" and i and _is_quantifier(pieces, i - 1):
+            add("possessive", pieces[i - 1][1] + "+")
+        for letter in _flag_letters(kind, text):
+            if letter in "imsxa":
+                add(f"flag-{letter}", text)
+    if "flag-a" in found:
+        for feature in _NEGATED:
+            found.pop(feature, None)
+    if search_pattern(pattern, any_text="") is None:
+        add("inner-anchor", next((t for k, t in pieces if k in ("bol", "eol")), ""))
+    return found
+
+
+def _group_text(pieces: list[tuple[str, str]], start: int, limit: int = 48) -> str:
+    """The group opened at pieces[start], as written (shortened past `limit` characters)."""
+    depth, out = 0, []
+    for kind, text in pieces[start:]:
+        out.append(text)
+        depth += kind == "open"
+        depth -= kind == "close"
+        if depth == 0:
+            break
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit - 4] + "...)"
+
+
+def _is_quantifier(pieces: list[tuple[str, str]], i: int) -> bool:
+    """Is pieces[i] the end of a quantifier (``*``, ``+``, ``?``, ``{m,n}``)?"""
+    kind, text = pieces[i]
+    if kind != "char":
+        return False
+    if text in "*+?":
+        # "a++": the first "+" quantifies; in "a+++" the third follows a possessive "++"
+        return i > 0 and not (pieces[i - 1][0] == "char" and pieces[i - 1][1] in "*+?"
+                              and _is_quantifier(pieces, i - 1))
+    if text == "}":
+        j = i
+        while j > 0 and pieces[j][0] == "char" and pieces[j][1] != "{":
+            j -= 1
+        return _QUANTIFIER_BRACES.fullmatch("".join(t for _, t in pieces[j:i + 1])) is not None
+    return False
