@@ -673,6 +673,15 @@ class _XGrammarWalker(_Walker):
                          f"integer {k} {v!r} is outside the 64-bit range (-2**63 .. 2**63 - 1) "
                          "that xgrammar's integer grammar works in; use backend 'outlines' (the "
                          "bound is then checked after generating), or a string with a 'pattern'")
+        for k, beyond in (("minimum", INT64_MIN), ("exclusiveMinimum", INT64_MIN),
+                          ("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):
+            v = node.get(k)
+            if (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and (v < beyond if k.endswith("inimum") else v > beyond)):
+                self.add(k, to_pointer(path + [k]), "narrowed",
+                         f"integer {k} {v!r} is past the 64-bit range xgrammar's integer grammar "
+                         "works in: the bound is clamped to it, so integers beyond 64 bits are not "
+                         "generated; use backend 'outlines' if they are needed")
         m = node.get("multipleOf")
         if m is None:
             return
@@ -690,6 +699,16 @@ class _XGrammarWalker(_Walker):
                      f"{XGRAMMAR_INT_MULTIPLE_OF_RANGE_MAX} apart")
 
     def t_number(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        if "integer" not in (_types(node) or []):
+            for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+                v = node.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 2 ** 53:
+                    # bounds are doubles in xgrammar; measured: [0, 1e30] refuses 9223372036854775807, [2**70, 1e30] admits only
+                    # numbers near 2**70; nothing outside the range was seen accepted
+                    self.add(k, to_pointer(path + [k]), "narrowed",
+                             f"number {k} {v!r} is past 2**53 (exact doubles): xgrammar's range grammar then "
+                             "admits only part of the range (e.g. not 9223372036854775807 under "
+                             "maximum 1e30); use backend 'outlines' if the whole range is needed")
         if "multipleOf" in node and "integer" not in (_types(node) or []):
             self.add("multipleOf", to_pointer(path + ["multipleOf"]), "ignored",
                      "xgrammar does not enforce multipleOf for type 'number'")
