@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from constrained_spec.errors import SchemaError
 from constrained_spec.schemas import SchemaSpec, convert_json_schema
-from constrained_spec.schemas.backends import python_regex
-from constrained_spec.schemas.spec import clean_backend_message, strip_edge_anchors
+from constrained_spec.schemas.patterns import python_regex, strip_edge_anchors
+from constrained_spec.schemas.spec import clean_backend_message
 
 from .matcher import Matcher, OutlinesMatcher, XGrammarMatcher, _OutlinesTables
 from .tokenizer import TokenizerData

@@ -40,15 +40,17 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Literal
 
 from constrained_spec.errors import SchemaError
 
+from .patterns import python_regex, scan_regex, search_pattern, xgrammar_pattern  # noqa: F401
+from .pointers import resolve_local_ref
 from .spec import JsonLayout, SchemaSpec, clean_backend_message
 from .support import KEYWORD_SUPPORT
+from .validator import json_validator
 
 _OUTLINES_KEEP = frozenset(KEYWORD_SUPPORT) | {"$defs", "definitions", "$id", "then", "else",
                                                "additionalItems"}
@@ -85,205 +87,6 @@ def map_schema(node: Any, fn: Callable[[Any], Any]) -> Any:
                 out[k] = copy.deepcopy(v)
         node = out
     return fn(node)
-
-
-# --------------------------------------------------------------------------------------------
-# regex pattern surgery (shared with preflight)
-# --------------------------------------------------------------------------------------------
-
-def scan_regex(pattern: str) -> list[tuple[str, str]]:
-    """Split a regex into (kind, text) pieces: esc, class, dot, open, flags, close, alt, bol, eol,
-    char.
-
-    Just enough structure to find top-level alternatives, anchors and dots; not a full parser.
-    """
-    out: list[tuple[str, str]] = []
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            j = min(i + 2, n)
-            if j <= n and pattern[i + 1:i + 2] in ("p", "P", "x", "u", "k") and j < n and pattern[j] in "{<":
-                close = pattern.find("}" if pattern[j] == "{" else ">", j)
-                j = n if close < 0 else close + 1
-            out.append(("esc", pattern[i:j]))
-            i = j
-        elif c == "[":
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            out.append(("class", pattern[i:j + 1]))
-            i = j + 1
-        elif c == "(":
-            j = i + 1
-            if pattern[j:j + 1] == "?":  # (?:  (?=  (?P<name>  (?i) ...
-                k = j + 1
-                while k < n and pattern[k] not in ":)=!<>" and not pattern[k].isalpha():
-                    k += 1
-                if pattern[k:k + 2] in ("<=", "<!"):
-                    k += 2
-                elif pattern[k:k + 2] == "P<" or pattern[k:k + 1] == "<":
-                    close = pattern.find(">", k)
-                    k = n if close < 0 else close + 1
-                else:
-                    while k < n and (pattern[k].isalpha() or pattern[k] == "-"):
-                        k += 1
-                    if k < n and pattern[k] == ")":  # inline flags such as (?i)
-                        out.append(("flags", pattern[i:k + 1]))
-                        i = k + 1
-                        continue
-                    if k < n and pattern[k] in ":=!>":
-                        k += 1
-                j = k
-            out.append(("open", pattern[i:j]))
-            i = j
-        elif c == ")":
-            out.append(("close", c))
-            i += 1
-        elif c == "|":
-            out.append(("alt", c))
-            i += 1
-        elif c == "^":
-            out.append(("bol", c))
-            i += 1
-        elif c == "$":
-            out.append(("eol", c))
-            i += 1
-        elif c == ".":
-            out.append(("dot", c))
-            i += 1
-        else:
-            out.append(("char", c))
-            i += 1
-    return out
-
-
-def _top_level_alternatives(pieces: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
-    alts: list[list[tuple[str, str]]] = [[]]
-    depth = 0
-    for kind, text in pieces:
-        if kind == "open":
-            depth += 1
-        elif kind == "close":
-            depth -= 1
-        if kind == "alt" and depth == 0:
-            alts.append([])
-        else:
-            alts[-1].append((kind, text))
-    return alts
-
-
-#: What Python's ``.`` matches, spelled out for a backend (whose own ``.`` may differ: xgrammar's
-#: matches a newline, Rust's regex, under outlines-core, does not): without the DOTALL flag
-#: any character but a newline, with it (``(?s)``) any character.
-LINE_CHAR = r"[^\n]"
-ANY_CHAR = r"[\s\S]"
-_FLAG_GROUP = re.compile(r"\(\?([aiLmsux]*)(?:-([aiLmsux]*))?([:)])")
-
-
-def _without_dotall(text: str) -> str:
-    """A flag group (``(?si)``, ``(?s-i:``) without the ``s`` flag; ``""`` for a bare ``(?s)``."""
-    m = _FLAG_GROUP.fullmatch(text)
-    if m is None:
-        return text
-    on, off, end = m.group(1).replace("s", ""), (m.group(2) or "").replace("s", ""), m.group(3)
-    if end == ")" and not on and not off:
-        return ""
-    return "(?" + on + (f"-{off}" if off else "") + end
-
-
-def python_dots(pieces: list[tuple[str, str]], *, dot: str = LINE_CHAR,
-                dot_all: str = ANY_CHAR) -> list[tuple[str, str]]:
-    """`scan_regex` pieces with every ``.`` outside a character class replaced by what Python's
-    ``re`` matches there: `dot` (no newline) or, where the DOTALL flag is on, `dot_all`.
-
-    The ``s`` flag is taken out of inline flag groups: global (``(?s)``, ``(?si)``) and scoped
-    (``(?s:...)`` turns it on inside, ``(?-s:...)`` off), so the backend never sees it (xgrammar
-    cannot parse flag groups). Escaped dots and dots in classes are literal and left alone; a
-    class's leading ``]`` (literal in Python) is escaped, as xgrammar would end the class there.
-    """
-    def flags(text: str) -> tuple[str, str]:
-        m = _FLAG_GROUP.fullmatch(text)
-        return (m.group(1), m.group(2) or "") if m else ("", "")
-
-    dotall = any(kind == "flags" and "s" in flags(text)[0] for kind, text in pieces)
-    stack: list[bool] = []
-    out: list[tuple[str, str]] = []
-    for kind, text in pieces:
-        if kind == "flags":  # global flags: Python allows them only at the start
-            text = _without_dotall(text)
-            if text:
-                out.append((kind, text))
-            continue
-        if kind == "open":
-            stack.append(dotall)
-            on, off = flags(text)
-            if "s" in on or "s" in off:
-                dotall = "s" in on
-                text = _without_dotall(text)
-        elif kind == "close" and stack:
-            dotall = stack.pop()
-        elif kind == "dot":
-            text = dot_all if dotall else dot
-        elif kind == "class" and text.startswith(("[]", "[^]")):
-            # Python reads a "]" first in a class as a literal; xgrammar ends the class there
-            text = text.replace("]", "\\]", 1)
-        out.append((kind, text))
-    return out
-
-
-def python_regex(pattern: str) -> str:
-    """A whole-output `Regex` pattern with Python's ``.`` semantics spelled out (`python_dots`):
-    what a backend is given, so it matches the strings ``re.fullmatch(pattern, s)`` matches."""
-    return "".join(text for _, text in python_dots(scan_regex(pattern)))
-
-
-def search_pattern(pattern: str, *, any_text: str, dot: str = LINE_CHAR,
-                   dot_all: str = ANY_CHAR) -> str | None:
-    """`pattern` (JSON Schema: search anywhere) as an equivalent whole-string regex.
-
-    `any_text` is the regex for "any string content" put on unanchored sides; `dot` / `dot_all`
-    replace ``.`` outside character classes (`python_dots`: jsonschema checks patterns with
-    Python's ``re``). None if an anchor sits anywhere but at the start / end of a top-level
-    alternative (then no such rewrite exists).
-    """
-    pieces = python_dots(scan_regex(pattern), dot=dot, dot_all=dot_all)
-    leading_flags = ""
-    if pieces and pieces[0][0] == "flags":
-        leading_flags = pieces.pop(0)[1]  # a global flag group such as (?i) stays in front
-    out = []
-    for alt in _top_level_alternatives(pieces):
-        start = bool(alt) and alt[0][0] == "bol"
-        body = alt[1:] if start else alt
-        end = bool(body) and body[-1][0] == "eol"
-        body = body[:-1] if end else body
-        if any(kind in ("bol", "eol") for kind, _ in body):
-            return None
-        core = "".join(text for _, text in body)
-        out.append(("" if start else any_text) + (f"(?:{core})" if core else "") + ("" if end else any_text))
-    joined = out[0] if len(out) == 1 else "(?:" + "|".join(f"(?:{a})" for a in out) + ")"
-    return leading_flags + joined
-
-
-def xgrammar_pattern(pattern: str) -> str:
-    """`pattern` with every group's ``?`` quantifier written ``{0,1}``.
-
-    xgrammar 0.2.9 mis-compiles an optional group inside a JSON string pattern: ``x(-[a-z]+)?``
-    accepts "xa" (the group's first character is skipped) and ``(-[a-z]+)?`` accepts any word;
-    ``{0,1}`` is compiled correctly (``Grammar.from_regex`` is not affected).
-    """
-    pieces = scan_regex(pattern)
-    out = []
-    for i, (kind, text) in enumerate(pieces):
-        if kind == "char" and text == "?" and i and pieces[i - 1][0] == "close":
-            out.append("{0,1}")
-        else:
-            out.append(text)
-    return "".join(out)
 
 
 def _types_of(node: dict) -> set[str]:
@@ -387,7 +190,10 @@ def _xgrammar_rewrite(node: Any) -> Any:
         rewritten = search_pattern(pattern, any_text=".*")
         node["pattern"] = xgrammar_pattern(rewritten if rewritten is not None else pattern)
     if isinstance(node.get("patternProperties"), dict):
-        node["patternProperties"] = {xgrammar_pattern(k): v for k, v in node["patternProperties"].items()}
+        # keys are matched whole (narrowed, see support.py), with Python's "." and (?s) as in
+        # `pattern`
+        node["patternProperties"] = {xgrammar_pattern(python_regex(k)): v
+                                     for k, v in node["patternProperties"].items()}
     if "integer" in types:
         # xgrammar raises on integer bounds past 64 bits; clamping them only narrows.
         for key, bound in (("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):
@@ -458,25 +264,6 @@ def _outlines_rewrite(node: Any) -> Any:
 XGRAMMAR_ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")  # which keyword wins
 
 
-def resolve_local_ref(root: Any, ref: Any) -> tuple[Any, list[Any]] | None:
-    """Target and document path of a local ``$ref`` ("#", "#/a/b") in ``root``; None when the
-    ref is not local or points nowhere."""
-    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-        return None
-    node, path = root, []
-    for raw in ref[2:].split("/") if ref != "#" else []:
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-            path.append(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-            path.append(int(part))
-        else:
-            return None
-    return node, path
-
-
 def all_of_values(node: Any, root: Any) -> list | None:
     """For a node where several-subschema ``allOf`` wins in xgrammar (which would generate any
     value): when a member fixes the values (``enum`` / ``const``, through local ``$ref``s), the
@@ -499,8 +286,6 @@ def all_of_values(node: Any, root: Any) -> list | None:
             break
     if not isinstance(candidates, list):
         return None
-    from .validate import json_validator
-
     try:
         validator = json_validator(root).evolve(schema=node)
         values, seen = [], set()

@@ -32,11 +32,9 @@ from .backends import (
     INT64_MIN,
     all_of_values,
     convert_json_schema,
-    python_regex,
-    resolve_local_ref,
-    scan_regex,
-    search_pattern,
 )
+from .patterns import REGEX_FEATURES, python_regex, regex_features, scan_regex
+from .pointers import resolve_local_ref
 from .refs import check_refs
 from .spec import SchemaSpec, to_pointer
 from .support import (
@@ -45,6 +43,7 @@ from .support import (
     OUTLINES_FORMATS,
     OUTLINES_LOOSE_FORMATS,
     PASSIVE,
+    REGEX_SUPPORT,
     TYPE_KEYWORDS,
     XGRAMMAR_FORMATS,
     XGRAMMAR_INT_MULTIPLE_OF_MAX,
@@ -53,7 +52,7 @@ from .support import (
 
 __all__ = ["PreflightIssue", "PreflightReport", "SchemaWarning", "preflight", "check_schema"]
 
-Level = Literal["unsupported", "ignored"]
+Level = Literal["unsupported", "ignored", "narrowed"]
 
 
 class SchemaWarning(UserWarning):
@@ -62,13 +61,20 @@ class SchemaWarning(UserWarning):
 
 @dataclass
 class PreflightIssue:
-    """One keyword a backend does not enforce: what, where (JSON pointer) and why."""
+    """One keyword a backend does not enforce: what, where (JSON pointer) and why.
+
+    ``level``: "unsupported" (refused or mis-compiled), "ignored" (instances the schema forbids
+    can be generated) or "narrowed" (some instances the schema allows cannot be generated;
+    nothing it forbids can). ``construct``: for a pattern, the regex construct at fault
+    (`patterns.REGEX_FEATURES`).
+    """
 
     keyword: str
     pointer: str
     level: Level
     backend: str
     message: str
+    construct: str | None = None
 
     def format(self) -> str:
         return f"{self.level}: {self.keyword} at {self.pointer or '/'} ({self.backend}): {self.message}"
@@ -92,9 +98,14 @@ class PreflightReport:
         return [i for i in self.issues if i.level == "ignored"]
 
     @property
+    def narrowed(self) -> list[PreflightIssue]:
+        return [i for i in self.issues if i.level == "narrowed"]
+
+    @property
     def ok(self) -> bool:
-        """True when the backend enforces the whole schema."""
-        return not self.issues
+        """True when the backend enforces the whole schema (it may narrow it: every generated
+        instance is still valid)."""
+        return not (self.unsupported or self.ignored)
 
     def format(self) -> str:
         """Human-readable: one line per issue (or one line saying all is enforced)."""
@@ -124,7 +135,7 @@ def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgra
         return report
     if spec.kind in ("regex", "choice"):
         if spec.kind == "regex":
-            report.issues.extend(_regex_issues(spec.regex or "", "", "regex", backend, in_json=False))
+            report.issues.extend(_regex_issues(spec.regex or "", "", "regex", backend, context="regex"))
             if backend == "xgrammar" and not report.unsupported:
                 _try_xgrammar_regex(spec.regex or "", report)
         return report
@@ -162,7 +173,8 @@ def check_schema(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "x
         raise SchemaError(f"{first.message}{more}.{hint}", keyword=first.keyword or None,
                           pointer=first.pointer, backend=backend)
     for issue in report.issues:
-        warnings.warn(SchemaWarning(issue.format()), stacklevel=2)
+        if issue.level != "narrowed":  # nothing invalid is generated: the report says it
+            warnings.warn(SchemaWarning(issue.format()), stacklevel=2)
     return report
 
 
@@ -170,51 +182,74 @@ def check_schema(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "x
 # regex features
 # --------------------------------------------------------------------------------------------
 
+#: Where a pattern sits (support.REGEX_CONTEXTS), as a report names it.
+_CONTEXT_NAMES = {"regex": "a Regex", "pattern": "a string 'pattern'",
+                  "propertyNames": "a 'propertyNames' pattern",
+                  "patternProperties": "a 'patternProperties' key"}
+
+
+#: What to do instead of a construct, where there is something better than leaving it out.
+_REGEX_FIXES = {
+    "non-digit": "write [^0-9] if only ASCII digits are to be excluded (the same in every backend)",
+    "non-word": "write [^A-Za-z0-9_] if only ASCII letters and digits are to be excluded",
+    "non-space": "write [^ \\t\\n\\r\\f\\v] if only ASCII spaces are to be excluded",
+    "lookahead": "spell the condition out without look-around (alternatives, or an 'enum')",
+    "negative-lookahead": "spell the exclusion out without look-around (alternatives, or a "
+                          "'not' the final validation checks)",
+    "flag-i": "spell both cases out, e.g. [Aa]",
+    "flag-x": "remove the whitespace and comments of the verbose pattern",
+    "inner-anchor": "move ^ / $ to the start / end of the pattern or of a top-level alternative",
+    "string-anchor": "write ^ and $",
+    "possessive": "drop the extra '+' (a plain quantifier matches the same whole strings here "
+                  "unless the pattern relies on it)",
+}
+
+
 def _regex_issues(pattern: str, pointer: str, keyword: str, backend: str, *,
-                  in_json: bool) -> list[PreflightIssue]:
-    """Features of `pattern` the backend rejects or drops. `in_json`: a string-schema pattern."""
+                  context: str) -> list[PreflightIssue]:
+    """The constructs of `pattern` `backend` does not handle as Python's re does in `context`
+    (`support.REGEX_SUPPORT`, measured), one issue each, naming the construct."""
     issues: list[PreflightIssue] = []
-
-    def add(level: Level, message: str) -> None:
-        issues.append(PreflightIssue(keyword, pointer, level, backend, message))
-
-    pieces = scan_regex(pattern)
-    opens = [text for kind, text in pieces if kind == "open"]
-    escapes = [text for kind, text in pieces if kind == "esc"]
-    if any(o in ("(?=", "(?!") for o in opens):
-        if backend == "xgrammar" and in_json:
-            add("ignored", "look-ahead assertions are dropped by xgrammar (the rest is enforced)")
-        elif backend == "xgrammar":
-            add("unsupported", "look-ahead assertions are not supported by xgrammar")
+    where = _CONTEXT_NAMES[context]
+    other = "outlines" if backend == "xgrammar" else "xgrammar"
+    for feature, text in regex_features(pattern).items():
+        status = REGEX_SUPPORT[feature][backend].get(context, "enforced")
+        if status == "enforced":
+            continue
+        name = f"{REGEX_FEATURES[feature]} {text!r}"
+        elsewhere = (f"; backend {other!r} enforces it"
+                     if REGEX_SUPPORT[feature][other].get(context) == "enforced" else "")
+        fix = _REGEX_FIXES.get(feature, "rewrite the pattern without it") + elsewhere
+        if status == "unsupported":
+            level: Level = "unsupported"
+            message = f"the {name} in {where} cannot be compiled by {backend}; {fix}"
+        elif status == "wrong":
+            level = "unsupported"
+            message = (f"{backend} mis-compiles the {name} in {where}: it would generate strings "
+                       f"the pattern excludes and refuse some it allows; {fix}")
+        elif status == "ignored":
+            level = "ignored"
+            message = (f"{backend} does not enforce the {name} in {where}: strings the pattern "
+                       f"excludes can be generated (final validation, with Python's re, rejects "
+                       f"them); {fix}")
         else:
-            add("unsupported", "look-ahead assertions cannot be compiled by outlines (Rust regex DFA)")
-    if any(o in ("(?<=", "(?<!") for o in opens):
-        add("unsupported", "look-behind assertions are not supported")
-    if any(o == "(?>" for o in opens):
-        add("unsupported", "atomic groups are not supported")
-    if any(e[1:2].isdigit() and e[1:2] != "0" or e.startswith("\\k") for e in escapes):
-        add("unsupported", "backreferences are not supported")
-    if any(e in ("\\b", "\\B") for e in escapes):
-        add("unsupported", "word boundaries (\\b, \\B) are not supported")
-    if any(e in ("\\A", "\\Z", "\\z", "\\G") for e in escapes):
-        add("unsupported", "\\A / \\Z anchors are not supported; use ^ and $")
-    if backend == "xgrammar" and any(e[:2] in ("\\p", "\\P") for e in escapes):
-        add("unsupported", "Unicode property classes (\\p{...}) are not supported by xgrammar")
-    if in_json:
-        if search_pattern(pattern, any_text=".*") is None:
-            add("unsupported", "^ or $ inside the pattern (not at the start / end of a top-level "
-                "alternative) cannot be turned into a whole-string match")
-        elif backend == "outlines":
-            risky = [text for kind, text in pieces
-                     if (kind == "class" and text.startswith("[^"))
-                     or (kind == "esc" and text in ("\\D", "\\W", "\\S", "\\s", "\\\\", '\\"', "\\n",
-                                                     "\\t", "\\r", "\\f", "\\v"))
-                     or (kind == "esc" and text[:2] in ("\\x", "\\u") and _is_control_escape(text))
-                     or (kind == "char" and text in ('"', "\\"))]
-            if risky:
-                add("ignored", "outlines matches patterns against the raw JSON text: "
-                    f"{', '.join(sorted(set(risky)))} can emit a raw quote, backslash or control "
-                    "character (an invalid JSON string)")
+            level = "narrowed"
+            message = (f"{backend} refuses some strings the {name} in {where} allows (never one "
+                       f"it excludes){elsewhere}")
+        issues.append(PreflightIssue(keyword, pointer, level, backend, message, construct=feature))
+    if context != "regex" and backend == "outlines":
+        pieces = scan_regex(pattern)
+        risky = [text for kind, text in pieces
+                 if (kind == "class" and text.startswith("[^"))
+                 or (kind == "esc" and text in ("\\D", "\\W", "\\S", "\\s", "\\\\", '\\"', "\\n",
+                                                 "\\t", "\\r", "\\f", "\\v"))
+                 or (kind == "esc" and text[:2] in ("\\x", "\\u") and _is_control_escape(text))
+                 or (kind == "char" and text in ('"', "\\"))]
+        if risky:
+            issues.append(PreflightIssue(
+                keyword, pointer, "ignored", backend, "outlines matches patterns against the raw "
+                f"JSON text: {', '.join(sorted(set(risky)))} can emit a raw quote, backslash or "
+                "control character (an invalid JSON string)"))
     return issues
 
 
@@ -321,10 +356,16 @@ class _Walker:
         self._validator: Any = None
 
     # ---- helpers ------------------------------------------------------------------------
-    def add(self, keyword: str, pointer: str, level: Level, message: str) -> None:
-        issue = PreflightIssue(keyword, pointer, level, self.backend, message)
-        if all((i.keyword, i.pointer, i.level) != (keyword, pointer, level) for i in self.issues):
+    def add(self, keyword: str, pointer: str, level: Level, message: str,
+            construct: str | None = None) -> None:
+        issue = PreflightIssue(keyword, pointer, level, self.backend, message, construct)
+        if all((i.keyword, i.pointer, i.level, i.construct) != (keyword, pointer, level, construct)
+               for i in self.issues):
             self.issues.append(issue)
+
+    def add_all(self, issues: Iterable[PreflightIssue]) -> None:
+        for i in issues:
+            self.add(i.keyword, i.pointer, i.level, i.message, i.construct)
 
     def run(self) -> list[PreflightIssue]:
         self.walk(self.root, [], ())
@@ -599,9 +640,9 @@ class _XGrammarWalker(_Walker):
                 self.add(k, to_pointer(path + [k]), "ignored",
                          f"xgrammar enforces 'pattern' and drops {k!r} next to it; put the length "
                          "into the pattern, e.g. ^[a-z]{3,8}$")
-            for issue in _regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
-                                       "xgrammar", in_json=True):
-                self.add(issue.keyword, issue.pointer, issue.level, issue.message)
+            context = "propertyNames" if path and path[-1] == "propertyNames" else "pattern"
+            self.add_all(_regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
+                                       "xgrammar", context=context))
 
     def pattern_bypass(self, node: dict, path: list[Any]) -> None:
         """xgrammar lets a declared property's name through a patternProperties key pattern too
@@ -632,6 +673,15 @@ class _XGrammarWalker(_Walker):
                          f"integer {k} {v!r} is outside the 64-bit range (-2**63 .. 2**63 - 1) "
                          "that xgrammar's integer grammar works in; use backend 'outlines' (the "
                          "bound is then checked after generating), or a string with a 'pattern'")
+        for k, beyond in (("minimum", INT64_MIN), ("exclusiveMinimum", INT64_MIN),
+                          ("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):
+            v = node.get(k)
+            if (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and (v < beyond if k.endswith("inimum") else v > beyond)):
+                self.add(k, to_pointer(path + [k]), "narrowed",
+                         f"integer {k} {v!r} is past the 64-bit range xgrammar's integer grammar "
+                         "works in: the bound is clamped to it, so integers beyond 64 bits are not "
+                         "generated; use backend 'outlines' if they are needed")
         m = node.get("multipleOf")
         if m is None:
             return
@@ -649,6 +699,16 @@ class _XGrammarWalker(_Walker):
                      f"{XGRAMMAR_INT_MULTIPLE_OF_RANGE_MAX} apart")
 
     def t_number(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
+        if "integer" not in (_types(node) or []):
+            for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+                v = node.get(k)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 2 ** 53:
+                    # bounds are doubles in xgrammar; measured: [0, 1e30] refuses 9223372036854775807, [2**70, 1e30] admits only
+                    # numbers near 2**70; nothing outside the range was seen accepted
+                    self.add(k, to_pointer(path + [k]), "narrowed",
+                             f"number {k} {v!r} is past 2**53 (exact doubles): xgrammar's range grammar then "
+                             "admits only part of the range (e.g. not 9223372036854775807 under "
+                             "maximum 1e30); use backend 'outlines' if the whole range is needed")
         if "multipleOf" in node and "integer" not in (_types(node) or []):
             self.add("multipleOf", to_pointer(path + ["multipleOf"]), "ignored",
                      "xgrammar does not enforce multipleOf for type 'number'")
@@ -664,6 +724,9 @@ class _XGrammarWalker(_Walker):
     def t_object(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
         self.walk_map(node, "properties", path, stack)
         self.walk_map(node, "patternProperties", path, stack)
+        for key in node.get("patternProperties") or {}:
+            self.add_all(_regex_issues(key, to_pointer(path + ["patternProperties", key]),
+                                       "patternProperties", "xgrammar", context="patternProperties"))
         self.pattern_bypass(node, path)
         self.required_undeclared(node, path)
         if isinstance(node.get("additionalProperties"), dict):
@@ -773,9 +836,8 @@ class _OutlinesWalker(_Walker):
             if fmt is not None:
                 self.add("format", to_pointer(path + ["format"]), "ignored",
                          "outlines enforces 'pattern' and drops 'format' next to it")
-            for issue in _regex_issues(pattern, to_pointer(path + ["pattern"]), "pattern", "outlines",
-                                       in_json=True):
-                self.add(issue.keyword, issue.pointer, issue.level, issue.message)
+            self.add_all(_regex_issues(pattern, to_pointer(path + ["pattern"]), "pattern", "outlines",
+                                       context="pattern"))
             return
         if fmt is not None:
             if fmt not in OUTLINES_FORMATS:

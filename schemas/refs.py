@@ -26,6 +26,8 @@ from typing import Any
 
 from constrained_spec.errors import SchemaError
 
+from .pointers import resolve_local_ref, to_pointer
+
 __all__ = ["REGISTRY", "REF_KEYWORDS", "check_refs", "validator", "validator_class"]
 
 #: The keywords whose value is a reference jsonschema resolves.
@@ -105,9 +107,6 @@ def check_refs(js: dict) -> None:
         return
     import referencing.jsonschema
     from referencing.exceptions import Unresolvable
-
-    from .backends import resolve_local_ref
-    from .spec import to_pointer
 
     cls = validator_class(js)
     spec = referencing.jsonschema.specification_with(

@@ -27,8 +27,11 @@ from typing import Any, Literal
 
 from constrained_spec.errors import SchemaError
 
+from .patterns import regex_escape, strip_edge_anchors  # noqa: F401 - re-exported
+from .pointers import to_pointer
+
 __all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema",
-           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES", "lone_surrogate"]
+           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES", "lone_surrogate", "to_pointer"]
 
 
 @dataclass(frozen=True)
@@ -351,10 +354,6 @@ def _check_text(text: str, what: str, **where: Any) -> None:
                           "cannot be written as UTF-8): fix the encoding of the input", **where)
 
 
-def to_pointer(parts: typing.Iterable[Any]) -> str:
-    """RFC 6901 JSON pointer for a path of keys / indices ("" is the document root)."""
-    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
-
 
 def _from_regex(pattern: Any) -> SchemaSpec:
     if not isinstance(pattern, str):
@@ -413,48 +412,6 @@ def _from_choices(values: list, *, target: Any, what: str) -> SchemaSpec:
     regex = "|".join(regex_escape(t) for t in sorted(texts, key=len, reverse=True))
     return SchemaSpec(kind="choice", choices=tuple(texts), regex=regex, target=target)
 
-
-# Characters every regex dialect we target (Python re, xgrammar, Rust regex) reads as syntax.
-_REGEX_META = set("\\.+*?()|[]{}^$-&~#")
-
-
-def regex_escape(text: str) -> str:
-    """Escape `text` as a literal for Python `re`, xgrammar and Rust `regex` alike.
-
-    (`re.escape` also escapes spaces, which Rust's regex rejects outside verbose mode.)
-    """
-    out = []
-    for ch in text:
-        if ch in _REGEX_META:
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def strip_edge_anchors(pattern: str) -> str:
-    """A whole-string regex without the ``^`` / ``$`` at the edges of its top-level
-    alternatives (no-ops under full matching, but outlines-core's DFA cannot start on ``^``)."""
-    from .backends import _top_level_alternatives, scan_regex
-
-    pieces = scan_regex(pattern)
-    flags = pieces.pop(0)[1] if pieces and pieces[0][0] == "flags" else ""
-    alts = []
-    for alt in _top_level_alternatives(pieces):
-        if alt and alt[0][0] == "bol":
-            alt = alt[1:]
-        if alt and alt[-1][0] == "eol":
-            alt = alt[:-1]
-        alts.append("".join(text for _, text in alt))
-    return flags + (alts[0] if len(alts) == 1 else "|".join(alts))
 
 
 _XGR_LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+?:\d+:\s*")

@@ -186,3 +186,71 @@ TYPE_KEYWORDS = {
 # * format date / date-time check the syntax only (Feb 30, year 0000; worked around: a
 #   calendar-exact pattern). Integer bounds past 64 bits and draft 4's boolean
 #   exclusiveMinimum / exclusiveMaximum raise (worked around: clamped / converted).
+
+
+# --------------------------------------------------------------------------------------------
+# regex constructs (patterns.REGEX_FEATURES), measured by grammar/regex_probe.py
+# --------------------------------------------------------------------------------------------
+
+#: "enforced": judged as Python's re judges it; "ignored": strings Python rejects get through;
+#: "narrowed": strings Python accepts are refused (outputs stay valid); "wrong": both;
+#: "unsupported": the backend refuses to compile it.
+RegexSupport = Literal["enforced", "ignored", "narrowed", "wrong", "unsupported"]
+
+#: Where a pattern sits, per backend (outlines ignores propertyNames and patternProperties).
+REGEX_CONTEXTS: dict[str, tuple[str, ...]] = {
+    "xgrammar": ("regex", "pattern", "propertyNames", "patternProperties"),
+    "outlines": ("regex", "pattern"),
+}
+
+# Measured with xgrammar 0.2.9 and outlines-core 0.2.14 through this library's rewrites
+# (grammar/regex_probe.py; tests/schemas/test_regex_support.py measures again). Python's re is
+# the reference. Notes: xgrammar's \d / \w are ASCII (so \D / \W let Unicode digits / letters
+# through); its "narrowed" \s and (?s) in JSON strings come from its string patterns never
+# matching an escaped character (\t, \n); inline flags other than s (applied by the rewrite)
+# do not parse in xgrammar; its possessive quantifiers and inner / \A \Z anchors compile to
+# something else. Python's re cannot compile \p{..}: normalize_schema refuses such a pattern.
+_REGEX_TABLE = """
+#                     |------------------ xgrammar ------------------| |------ outlines -------|
+# feature           regex       pattern     propNames   patProps    regex       pattern
+lookahead           unsupported ignored     ignored     ignored     unsupported unsupported
+negative-lookahead  unsupported ignored     ignored     ignored     unsupported unsupported
+lookbehind          unsupported unsupported unsupported unsupported unsupported unsupported
+negative-lookbehind unsupported unsupported unsupported unsupported unsupported unsupported
+backreference       unsupported unsupported unsupported unsupported unsupported unsupported
+conditional         unsupported unsupported unsupported unsupported unsupported unsupported
+word-boundary       unsupported unsupported unsupported unsupported unsupported unsupported
+non-word-boundary   unsupported unsupported unsupported unsupported unsupported unsupported
+digit               narrowed    narrowed    narrowed    narrowed    enforced    enforced
+non-digit           ignored     ignored     ignored     ignored     enforced    enforced
+word                narrowed    narrowed    narrowed    narrowed    enforced    enforced
+non-word            ignored     ignored     ignored     ignored     enforced    enforced
+space               enforced    narrowed    narrowed    narrowed    enforced    narrowed
+non-space           enforced    enforced    enforced    enforced    enforced    enforced
+flag-i              unsupported unsupported unsupported unsupported enforced    enforced
+flag-m              unsupported unsupported unsupported unsupported enforced    narrowed
+flag-s              enforced    narrowed    narrowed    narrowed    enforced    enforced
+flag-x              unsupported unsupported unsupported unsupported enforced    enforced
+flag-a              unsupported unsupported unsupported unsupported unsupported unsupported
+atomic-group        unsupported unsupported unsupported unsupported unsupported unsupported
+possessive          unsupported ignored     ignored     ignored     ignored     ignored
+inner-anchor        ignored     wrong       wrong       wrong       unsupported unsupported
+string-anchor       wrong       wrong       wrong       wrong       unsupported unsupported
+"""
+_COLUMNS = [(b, c) for b, contexts in REGEX_CONTEXTS.items() for c in contexts]
+
+
+def _parse_regex_table(text: str) -> dict[str, dict[str, dict[str, RegexSupport]]]:
+    table: dict[str, dict[str, dict[str, RegexSupport]]] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            feature, *cells = line.split()
+            row: dict[str, dict[str, RegexSupport]] = {b: {} for b in REGEX_CONTEXTS}
+            for (backend, context), cell in zip(_COLUMNS, cells, strict=True):
+                row[backend][context] = cell  # type: ignore[assignment]
+            table[feature] = row
+    return table
+
+
+#: feature (patterns.REGEX_FEATURES) -> backend -> context -> RegexSupport
+REGEX_SUPPORT = _parse_regex_table(_REGEX_TABLE)

@@ -19,7 +19,9 @@ from typing import Any
 
 from constrained_spec.errors import OutputValidationError, SchemaError
 
+from .pointers import to_pointer
 from .spec import SchemaSpec
+from .validator import json_validator
 
 __all__ = ["parse_output"]
 
@@ -100,8 +102,6 @@ def _parse_json(spec: SchemaSpec, text: str) -> Any:
             "max_tokens or bound the recursion in the schema", text=text,
             errors=["nesting too deep to validate"]) from None
     if errors:
-        from .spec import to_pointer
-
         listed = [f"{to_pointer(e.absolute_path) or '/'}: {e.message}" for e in errors]
         raise OutputValidationError(f"output does not match the JSON Schema: {listed[0]}"
                                     + (f" (+{len(listed) - 1} more)" if len(listed) > 1 else ""),
@@ -154,16 +154,6 @@ def _validator(spec: SchemaSpec) -> Any:
             _VALIDATORS[spec.key] = v
     return v
 
-
-def json_validator(schema: dict) -> Any:
-    """The jsonschema validator final validation uses: the schema's ``$schema`` draft (default
-    2020-12) with format checking, including the formats of `formats.FORMAT_CHECKS`."""
-    from .formats import format_checker
-    from .refs import validator, validator_class
-
-    cls = validator_class(schema)
-    # references resolve inside the schema only (refs.py): jsonschema never fetches one
-    return validator(schema, cls=cls, format_checker=format_checker(cls))
 
 
 def _grammar_accepts(spec: SchemaSpec, text: str) -> bool:

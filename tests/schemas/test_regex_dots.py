@@ -16,7 +16,7 @@ from cs_testlib import bigram_loaded
 from constrained_spec import Generator, OutputValidationError, Regex
 from constrained_spec.grammar import TokenizerData, compile_spec
 from constrained_spec.schemas import normalize_schema, parse_output
-from constrained_spec.schemas.backends import python_regex, search_pattern
+from constrained_spec.schemas.patterns import python_regex, search_pattern
 
 # patterns exercising dots in and out of classes, escapes, groups, alternations, quantifiers
 # and the DOTALL flag: global, combined with others, scoped on and off
