@@ -118,8 +118,10 @@ def _check_retry_temperature(value: Any) -> float:
 
 def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None,
                        system_prompt: Any, max_tokens: int, lookahead: int) -> list[int]:
-    ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt)
     limit = loaded.runner.max_context
+    # the default schema description shortens itself to fit beside max_tokens (prompts.py)
+    ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
+                        reserved=max_tokens + lookahead + 1)
     if len(ids) + max_tokens + lookahead + 1 > limit:
         raise PromptTooLongError(
             f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
