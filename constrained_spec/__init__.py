@@ -17,6 +17,7 @@ from .errors import (
     ModelLoadError,
     OutputValidationError,
     PromptTooLongError,
+    RepetitionLoopError,
     SchemaError,
 )
 from .models import LoadedModel, load_model
@@ -28,5 +29,5 @@ __all__ = [
     "generate", "Generator", "GenerationResult", "SpeculativeConfig", "SamplingParams",
     "Regex", "Grammar", "JsonLayout", "ConstrainedSpecError", "SchemaError", "GenerationError",
     "IncompleteOutputError", "OutputValidationError", "ModelLoadError", "ConfigError",
-    "PromptTooLongError", "LoadedModel", "load_model", "SpecStats",
+    "PromptTooLongError", "RepetitionLoopError", "LoadedModel", "load_model", "SpecStats",
 ]

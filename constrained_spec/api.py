@@ -38,6 +38,7 @@ from .errors import (
     IncompleteOutputError,
     OutputValidationError,
     PromptTooLongError,
+    RepetitionLoopError,
     SchemaError,
 )
 from .models import LoadedModel, load_model
@@ -117,8 +118,10 @@ def _check_retry_temperature(value: Any) -> float:
 
 def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None,
                        system_prompt: Any, max_tokens: int, lookahead: int) -> list[int]:
-    ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt)
     limit = loaded.runner.max_context
+    # the default schema description shortens itself to fit beside max_tokens (prompts.py)
+    ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
+                        reserved=max_tokens + lookahead + 1)
     if len(ids) + max_tokens + lookahead + 1 > limit:
         raise PromptTooLongError(
             f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
@@ -364,6 +367,16 @@ class Generator(Generic[T]):
                 f"max_tokens={req.params.max_tokens} reached before the output was complete; "
                 "raise max_tokens (partial output on .partial_text)",
                 partial_text=text, token_ids=req.output_ids, stats=req.stats)
+        if req.finish_reason == "loop" and req.loops is not None and req.loops.loop is not None:
+            loop = req.loops.loop  # the output repeated one unit of tokens (loops.py)
+            unit = self.model.tokenizer.decode(req.output_ids[loop.start:loop.start + loop.period])
+            return RepetitionLoopError(
+                f"repetition loop detected after {len(req.output_ids)} of max_tokens="
+                f"{req.params.max_tokens} tokens: {unit!r:.80} ({loop.period} tokens) repeated "
+                f"{loop.repeats:.0f} times from output token {loop.start}; stopped early. Retry "
+                "with sampling (max_retries) or a repetition guard (no_repeat_ngram_size) "
+                "(partial output on .partial_text)", partial_text=text, token_ids=req.output_ids,
+                stats=req.stats, period=loop.period, start=loop.start, repeated_text=unit)
         if req.finish_reason == "cancelled":
             return ConstrainedSpecError("the request was cancelled")
         if req.finish_reason != "stop":

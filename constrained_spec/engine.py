@@ -40,6 +40,7 @@ from .config import SamplingParams, SpeculativeConfig
 from .drafters.base import DraftState, Drafter, GrammarCursor
 from .drafters.forced import ForcedDrafter
 from .errors import ConfigError, GenerationError
+from .loops import LoopDetector
 from .sampling import apply_repetition_guard, process_logits
 from .stats import SpecStats
 
@@ -68,13 +69,14 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None  # streaming callback (emitted ids)
     id: int = -1
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "loop" | "cancelled" | "error"
     error: BaseException | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     slot: int = -1
     generator: torch.Generator | None = None
     drafter_state: Any = None
     cancelled: bool = False
+    loops: LoopDetector | None = field(default_factory=LoopDetector)  # None: never stop a loop
 
     @property
     def finished(self) -> bool:
@@ -419,6 +421,11 @@ class Engine:
             kept.append(tok)
             if r.matcher is not None and r.matcher.must_stop():
                 self._finish(r, "stop")
+                break
+            if r.loops is not None and r.loops.push(tok) is not None:
+                # a repetition loop (loops.py) would spend the rest of max_tokens: stop it here
+                self._finish(r, "loop")
+                st.record_loop(r.params.max_tokens - len(r.output_ids))
                 break
         st.emitted_tokens += len(kept)
         # cache keeps the pending token + the accepted drafts; the new pending token is not cached

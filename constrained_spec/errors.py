@@ -51,6 +51,23 @@ class IncompleteOutputError(ConstrainedSpecError):
         super().__init__(message)
 
 
+class RepetitionLoopError(IncompleteOutputError):
+    """The output fell into a repetition loop and was stopped before max_tokens (``loops.py``).
+
+    ``period`` (tokens per repeated unit), ``start`` (token offset into the output where the
+    repetition began) and ``repeated_text`` say where; ``max_retries`` retries it like any
+    incomplete output.
+    """
+
+    def __init__(self, message: str, *, partial_text: str, token_ids: list[int] | None = None,
+                 stats: Any = None, period: int = 0, start: int = 0,
+                 repeated_text: str = "") -> None:
+        self.period = period
+        self.start = start
+        self.repeated_text = repeated_text
+        super().__init__(message, partial_text=partial_text, token_ids=token_ids, stats=stats)
+
+
 class OutputValidationError(ConstrainedSpecError):
     """A completed output failed final validation (jsonschema / Pydantic)."""
 

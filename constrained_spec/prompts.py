@@ -6,11 +6,22 @@ system message). A list of chat messages is used as given (a content that is a l
 OpenAI-style text parts is joined), with our system message put in front unless one is
 already there or ``system_prompt=False``. Text that is not Unicode (lone surrogates) or
 content that is not text is a `ConfigError` naming ``prompt`` / ``system_prompt``.
+
+The default system message fits a token budget. It pastes the whole JSON Schema (today's text)
+when that takes at most :data:`SCHEMA_PROMPT_SHARE` of the model's context and leaves room for
+the rest of the prompt and ``max_tokens``; a bigger schema is described by a compact outline
+(one line per field path: type, enum values, required, description) that leaves out what the
+grammar enforces anyway (patterns, formats, bounds, ``additionalProperties``, definitions);
+then the outline without descriptions, then the field names alone, cut to fit. The grammar
+enforces the structure whatever the message says, so a schema is never refused for the length
+of its description: only a user prompt or ``max_tokens`` too long for the context is.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from constrained_spec.schemas import SchemaSpec
@@ -20,22 +31,223 @@ from .errors import ConfigError
 
 Messages = list[dict[str, str]]
 
+#: Share of the model's context the default system message may take (e.g. 2,048 of 8,192
+#: tokens): a quarter leaves most of the context to the user's prompt and the output, and
+#: holds the whole schema of the usual function-call / extraction sizes (a few hundred tokens).
+SCHEMA_PROMPT_SHARE = 0.25
+# outline details: enum values listed per field, characters of a description kept
+_OUTLINE_ENUMS = 12
+_OUTLINE_DESCRIPTION = 160
+# nesting followed by the outline (a recursive $ref stops at its first repetition anyway)
+_OUTLINE_DEPTH = 8
 
-def describe_schema(spec: SchemaSpec | None) -> str | None:
-    """The default system message for a spec: what to answer and in which shape."""
+
+def describe_schema(spec: SchemaSpec | None, budget: int | None = None,
+                    count: Callable[[str], int] | None = None) -> str | None:
+    """The default system message for a spec: what to answer and in which shape.
+
+    Without ``budget``: the full description (the whole JSON Schema for a JSON spec). With a
+    ``budget`` in tokens (``count(text)`` measures a text): the most detailed description that
+    fits, see the module docstring; the last resort is a one-line instruction.
+    """
     if spec is None:
         return None
+    texts = _descriptions(spec)
+    if budget is None or count is None:
+        return next(texts)
+    for text in texts:
+        if count(text) <= budget:
+            return text
+    if spec.kind == "json_schema":
+        return _names_within(spec.json_schema or {}, budget, count)
+    return text  # the shortest: a one-line instruction
+
+
+_JSON_HEAD = "Answer with a JSON object that follows this JSON Schema, and nothing else."
+_OUTLINE_HEAD = ("Answer with a JSON object, and nothing else. Its fields (one line per path: "
+                 "type; * = required; a[] = the items of array a):")
+_NAMES_HEAD = "Answer with a JSON object, and nothing else. Its fields: "
+
+
+def _descriptions(spec: SchemaSpec) -> Iterator[str]:
+    """Candidate system messages for ``spec``, most detailed first (computed lazily)."""
     if spec.kind == "json_schema":
         schema = json.dumps(spec.json_schema, ensure_ascii=False)
         guide = _field_guide(spec.json_schema or {})
-        text = ("Answer with a JSON object that follows this JSON Schema, and nothing else.\n"
-                f"JSON Schema: {schema}")
-        return text + (f"\nFields:\n{guide}" if guide else "")
-    if spec.kind == "regex":
-        return f"Answer with text that matches this regular expression, and nothing else: {spec.regex}"
-    if spec.kind == "choice":
-        return "Answer with exactly one of these options, and nothing else: " + ", ".join(spec.choices)
-    return f"Answer with text that follows this grammar (EBNF), and nothing else:\n{spec.ebnf}"
+        text = f"{_JSON_HEAD}\nJSON Schema: {schema}"
+        yield text + (f"\nFields:\n{guide}" if guide else "")
+        fields = _outline_fields(spec.json_schema or {})
+        for depth in sorted({f[0] for f in fields}, reverse=True):
+            for descriptions in (True, False):
+                lines = [_outline_line(f, descriptions) for f in fields if f[0] <= depth]
+                yield _OUTLINE_HEAD + "\n" + "\n".join(lines)
+    elif spec.kind == "regex":
+        yield f"Answer with text that matches this regular expression, and nothing else: {spec.regex}"
+        yield "Answer with text in the required format, and nothing else."
+    elif spec.kind == "choice":
+        yield "Answer with exactly one of these options, and nothing else: " + ", ".join(spec.choices)
+        yield "Answer with exactly one of the allowed options, and nothing else."
+    else:
+        yield f"Answer with text that follows this grammar (EBNF), and nothing else:\n{spec.ebnf}"
+        yield "Answer with text in the required format, and nothing else."
+
+
+# one outline entry: (depth, path, required, type text, description)
+_Field = tuple[int, str, bool, str, str]
+
+
+def _outline_line(field: _Field, descriptions: bool) -> str:
+    _, path, required, kind, text = field
+    line = f"- {path}{'*' if required else ''}: {kind}"
+    return line + (f" - {text}" if descriptions and text else "")
+
+
+def _names_within(schema: dict[str, Any], budget: int, count: Callable[[str], int]) -> str:
+    """The field paths, shallowest first, as many as fit in ``budget`` tokens."""
+    fields = sorted(_outline_fields(schema), key=lambda f: f[0])  # stable: schema order per depth
+    names = [f[1] + ("*" if f[2] else "") for f in fields]
+
+    def text(k: int) -> str:
+        if k == 0:
+            return "Answer with a JSON object, and nothing else."
+        more = f", ... ({len(names) - k} more)" if k < len(names) else ""
+        return _NAMES_HEAD + ", ".join(names[:k]) + more
+
+    lo, hi = 0, len(names)  # the largest k whose text fits (the text grows with k)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(text(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text(lo)
+
+
+class _TooMany(Exception):
+    """The outline walk passed its entry cap (retried with less nesting)."""
+
+
+# entries an outline walk may produce: far more than any budget holds, so the walk stays cheap
+_OUTLINE_CAP = 4000
+
+
+def _outline_fields(schema: dict[str, Any]) -> list[_Field]:
+    """The outline of a JSON Schema: one entry per field path, in schema order.
+
+    Follows local ``$ref`` (a recursive one once), ``allOf`` / ``anyOf`` / ``oneOf`` branches
+    (their fields share the path), array items (``path[]``) and object-valued
+    ``additionalProperties`` (``path.*``), down to :data:`_OUTLINE_DEPTH` levels; a schema whose
+    outline would pass :data:`_OUTLINE_CAP` entries is outlined less deeply.
+    """
+    for depth in range(_OUTLINE_DEPTH, 0, -1):
+        try:
+            return _walk_outline(schema, depth)
+        except _TooMany:
+            continue
+    return []
+
+
+def _walk_outline(root: dict[str, Any], max_depth: int) -> list[_Field]:
+    out: list[_Field] = []
+
+    def resolve(node: Any, refs: frozenset[str]) -> tuple[Any, frozenset[str]]:
+        while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+            ref = node["$ref"]
+            target = _pointer(root, ref)
+            if ref in refs or not isinstance(target, dict):
+                return None, refs  # recursive, remote or dangling: described by its neighbours
+            refs = refs | {ref}
+            node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return node, refs
+
+    def kind(node: Any, refs: frozenset[str], nest: int = 0) -> str:
+        node, refs = resolve(node, frozenset())  # even a recursive reference has a type
+        if not isinstance(node, dict):
+            return "any"
+        if "const" in node:
+            return "constant " + json.dumps(node["const"], ensure_ascii=False)
+        if isinstance(node.get("enum"), list):
+            vals = [json.dumps(v, ensure_ascii=False) for v in node["enum"][:_OUTLINE_ENUMS]]
+            return "one of " + ", ".join(vals) + (", ..." if len(node["enum"]) > _OUTLINE_ENUMS else "")
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and nest < 2:
+                return " or ".join(dict.fromkeys(kind(b, refs, nest + 1) for b in node[key][:4]))
+        t = node.get("type")
+        if isinstance(t, list):
+            t = " or ".join(str(x) for x in t)
+        if t is None:
+            t = "object" if "properties" in node else "array" if "items" in node else "any"
+        if t == "array" and isinstance(node.get("items"), dict) and nest < 2:
+            return "array of " + kind(node["items"], refs, nest + 1)
+        return str(t)
+
+    def add(node: Any, path: str, required: bool, depth: int, refs: frozenset[str]) -> None:
+        resolved, inner = resolve(node, refs)
+        if not isinstance(resolved, dict):
+            if isinstance(node, dict) or node is True:  # a recursive reference: no children
+                target = _pointer(root, node["$ref"]) if isinstance(node, dict) else None
+                out.append((depth, path, required, kind(target, refs) if target else "any", ""))
+            return
+        text = resolved.get("description") or resolved.get("title") or ""
+        text = " ".join(str(text).split())
+        if len(text) > _OUTLINE_DESCRIPTION:
+            text = text[:_OUTLINE_DESCRIPTION - 3].rstrip() + "..."
+        out.append((depth, path, required, kind(resolved, inner), text))
+        if len(out) > _OUTLINE_CAP:
+            raise _TooMany
+        if depth < max_depth:
+            children(resolved, path, depth, inner)
+
+    def children(node: dict[str, Any], path: str, depth: int, refs: frozenset[str]) -> None:
+        props = node.get("properties")
+        if isinstance(props, dict):
+            req = node.get("required") if isinstance(node.get("required"), list) else []
+            for name, sub in props.items():
+                add(sub, f"{path}.{name}" if path else name, name in req, depth + 1, refs)
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict) and extra:
+            add(extra, f"{path}.*" if path else "*", False, depth + 1, refs)
+        items = node.get("items")
+        if isinstance(items, dict):
+            sub, inner = resolve(items, refs)
+            if isinstance(sub, dict) and depth + 1 < max_depth:
+                children(sub, f"{path}[]", depth + 1, inner)
+        for key in ("allOf", "anyOf", "oneOf"):
+            branches = node.get(key)
+            for branch in branches if isinstance(branches, list) else []:
+                sub, inner = resolve(branch, refs)
+                if isinstance(sub, dict):
+                    children(sub, path, depth, inner)
+
+    top, refs = resolve(root, frozenset())
+    if isinstance(top, dict):
+        if top.get("type") not in (None, "object") or "properties" not in top:
+            out.append((0, "(the value)", True, kind(top, refs), ""))
+        children(top, "", 0, refs)
+    # a path reached by several branches is listed once (the first, most detailed)
+    seen: set[str] = set()
+    unique = []
+    for f in out:
+        if f[1] not in seen:
+            seen.add(f[1])
+            unique.append(f)
+    return unique
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The node a local reference (``#/definitions/a``) points to, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _field_guide(schema: dict[str, Any]) -> str:
@@ -110,11 +322,53 @@ def build_messages(prompt: str | Messages, spec: SchemaSpec | None,
 
 
 def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | None,
-                  system_prompt: str | bool | None = None) -> list[int]:
-    """Token ids of the full model input, generation prompt included."""
+                  system_prompt: str | bool | None = None, *, context: int | None = None,
+                  reserved: int = 0) -> list[int]:
+    """Token ids of the full model input, generation prompt included.
+
+    With ``context`` (the model's context in tokens) and ``reserved`` (the tokens kept for the
+    output: max_tokens and the speculative lookahead), the default system message fits a budget
+    of ``SCHEMA_PROMPT_SHARE * context`` tokens and whatever the rest of the prompt and
+    ``reserved`` leave (module docstring); without them it is the full description.
+    """
     messages = build_messages(prompt, spec, system_prompt)
     if isinstance(prompt, str) and not prompt.strip():
         raise ConfigError("the prompt is empty", option="prompt")
+    if context is None or spec is None or system_prompt is not None \
+            or any(m["role"] == "system" for m in build_messages(prompt, spec, False)):
+        return _encode_messages(tokenizer, messages)  # no system message of ours to fit
+    user = build_messages(prompt, spec, False)
+    # what the prompt takes besides our text: the same messages with an empty system message
+    base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user])
+    budget = min(int(SCHEMA_PROMPT_SHARE * context), context - reserved - len(base))
+    text = _fitting_description(tokenizer, spec, budget)
+    return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user])
+
+
+# (id(tokenizer), spec key, budget) -> (tokenizer, text): every request of a Generator asks for
+# the same description, and measuring a big schema's candidates takes a second
+_FITTED: OrderedDict[tuple[int, str, int], tuple[Any, str]] = OrderedDict()
+_FITTED_SIZE = 64
+
+
+def _fitting_description(tokenizer: Any, spec: SchemaSpec, budget: int) -> str:
+    key = (id(tokenizer), spec.key, budget)
+    hit = _FITTED.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        _FITTED.move_to_end(key)
+        return hit[1]
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    text = describe_schema(spec, budget, count) or ""
+    _FITTED[key] = (tokenizer, text)
+    if len(_FITTED) > _FITTED_SIZE:
+        _FITTED.popitem(last=False)
+    return text
+
+
+def _encode_messages(tokenizer: Any, messages: Messages) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer.encode(text, add_special_tokens=False)

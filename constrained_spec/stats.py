@@ -3,6 +3,9 @@
 ``acceptance_length`` = emitted tokens per target forward (1.0 without speculation).
 ``acceptance_rate_by_position[i]`` = of the steps that proposed at least i+1 drafts, the
 fraction whose (i+1)-th draft was accepted.
+``loops_detected`` = attempts stopped early by the repetition-loop detector (``loops.py``);
+``loop_tokens_saved`` = the ``max_tokens`` budget they had left when stopped, which a loop
+under a grammar would have spent (an upper bound: the loop might have ended by itself).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class SpecStats:
     verification_s: float = 0.0
     step_s: float = 0.0
     attempts: int = 1
+    loops_detected: int = 0
+    loop_tokens_saved: int = 0
 
     def record_positions(self, drafted: int, accepted: int) -> None:
         while len(self.proposed_at) < drafted:
@@ -38,6 +43,11 @@ class SpecStats:
             self.proposed_at[i] += 1
             if i < accepted:
                 self.accepted_at[i] += 1
+
+    def record_loop(self, budget_left: int) -> None:
+        """An attempt was stopped by the loop detector with ``budget_left`` tokens unspent."""
+        self.loops_detected += 1
+        self.loop_tokens_saved += max(0, budget_left)
 
     @property
     def acceptance_length(self) -> float:
@@ -64,7 +74,8 @@ class SpecStats:
         out = SpecStats()
         for name in ("prompt_tokens", "emitted_tokens", "target_forwards", "drafted_tokens",
                      "accepted_tokens", "forced_drafted", "forced_tokens", "prefill_s", "drafting_s",
-                     "grammar_s", "target_forward_s", "verification_s", "step_s", "attempts"):
+                     "grammar_s", "target_forward_s", "verification_s", "step_s", "attempts",
+                     "loops_detected", "loop_tokens_saved"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.proposed_at), len(other.proposed_at))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
