@@ -14,8 +14,9 @@ each timed at a model's first load on a machine over the kernels the machine and
 offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups; int8, a
 re-quantization, only when asked for), and cached beside the converted checkpoint keyed by the
 machine (CPU flags, torch's capability, threads) and the memory mode (``CONSTRAINED_SPEC_MEMORY``:
-``fast`` keeps the dense copies the fastest kernels need, ``lean`` keeps 4-bit weights 4-bit and
-dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
+``auto``, the default, keeps a dense copy of the 4-bit weights only where it is measured faster
+by a margin, ``fast`` keeps the dense copies the fastest kernels need, ``lean`` keeps 4-bit
+weights 4-bit and dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
 ``measure`` (measure again) or a fixed plan such as
 ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
 """
@@ -46,19 +47,25 @@ PLAN_FILE = "plan.json"
 DECODE_ROWS = (1, 6, 24)
 PREFILL_ROWS = (128, 512)  # a short prompt, a long one
 DENSE_DECODE_GAIN = 0.25  # see _merge
-MEMORY_MODES = ("fast", "lean")
+# the gain a resident dense copy must bring a prompt's forward (at every measured prompt
+# length) for "auto" memory to keep one: it costs 2-4x the 4-bit bytes of the model
+RESIDENT_PREFILL_GAIN = 0.25
+MEMORY_MODES = ("fast", "lean")  # what a plan holds
+MEMORY_CHOICES = ("auto", *MEMORY_MODES)  # what CONSTRAINED_SPEC_MEMORY may ask for
 
 
 def memory_mode() -> str:
-    """``CONSTRAINED_SPEC_MEMORY``: "fast" (default) keeps the dense copies the plan's fastest
-    kernels need; "lean" keeps 4-bit weights 4-bit and dequantizes a prompt's per call."""
-    mode = os.environ.get("CONSTRAINED_SPEC_MEMORY", "fast").strip() or "fast"
-    if mode not in MEMORY_MODES:
-        raise ConfigError(f"CONSTRAINED_SPEC_MEMORY={mode!r}: use fast or lean",
+    """``CONSTRAINED_SPEC_MEMORY``: "auto" (default) measures both and keeps dense copies only
+    where they win by a margin (`RESIDENT_PREFILL_GAIN`, `DENSE_DECODE_GAIN`); "fast" keeps the
+    dense copies the plan's fastest kernels need; "lean" keeps 4-bit weights 4-bit and
+    dequantizes a prompt's per call."""
+    mode = os.environ.get("CONSTRAINED_SPEC_MEMORY", "auto").strip() or "auto"
+    if mode not in MEMORY_CHOICES:
+        raise ConfigError(f"CONSTRAINED_SPEC_MEMORY={mode!r}: use auto, fast or lean",
                           option="CONSTRAINED_SPEC_MEMORY")
     return mode
 _CONTEXT = 128  # context the decode rows attend to while timed
-_PLAN_VERSION = 3
+_PLAN_VERSION = 4  # 4: "auto" memory, dequantization 2x faster
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
 
@@ -150,7 +157,7 @@ class KernelPlan:
         return cls(prefill=_parse_buckets(parts.get("prefill", first)), decode=decode,
                    lm_head=parts.get("lm_head", first),
                    kv=parts.get("kv", "fp32" if first == "fp32" else "bf16"), source="env",
-                   memory=parts.get("memory") or memory_mode())
+                   memory=parts.get("memory") or _fixed_memory())
 
 
 def _bucket(buckets: list[tuple[int, str]], rows: int) -> str:
@@ -271,6 +278,12 @@ def machine_key(device: torch.device) -> str:
                        sorted(m["isa_env"].items())])
 
 
+def _fixed_memory() -> str:
+    """The memory mode of a plan written by hand: "auto" keeps what its kernels need."""
+    mode = memory_mode()
+    return "fast" if mode == "auto" else mode
+
+
 # -- measuring -----------------------------------------------------------------------------
 def _best(times: dict[str, float]) -> str:
     return min(times, key=times.__getitem__)
@@ -288,6 +301,9 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     prompt = [(7 * i + 3) % min(runner.vocab_size, 1000) for i in range(max(*prefill_rows, _CONTEXT))]
     saved = runner.plan
     lean = "int4" if "int4" in candidates else None
+    # "auto" times a prompt's dense kernels both ways: dequantized per call and resident
+    prefill_modes = ("lean", "fast") if memory == "auto" else (memory,)
+    resident: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
     try:
         for kernel in candidates:
             if progress:
@@ -295,12 +311,14 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
             # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
             # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
             kv = "fp32" if kernel == "fp32" else "bf16"
-            runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
-                                       lm_head=kernel, kv=kv, memory=memory))
-            for r in prefill_rows:
-                times[f"prefill@{r}"][kernel] = _timed(1 if r > 256 else repeats, lambda r=r: (
-                    runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
-                                                             phase="prefill")))
+            for mode in prefill_modes if kernel in ("fp32", "bf16") else prefill_modes[:1]:
+                into = resident if mode == "fast" and memory == "auto" else times
+                runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
+                                           lm_head=kernel, kv=kv, memory=mode))
+                for r in prefill_rows:
+                    into[f"prefill@{r}"][kernel] = _timed(1 if r > 256 else repeats, lambda r=r: (
+                        runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
+                                                                 phase="prefill")))
             runner.set_plan(KernelPlan.uniform(kernel))  # decode kernels keep dense forms resident
             runner.truncate(slot, 0)
             runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
@@ -315,12 +333,29 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         runner.free_slot(slot)
         runner.set_plan(saved)
     decode = _decode_buckets({r: times[f"decode@{r}"] for r in rows},
-                             dense_margin=DENSE_DECODE_GAIN if memory == "lean" else None)
+                             dense_margin=None if memory == "fast" else DENSE_DECODE_GAIN)
+    prefill = {r: times[f"prefill@{r}"] for r in prefill_rows}
+    if memory == "auto":
+        memory = _auto_memory(decode, prefill, {r: resident[f"prefill@{r}"] for r in prefill_rows})
+        if memory == "fast":
+            prefill = {r: {**prefill[r], **resident[f"prefill@{r}"]} for r in prefill_rows}
+        times.update({f"{p} resident": t for p, t in resident.items()})
     first = decode[0][1]
-    return KernelPlan(prefill=_merge({r: times[f"prefill@{r}"] for r in prefill_rows}),
-                      decode=decode, lm_head=_best(times["lm_head"]),
+    return KernelPlan(prefill=_merge(prefill), decode=decode, lm_head=_best(times["lm_head"]),
                       kv="fp32" if first == "fp32" else "bf16", source="measured", memory=memory,
                       times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()})
+
+
+def _auto_memory(decode: list[tuple[int, str]], per_call: dict[int, dict[str, float]],
+                 resident: dict[int, dict[str, float]]) -> str:
+    """"fast" when a decode bucket runs dense (its copies are resident anyway, so a prompt may
+    use them for free) or a resident dense copy makes every measured prompt length faster by
+    `RESIDENT_PREFILL_GAIN` than the best kernel without one; else "lean"."""
+    if any(k in ("fp32", "bf16") for _, k in decode):
+        return "fast"
+    wins = [min(resident[r].values(), default=float("inf")) * (1 + RESIDENT_PREFILL_GAIN)
+            < min(per_call[r].values()) for r in per_call]
+    return "fast" if wins and all(wins) else "lean"
 
 
 def _timed(repeats: int, fn: Callable[[], Any]) -> float:

@@ -143,3 +143,27 @@ def test_machine_info_names_the_cpu_flags_and_torch_capability(monkeypatch):
     info = machine_info()
     assert info["isa_env"] == {"ATEN_CPU_CAPABILITY": "avx2"}
     assert isinstance(info["flags"], list) and info["capability"]
+
+
+def test_auto_memory_keeps_dense_copies_only_where_they_win_by_the_margin():
+    from constrained_spec.plan import RESIDENT_PREFILL_GAIN, _auto_memory
+
+    packed_decode = [(1 << 30, "int4")]
+    per_call = {128: {"bf16": 1.3, "int4": 2.0}, 512: {"bf16": 5.2, "int4": 8.0}}
+    clear_win = {128: {"bf16": 1.0}, 512: {"bf16": 4.0}}  # 30% faster at every length
+    small_win = {128: {"bf16": 1.0}, 512: {"bf16": 5.0}}  # 4% at the long prompt
+    assert _auto_memory(packed_decode, per_call, clear_win) == "fast"
+    assert _auto_memory(packed_decode, per_call, small_win) == "lean"
+    # a dense decode bucket keeps its copies anyway: a prompt may use them for free
+    assert _auto_memory([(12, "int4"), (1 << 30, "bf16")], per_call, small_win) == "fast"
+    assert 0 < RESIDENT_PREFILL_GAIN < 1
+
+
+def test_auto_memory_plan_records_both_prefill_timings_and_a_resolved_mode():
+    runner = _runner()
+    plan = measure(runner, ["fp32", "bf16", "int4"], rows=(1,), prefill_rows=(16,), repeats=1,
+                   memory="auto")
+    assert plan.memory in ("fast", "lean")
+    assert set(plan.times_ms["prefill@16 resident"]) == {"fp32", "bf16"}
+    assert "int4" in plan.times_ms["prefill@16"]
+    assert runner.slots_in_use == 0
