@@ -1,36 +1,42 @@
-"""The decoding engine: batched draft -> verify -> commit steps over running requests.
+"""The decoding engine: batched propose -> score -> verify -> commit steps over running requests.
 
 The engine knows nothing about tokenization or schemas: it sees token ids, one grammar
-matcher per request (or none, for free text) and a runner that owns the KV cache.
+matcher per request (or none, for free text) and a runner that owns the KV cache
+(`protocols.Runner`). The design, its words and the correctness rules it keeps (each with the
+test that checks it) are in docs/design.md; this module is its "one decoding step".
 
-One step, for all running requests at once (DESIGN.md, "One decoding step"):
+`Engine.step`, for all running requests at once, over one `StepBatch`:
 
-1. drafts: forced tokens first, then the model drafter continues; every draft position is
+1. propose: forced tokens first, then the model drafter continues; every draft position is
    masked by a fork of the request's matcher, which also records the K+1 target mask rows;
-2. one target forward over ``[pending token, drafts...]`` for every request;
-3. the mask rows are applied to the target logits (kernel), sampling parameters applied,
-   then masked rejection sampling (kernel) picks the accepted prefix + recovered/bonus token;
+2. score: one target forward over ``[pending token, drafts...]`` for every request;
+3. verify: the mask rows are applied to the target logits (kernel), then the sampling
+   transforms (repetition guard, temperature / top-k / top-p), then masked rejection sampling
+   (kernel) picks the accepted prefix + a recovered or bonus token;
 4. commit: emitted tokens go to the real matcher, the KV cache keeps accepted positions.
 
 Cache invariant: between steps the cache holds ``prompt + output[:-1]``; the last token
 (the *pending* token, the prompt's last token before the first step) is fed with the drafts.
 
-Faults stay with their request: an exception from one request's own work (its matcher while
-drafting or committing, the drafter on its proposal, its ``on_tokens`` callback) finishes that
-request alone with ``finish_reason == "error"`` and a :class:`GenerationError` naming the
-stage; one from the shared forward or verification finishes the requests of that step. The
-engine stays usable either way: finished requests' slots are freed by ``reap``. Only
-``Exception`` is caught: KeyboardInterrupt and SystemExit always propagate (a failed prefill
-gives its slots back first).
+Faults stay with their request (`contain`, the one place an exception becomes a failure): an
+exception from one request's own work (its matcher while drafting or committing, the drafter
+on its proposal, its ``on_tokens`` callback) finishes that request alone with
+``finish_reason == "error"`` and a :class:`GenerationError` naming the stage; one from the
+shared forward or verification finishes the requests of that step. Batched work that fails
+(a prefill, a proposal) is retried request by request, so only the request that fails alone
+fails. The engine stays usable either way: finished requests' slots are freed by ``reap``.
+Only ``Exception`` is caught: KeyboardInterrupt and SystemExit always propagate (a failed
+prefill gives its slots back first).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +47,10 @@ from .drafters.base import DraftState, Drafter, GrammarCursor
 from .drafters.forced import ForcedDrafter
 from .errors import ConfigError, GenerationError
 from .loops import LoopDetector
+from .protocols import Runner
 from .sampling import apply_repetition_guard, process_logits
 from .stats import SpecStats
+from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +98,116 @@ class Request:
         return self.prompt_ids + self.output_ids
 
 
+# -- fault isolation ------------------------------------------------------------------------
+def fail(r: Request, stage: str, exc: BaseException) -> None:
+    """End ``r`` with a typed error naming ``stage`` (its slot is freed at the next reap); the
+    tokens it already emitted stay on the error. Overrides a finish reason set in the same
+    step: the consumer may not have received the last tokens."""
+    r.finish_reason = "error"
+    r.error = GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
+
+
+@dataclass
+class Fault:
+    """What `contain` caught: the exception, or None when the block went through."""
+
+    error: Exception | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+@contextmanager
+def contain(stage: str,
+            reqs: Iterable[Request] | Callable[[], Iterable[Request]] = ()) -> Iterator[Fault]:
+    """Turn an ``Exception`` raised in the ``with`` block into the typed failure of ``reqs``.
+
+    Each request of ``reqs`` finishes with ``finish_reason == "error"`` and a GenerationError
+    naming ``stage`` (`fail`); a callable names them when the exception comes (e.g. the
+    requests still unfinished then). With no requests the exception is only logged: the caller
+    tries another way (`Fault.failed` says so). KeyboardInterrupt and SystemExit propagate.
+    """
+    fault = Fault()
+    try:
+        yield fault
+    except Exception as e:
+        fault.error = e
+        failed = list(reqs() if callable(reqs) else reqs)
+        if failed:
+            logger.exception("%s failed; ending request(s) %s", stage, [r.id for r in failed])
+        else:
+            logger.warning("%s failed for the batch; trying each request alone", stage, exc_info=True)
+        for r in failed:
+            fail(r, stage, e)
+
+
+# -- one step's batch -----------------------------------------------------------------------
+@dataclass
+class StepBatch:
+    """One step's requests and proposals, laid out flat for the target forward and the verifier.
+
+    B requests; request b proposes K_b drafts and is verified on K_b + 1 rows (N = sum K_b);
+    R = the most mask rows a request may use (1 + k + the forced cap); W = ceil(V / 32).
+    """
+
+    reqs: list[Request]  # [B]
+    states: list[DraftState]  # [B]: drafts, their q, forced positions, grammar forks
+    num_rows: list[int]  # [B]: K_b + 1
+    bitmask: torch.Tensor  # int32 [B, R, W]: row i of request b masks the target after draft i
+    row_index: torch.Tensor  # int64 [N + B]: the row of bitmask.view(-1, W) each logits row uses
+    cu_num_drafts: torch.Tensor  # int64 [B + 1]: request b's drafts are cu[b]:cu[b + 1]
+    draft_tokens: torch.Tensor  # int64 [N]
+    draft_probs: torch.Tensor | None  # float32 [N, V]: q per draft (a point mass is one-hot);
+    #                                   None when every draft is a point mass
+
+    @classmethod
+    def build(cls, reqs: list[Request], states: list[DraftState], num_rows: list[int],
+              bitmask: torch.Tensor, vocab_size: int) -> StepBatch:
+        R = bitmask.shape[1]
+        row_index = torch.tensor([b * R + j for b, n in enumerate(num_rows) for j in range(n)],
+                                 dtype=torch.long)
+        cu = torch.zeros(len(reqs) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(torch.tensor([len(s.tokens) for s in states]), 0)
+        draft_tokens = torch.tensor([t for s in states for t in s.tokens], dtype=torch.long)
+        return cls(reqs, states, num_rows, bitmask, row_index, cu, draft_tokens,
+                   cls._draft_probs(states, int(cu[-1]), vocab_size))
+
+    @staticmethod
+    def _draft_probs(states: Sequence[DraftState], n: int, vocab_size: int) -> torch.Tensor | None:
+        if not any(q is not None for s in states for q in s.q):
+            return None
+        probs = torch.zeros((n, vocab_size), dtype=torch.float32)  # [N, V]
+        i = 0
+        for s in states:
+            for tok, q in zip(s.tokens, s.q):
+                if q is None:
+                    probs[i, tok] = 1.0  # a point mass is a one-hot q
+                else:
+                    probs[i] = q
+                i += 1
+        return probs
+
+    @property
+    def constrained(self) -> bool:
+        """Whether any request has a grammar (else no row needs masking)."""
+        return any(s.cursor.constrained for s in self.states)
+
+    def per_row(self, values: Sequence[Any]) -> torch.Tensor:
+        """One value per request, repeated over its verified rows: [N + B]."""
+        return torch.repeat_interleave(torch.tensor(values), torch.tensor(self.num_rows))
+
+
 class Engine:
     """Runs requests to completion in batched speculative steps."""
 
-    def __init__(self, runner: Any, *, speculative: SpeculativeConfig | None,
+    def __init__(self, runner: Runner, *, speculative: SpeculativeConfig | None,
                  drafter: Drafter | None = None, max_batch_size: int = 64) -> None:
         _check_batch_size(max_batch_size)
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise ConfigError(f"{type(drafter).__name__} is not a drafter: it needs name, resumable, "
+                              "propose and release (subclass constrained_spec.drafters.Drafter for "
+                              "the defaults)", option="drafter")
         self.runner = runner
         self.spec = speculative
         self.forced = ForcedDrafter(speculative.max_forced_tokens) if (
@@ -107,11 +219,24 @@ class Engine:
         self.words = (self.vocab_size + 31) // 32
         self.running: list[Request] = []
         self._next_id = 0
-        self.failed_steps = 0  # steps whose shared forward / verification raised
+        self.failed_steps = 0  # steps whose shared forward / verification (or the step) raised
+
+    @property
+    def max_rows(self) -> int:
+        """Mask rows a request may use in one step: the bonus row, k drafts, the forced cap."""
+        return 1 + self.k + (self.forced.max_tokens if self.forced else 0)
 
     # -- admission ------------------------------------------------------------------------
+    def admit(self, reqs: Sequence[Request]) -> list[Request]:
+        """Admit ``reqs`` with one batched prefill; if that fails, each alone. A request that
+        cannot be admitted alone finishes with a typed ``"admit"`` error and holds no slot;
+        every other one is running. Returns the requests that could not be admitted."""
+        admitted = {id(r) for r in self._together_or_alone("admit", reqs, self.add)}
+        return [r for r in reqs if id(r) not in admitted]
+
     def add(self, reqs: Sequence[Request]) -> None:
-        """Admit requests: give each a slot and prefill their prompts (batched)."""
+        """Admit all of ``reqs`` or none (then raise): give each a slot and prefill their
+        prompts (batched)."""
         for req in reqs:
             req.id = self._next_id
             self._next_id += 1
@@ -155,6 +280,22 @@ class Engine:
             r.stats.prefill_s += dt / len(reqs)
             r.stats.prompt_tokens = len(r.prompt_ids)
 
+    def _together_or_alone(self, stage: str, reqs: Sequence[Request],
+                           work: Callable[[Sequence[Request]], None]) -> list[Request]:
+        """``work(reqs)`` once for all; if it raises, ``work([r])`` for each request alone, and
+        a request that fails alone fails (``stage``). Returns those ``work`` went through for."""
+        with contain(stage) as together:
+            work(reqs)
+        if not together.failed:
+            return list(reqs)
+        kept = []
+        for r in reqs:
+            with contain(stage, [r]) as alone:
+                work([r])
+            if not alone.failed:
+                kept.append(r)
+        return kept
+
     # -- the loop -------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Add requests (up to ``max_batch_size`` at once) and step until all finish."""
@@ -165,34 +306,30 @@ class Engine:
             free = self.max_batch_size - len(self.running)
             if waiting and free > 0:
                 admitted, waiting = waiting[:free], waiting[free:]
-                try:
-                    self.add(admitted)
-                except Exception as e:  # the batched prefill: add() admitted none of them
-                    logger.exception("prefill failed; ending its %d requests", len(admitted))
-                    for r in admitted:
-                        self._fail(r, "admit", e)
-                    done.extend(admitted)
-            try:
-                self.step()
-            except Exception as e:  # outside the per-request guards: end this step's requests
-                logger.exception("engine step failed; ending its %d requests", len(self.running))
-                self.failed_steps += 1
-                for r in self.running:
-                    if not r.finished:
-                        self._fail(r, "step", e)
+                done.extend(self.admit(admitted))
+            self.safe_step()
             done.extend(r for r in self.running if r.finished)
             self.reap()
         return done
 
+    def safe_step(self) -> bool:
+        """`step`; an exception it lets through (a bug outside its own guards) ends the
+        requests still running (stage ``"step"``) instead of propagating. Returns whether a
+        shared stage of this step failed (each such step counts in ``failed_steps``)."""
+        before = self.failed_steps
+        with contain("step", lambda: [r for r in self.running if not r.finished]) as fault:
+            self.step()
+        self.failed_steps += fault.failed
+        return self.failed_steps != before
+
     def reap(self) -> None:
         """Free the slots of finished requests (and their drafter's memory: a draft model's
         cache slot) and drop them from the running set."""
-        release = getattr(self.drafter, "release", None)
         for r in self.running:
             if r.finished:
                 self.runner.free_slot(r.slot)
-                if release is not None and r.drafter_state is not None:
-                    release(r.drafter_state)
+                if self.drafter is not None and r.drafter_state is not None:
+                    self.drafter.release(r.drafter_state)
                     r.drafter_state = None
         self.running = [r for r in self.running if not r.finished]
 
@@ -200,199 +337,172 @@ class Engine:
         if req.finish_reason is None:
             req.finish_reason = reason
 
+    # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
-        """One draft -> verify -> commit step for every running, unfinished request."""
-        reqs = [r for r in self.running if not r.finished and not r.cancelled]
+        """One propose -> score -> verify -> commit step for every running, unfinished request."""
+        reqs = self._live()
+        if not reqs:
+            return
+        timer = StepTimer()
+        with timer.measure("drafting"):
+            batch = self._propose(reqs, timer)  # forced + drafter, masked per position
+        if batch is None:
+            return  # every request's drafting failed
+        with self._shared("forward", batch) as fault, timer.measure("forward"):
+            logits = self._score(batch)  # [N + B, V]
+        if fault.failed:
+            return
+        with self._shared("verify", batch) as fault, timer.measure("verify"):
+            result = self._verify(batch, logits)  # accepted prefix + recovered / bonus token
+        if fault.failed:
+            return
+        with timer.measure("commit"):
+            self._commit_all(batch, result)
+        timer.charge([r.stats for r in batch.reqs])
+
+    def _live(self) -> list[Request]:
+        """The requests this step works on; cancelled ones finish here."""
         for r in self.running:
             if r.cancelled:
                 self._finish(r, "cancelled")
-        if not reqs:
-            return
-        step_start = time.perf_counter()
-        # ---- 1. drafts + mask rows ----------------------------------------------------------
-        max_rows = 1 + self.k + (self.forced.max_tokens if self.forced else 0)
-        bitmask = torch.empty((len(reqs), max_rows, self.words), dtype=torch.int32)
-        grammar_time = [0.0]
-        t0 = time.perf_counter()
-        drafted = self._draft_each(reqs, bitmask, grammar_time)
-        draft_time = time.perf_counter() - t0 - grammar_time[0]
-        if len(drafted) < len(reqs):  # a request whose own drafting failed has left the step
-            keep = [i for i, _, _ in drafted]
-            reqs, bitmask = [reqs[i] for i in keep], bitmask[keep]
-            if not reqs:
-                return
-        states = [s for _, s, _ in drafted]
-        num_rows = [n for _, _, n in drafted]
-        stage = "forward"
-        try:
-            # ---- 2. one target forward for everyone -----------------------------------------
-            t0 = time.perf_counter()
-            logits = self.runner.forward([r.slot for r in reqs],
-                                         [[r.pending] + s.tokens for r, s in zip(reqs, states)],
-                                         num_rows)  # [sum(K_r + 1), V]
-            forward_time = time.perf_counter() - t0
-            # ---- 3. mask, sampling params, rejection sampling -------------------------------
-            stage = "verify"
-            t0 = time.perf_counter()
-            result = self._verify(reqs, states, bitmask, num_rows, logits)
-            verify_time = time.perf_counter() - t0
-        except Exception as e:
-            # shared by every request of the step: none can go on (their slots are freed at
-            # the next reap; the runner's lengths only matter for requests that go on)
-            logger.exception("the batched %s failed; ending the %d requests of this step",
-                             stage, len(reqs))
-            self.failed_steps += 1
-            for r in reqs:
-                self._fail(r, stage, e)
-            return
-        # ---- 4. commit --------------------------------------------------------------------
-        t0 = time.perf_counter()
-        for b, (r, s) in enumerate(zip(reqs, states)):
-            n_acc = int(result.num_accepted[b])
-            emitted = [int(t) for t in result.output_tokens[b, : n_acc + 1]]
-            try:
-                self._commit(r, s, emitted, n_acc)
-            except Exception as e:  # its matcher: this request alone
-                logger.exception("request %s failed while committing tokens", r.id)
-                self._fail(r, "commit", e)
-        commit_time = time.perf_counter() - t0
-        total = time.perf_counter() - step_start
-        for r, s in zip(reqs, states):
-            st = r.stats
-            st.target_forwards += 1
-            st.drafting_s += draft_time / len(reqs)
-            st.grammar_s += (grammar_time[0] + commit_time) / len(reqs)
-            st.target_forward_s += forward_time / len(reqs)
-            st.verification_s += verify_time / len(reqs)
-            st.step_s += total / len(reqs)
+        return [r for r in self.running if not r.finished]
 
-    def _draft_each(self, reqs: Sequence[Request], bitmask: torch.Tensor,
-                    grammar_time: list[float]) -> list[tuple[int, DraftState, int]]:
-        """``(index in reqs, draft state, mask rows)`` of every request whose drafting worked.
+    @contextmanager
+    def _shared(self, stage: str, batch: StepBatch) -> Iterator[Fault]:
+        """A stage every request of the step shares: if it raises, none can go on (their slots
+        are freed at the next reap; the runner's lengths only matter for requests that go on)
+        and the step counts in ``failed_steps``."""
+        with contain(stage, batch.reqs) as fault:
+            yield fault
+        self.failed_steps += fault.failed
+
+    # -- 1. propose -----------------------------------------------------------------------
+    def _propose(self, reqs: list[Request], timer: StepTimer) -> StepBatch | None:
+        """Each request's proposal and mask rows; None when no request is left.
 
         Drafting runs batched. If it raises (a request's matcher, or the drafter), every
         request drafts again on its own, from fresh forks of its matcher (the real matcher is
-        never touched while drafting), and only those that fail alone are failed. Drafts do
-        not change what is emitted (verification decides), so the retry changes no output;
-        only a sampled drafter's random draws differ from an undisturbed run.
+        never touched while drafting), and only those that fail alone fail (``"draft"``).
+        Drafts do not change what is emitted (verification decides), so the retry changes no
+        output; only a sampled drafter's random draws differ from an undisturbed run.
         """
-        max_rows = bitmask.shape[1]
+        bitmask = torch.empty((len(reqs), self.max_rows, self.words), dtype=torch.int32)
+        index = {id(r): i for i, r in enumerate(reqs)}
+        drafted: dict[int, tuple[DraftState, int]] = {}  # id(request) -> (proposal, mask rows)
 
-        def new_state(i: int, r: Request) -> DraftState:
-            budget = r.params.max_tokens - len(r.output_ids)  # drafts beyond it cannot be emitted
-            rows = bitmask[i, : min(max_rows, budget + 1) if budget >= 1 else 1]
-            cursor = GrammarCursor(r.matcher, rows, grammar_time, note_forced=r.params.guarded)
-            return DraftState(r.id, r.context(), cursor, r.params, r.generator,
-                              drafter_state=r.drafter_state, prompt_len=len(r.prompt_ids),
-                              slot=r.slot)
+        def draft(rs: Sequence[Request]) -> None:
+            states = [self._new_state(r, bitmask[index[id(r)]], timer) for r in rs]
+            self._draft(rs, states)
+            rows = [s.cursor.finish() for s in states]  # the bonus row too
+            drafted.update((id(r), (s, n)) for r, s, n in zip(rs, states, rows))
 
-        def draft(rs: Sequence[Request], states: list[DraftState]) -> None:
-            try:
-                self._draft(states)
-            finally:  # what a model drafter keeps per request (its cache slot) stays with it
-                for r, s in zip(rs, states):
-                    r.drafter_state = s.drafter_state
+        kept = self._together_or_alone("draft", reqs, draft)
+        if not kept:
+            return None
+        if len(kept) < len(reqs):
+            bitmask = bitmask[[index[id(r)] for r in kept]]
+        return StepBatch.build(kept, [drafted[id(r)][0] for r in kept],
+                               [drafted[id(r)][1] for r in kept], bitmask, self.vocab_size)
 
-        try:
-            states = [new_state(i, r) for i, r in enumerate(reqs)]
-            draft(reqs, states)
-            return [(i, s, s.cursor.finish()) for i, s in enumerate(states)]
-        except Exception:
-            if len(reqs) > 1:
-                logger.warning("drafting %d requests together failed; drafting them one by one",
-                               len(reqs), exc_info=True)
-        drafted = []
-        for i, r in enumerate(reqs):
-            try:
-                s = new_state(i, r)
-                draft([r], [s])
-                drafted.append((i, s, s.cursor.finish()))
-            except Exception as e:
-                logger.exception("request %s failed while drafting", r.id)
-                self._fail(r, "draft", e)
-        return drafted
+    def _new_state(self, r: Request, rows: torch.Tensor, timer: StepTimer) -> DraftState:
+        """A fresh proposal for ``r`` over its mask rows (int32 [R, W]), with a fresh fork."""
+        budget = r.params.max_tokens - len(r.output_ids)  # drafts beyond it cannot be emitted
+        rows = rows[: min(rows.shape[0], budget + 1) if budget >= 1 else 1]
+        cursor = GrammarCursor(r.matcher, rows, timer, note_forced=r.params.guarded)
+        return DraftState(r.id, r.context(), cursor, r.params, r.generator,
+                          drafter_state=r.drafter_state, prompt_len=len(r.prompt_ids), slot=r.slot)
 
-    def _fail(self, r: Request, stage: str, exc: BaseException) -> None:
-        """End ``r`` with a typed error (its slot is freed at the next reap); the tokens it
-        already emitted stay on the error. Overrides a finish reason set in the same step: the
-        consumer may not have received the last tokens."""
-        r.finish_reason = "error"
-        r.error = GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
-
-    def _draft(self, states: list[DraftState]) -> None:
+    def _draft(self, reqs: Sequence[Request], states: list[DraftState]) -> None:
         """Forced tokens, then the model drafter; for drafters that can resume anywhere (n-gram),
         alternate the two while either extends the proposal: a copied value, the forced
         punctuation and key after it, the next copied value, ... in one step."""
-        active = states
-        for _ in range(_MAX_DRAFT_ROUNDS):
-            before = [len(s.tokens) for s in active]
-            if self.forced is not None:
-                self.forced.propose([s for s in active if s.cursor.constrained])
-            if self.drafter is not None and self.k > 0:
-                self.drafter.propose(active, self.k)
-            if not getattr(self.drafter, "resumable", False):
-                return
-            active = [s for s, n in zip(active, before) if len(s.tokens) > n and not s.cursor.exhausted]
-            if not active:
-                return
+        try:
+            active = states
+            for _ in range(_MAX_DRAFT_ROUNDS):
+                before = [len(s.tokens) for s in active]
+                if self.forced is not None:
+                    self.forced.propose([s for s in active if s.cursor.constrained])
+                if self.drafter is not None and self.k > 0:
+                    self.drafter.propose(active, self.k)
+                if self.drafter is None or not self.drafter.resumable:
+                    return
+                active = [s for s, n in zip(active, before)
+                          if len(s.tokens) > n and not s.cursor.exhausted]
+                if not active:
+                    return
+        finally:  # what a model drafter keeps per request (its cache slot) stays with it
+            for r, s in zip(reqs, states):
+                r.drafter_state = s.drafter_state
 
-    def _verify(self, reqs: Sequence[Request], states: Sequence[DraftState], bitmask: torch.Tensor,
-                num_rows: Sequence[int], logits: torch.Tensor) -> Any:
+    # -- 2. score -------------------------------------------------------------------------
+    def _score(self, batch: StepBatch) -> torch.Tensor:
+        """One target forward over ``[pending, drafts...]`` of every request: the logits of
+        its K_b + 1 verified positions, [N + B, V]."""
+        return self.runner.forward([r.slot for r in batch.reqs],
+                                   [[r.pending] + s.tokens for r, s in zip(batch.reqs, batch.states)],
+                                   batch.num_rows)
+
+    # -- 3. verify ------------------------------------------------------------------------
+    def _verify(self, batch: StepBatch, logits: torch.Tensor) -> Any:
+        """Mask rows, sampling transforms, then rejection sampling (`kernels.rejection_sample`)."""
         dev = logits.device
-        # rows of the flat bitmask that each logits row uses
-        flat_mask = bitmask.view(-1, self.words)
-        row_index = torch.tensor([b * bitmask.shape[1] + j for b, n in enumerate(num_rows)
-                                  for j in range(n)], dtype=torch.long)
-        constrained = [s.cursor.constrained for s in states]
-        if any(constrained):
-            apply_bitmask(logits, flat_mask.to(dev), row_index.to(dev))
+        if batch.constrained:
+            apply_bitmask(logits, batch.bitmask.view(-1, self.words).to(dev), batch.row_index.to(dev))
+        logits = self._sampling_transforms(batch, logits)
+        greedy = torch.tensor([r.params.greedy for r in batch.reqs])
+        uniform, exp_noise = self._random_draws(batch, greedy)
+        draft_probs = None if batch.draft_probs is None else batch.draft_probs.to(dev)
+        return rejection_sample(logits, batch.draft_tokens.to(dev), batch.cu_num_drafts.to(dev),
+                                draft_probs, greedy=greedy.to(dev),
+                                uniform=None if uniform is None else uniform.to(dev),
+                                exp_noise=None if exp_noise is None else exp_noise.to(dev))
+
+    def _sampling_transforms(self, batch: StepBatch, logits: torch.Tensor) -> torch.Tensor:
+        """What sampling does to each row, as without speculation: the repetition guard (each
+        row with its own prefix: the output + the drafts before it), then temperature, top-k
+        and top-p."""
+        reqs, states = batch.reqs, batch.states
         if any(r.params.guarded for r in reqs):
-            # each row with its own prefix (output + the drafts before it): as without speculation
             logits = apply_repetition_guard(
                 logits, [r.output_ids + s.tokens for r, s in zip(reqs, states)],
                 [len(r.output_ids) for r in reqs], [r.params for r in reqs],
                 [[s.cursor.forced_rows.get(j, False) for j in range(n)]
-                 for s, n in zip(states, num_rows)])
-        reps = torch.tensor(num_rows)
-        temps = torch.repeat_interleave(torch.tensor([r.params.temperature for r in reqs]), reps)
-        top_k = torch.repeat_interleave(torch.tensor([r.params.top_k for r in reqs]), reps)
-        top_p = torch.repeat_interleave(torch.tensor([r.params.top_p for r in reqs]), reps)
-        logits = process_logits(logits, temps.to(dev, torch.float32), top_k.to(dev),
-                                top_p.to(dev, torch.float32))
-        draft_tokens = torch.tensor([t for s in states for t in s.tokens], dtype=torch.long)
-        cu = torch.zeros(len(reqs) + 1, dtype=torch.long)
-        cu[1:] = torch.cumsum(torch.tensor([len(s.tokens) for s in states]), 0)
-        greedy = torch.tensor([r.params.greedy for r in reqs])
-        draft_probs = None
-        if any(q is not None for s in states for q in s.q):
-            draft_probs = torch.zeros((int(cu[-1]), self.vocab_size), dtype=torch.float32)
-            i = 0
-            for s in states:
-                for tok, q in zip(s.tokens, s.q):
-                    if q is None:
-                        draft_probs[i, tok] = 1.0  # a point mass is a one-hot q
-                    else:
-                        draft_probs[i] = q
-                    i += 1
-            draft_probs = draft_probs.to(dev)
-        uniform = exp_noise = None
-        if not bool(greedy.all()):
-            # per-request generators keep a seeded request reproducible whatever its batch
-            uni, noise = [], []
-            for r, s, n in zip(reqs, states, num_rows):
-                g = r.generator
-                uni.append(torch.rand(len(s.tokens), generator=g))
-                if r.params.greedy:
-                    noise.append(torch.ones(n, self.vocab_size))
-                else:
-                    noise.append(torch.empty(n, self.vocab_size).exponential_(generator=g))
-            uniform = torch.cat(uni).to(dev)
-            exp_noise = torch.cat(noise).to(dev)
-        return rejection_sample(logits, draft_tokens.to(dev), cu.to(dev), draft_probs,
-                                greedy=greedy.to(dev), uniform=uniform, exp_noise=exp_noise)
+                 for s, n in zip(states, batch.num_rows)])
+        dev = logits.device
+        return process_logits(logits,
+                              batch.per_row([r.params.temperature for r in reqs]).to(dev, torch.float32),
+                              batch.per_row([r.params.top_k for r in reqs]).to(dev),
+                              batch.per_row([r.params.top_p for r in reqs]).to(dev, torch.float32))
+
+    def _random_draws(self, batch: StepBatch,
+                      greedy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The acceptance draws [N] and the Exp(1) noise [N + B, V] of the sampled tokens, from
+        each request's own generator (a seeded request is reproducible whatever its batch);
+        (None, None) when every request is greedy."""
+        if bool(greedy.all()):
+            return None, None
+        uniform, noise = [], []
+        for r, s, n in zip(batch.reqs, batch.states, batch.num_rows):
+            g = r.generator
+            uniform.append(torch.rand(len(s.tokens), generator=g))
+            if r.params.greedy:
+                noise.append(torch.ones(n, self.vocab_size))
+            else:
+                noise.append(torch.empty(n, self.vocab_size).exponential_(generator=g))
+        return torch.cat(uniform), torch.cat(noise)
+
+    # -- 4. commit ------------------------------------------------------------------------
+    def _commit_all(self, batch: StepBatch, result: Any) -> None:
+        for b, (r, s) in enumerate(zip(batch.reqs, batch.states)):
+            n_acc = int(result.num_accepted[b])
+            emitted = [int(t) for t in result.output_tokens[b, : n_acc + 1]]
+            with contain("commit", [r]):  # its matcher: this request alone
+                self._commit(r, s, emitted, n_acc)
 
     def _commit(self, r: Request, s: DraftState, emitted: list[int], n_acc: int) -> None:
+        """The emitted tokens to ``r``'s real matcher and output (up to a stop or max_tokens),
+        its cache cut to the accepted positions, its stats and its ``on_tokens`` callback."""
         st = r.stats
         st.drafted_tokens += len(s.tokens)
         st.forced_tokens += sum(1 for i in s.forced_at if i < n_acc)
@@ -406,14 +516,12 @@ class Engine:
                 break
             if tok < 0:
                 # no token is allowed here (all-masked row): the grammar reached a dead end
-                self._fail(r, "commit", RuntimeError("no token allowed by the grammar"))
+                fail(r, "commit", RuntimeError("no token allowed by the grammar"))
                 break
-            if r.matcher is not None:
-                if not r.matcher.accept(tok):
-                    # cannot happen for a masked verifier; refuse loudly rather than emit garbage
-                    self._fail(r, "commit", RuntimeError(
-                        f"token {tok} rejected by the grammar after verification"))
-                    break
+            if r.matcher is not None and not r.matcher.accept(tok):
+                # cannot happen for a masked verifier; refuse loudly rather than emit garbage
+                fail(r, "commit", RuntimeError(f"token {tok} rejected by the grammar after verification"))
+                break
             if tok in r.eos_token_ids and (r.matcher is None or r.matcher.is_terminated()):
                 self._finish(r, "stop")
                 break
@@ -432,10 +540,7 @@ class Engine:
         # (when fewer tokens were kept the request has finished and its cache no longer matters)
         self.runner.truncate(r.slot, start + 1 + n_acc)
         if kept and r.on_tokens is not None:
-            try:
+            with contain("callback", [r]):
                 r.on_tokens(kept)
-            except Exception as e:
-                logger.exception("the on_tokens callback of request %s failed", r.id)
-                self._fail(r, "callback", e)
         if not r.finished and len(r.output_ids) >= r.params.max_tokens:
             self._finish(r, "length")

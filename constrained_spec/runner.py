@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from .slots import SlotAllocator
 from .weights import (
     ACT_DTYPE,
     GROUP,
@@ -255,55 +256,21 @@ def _default_plan(dtype: torch.dtype, int4: bool) -> Any:
                                              (1 << 30, "bf16")], lm_head="bf16")
 
 
-class Runner:
-    """Slot bookkeeping shared by the runners."""
+class Runner(SlotAllocator):
+    """What the runners share: their slots (`slots.SlotAllocator`). Each is a
+    `protocols.Runner`; `LeanRunner` is a `protocols.FeatureSource` too."""
 
     vocab_size: int
     max_context: int
-
-    def __init__(self) -> None:
-        self._lengths: dict[int, int] = {}
-        self._next = 0
-        self._free: list[int] = []
-
-    def new_slot(self) -> int:
-        slot = self._free.pop() if self._free else self._take_new_slot()
-        self._lengths[slot] = 0
-        return slot
-
-    def _take_new_slot(self) -> int:
-        slot = self._next
-        self._next += 1
-        return slot
-
-    def free_slot(self, slot: int) -> None:
-        if self._lengths.pop(slot, None) is not None:
-            self._free.append(slot)
-
-    def length(self, slot: int) -> int:
-        return self._lengths[slot]
-
-    @property
-    def slots_in_use(self) -> int:
-        """Slots handed out by `new_slot` and not freed yet."""
-        return len(self._lengths)
-
-    def truncate(self, slot: int, length: int) -> None:
-        if not 0 <= length <= self._lengths[slot]:
-            raise ValueError(f"cannot truncate slot {slot} of length {self._lengths[slot]} to {length}")
-        self._lengths[slot] = length
 
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
                 num_logits: Sequence[int]) -> torch.Tensor:
         raise NotImplementedError
 
     def enable_features(self, layers: Sequence[int]) -> None:
-        from .errors import ConfigError
+        from .protocols import feature_source
 
-        raise ConfigError(f"{type(self).__name__} does not keep hidden states; drafters that read "
-                          "them (eagle3, mtp) need a target the lean runner runs (model types "
-                          f"{', '.join(LEAN_FAMILIES)}; see runner.Family); use method 'ngram' "
-                          "or 'draft_model' for this one", option="speculative.method")
+        feature_source(self)  # raises the ConfigError: this runner keeps no hidden states
 
 
 class LeanRunner(Runner):
@@ -486,13 +453,10 @@ class LeanRunner(Runner):
 
     # -- cache ----------------------------------------------------------------------------
     def _ensure_capacity(self, slots: int, length: int) -> None:
-        if slots <= self._cap_slots and length <= self._cap_len:
+        grown = self.grown_capacity(slots, length, self.max_context)
+        if grown is None:
             return
-        new_slots = self._cap_slots if slots <= self._cap_slots else max(slots, 2 * self._cap_slots)
-        new_len = self._cap_len
-        while new_len < length:
-            new_len = max(256, new_len * 2)
-        new_len = min(max(new_len, length), max(self.max_context, length))
+        new_slots, new_len = grown
         shape = (new_slots, new_len, self.n_kv, self.head_dim)
         for cache in (self.k_cache, self.v_cache):
             for i in range(self.n_layers):

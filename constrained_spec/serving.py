@@ -20,13 +20,15 @@ Bounds: at most ``max_batch_size`` requests run; at most ``max_batch_size + max_
 are in the loop at once (running + waiting), so ``max_queue`` requests wait when every slot
 is taken. ``submit`` refuses past that (all of a multi-request submit or none of it).
 
-Isolation: a request that fails to be admitted fails alone (the batch is admitted again one
-by one); inside a step the engine fails only the request whose grammar, drafter or
-``on_tokens`` callback raised (a :class:`~constrained_spec.errors.GenerationError` on
-``Request.error``), and a failure of the shared target forward ends the requests of that
-step only; a streaming consumer that went away cancels only its request. A step that still
-raises (a bug) ends the requests of that step with ``finish_reason == "error"``; in every
-case the loop keeps serving, and finished requests' slots go back to the runner.
+Isolation is the engine's (`Engine.admit`, `Engine.safe_step`, both built on
+:func:`~constrained_spec.engine.contain`): a request that fails to be admitted fails alone
+(the batch is admitted again one by one); inside a step the engine fails only the request
+whose grammar, drafter or ``on_tokens`` callback raised (a
+:class:`~constrained_spec.errors.GenerationError` on ``Request.error``), and a failure of the
+shared target forward ends the requests of that step only; a streaming consumer that went
+away cancels only its request. A step that still raises (a bug) ends the requests of that
+step with ``finish_reason == "error"``; in every case the loop keeps serving, and finished
+requests' slots go back to the runner.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Request
-from .errors import ConfigError, ConstrainedSpecError, GenerationError
+from .engine import Engine, Request, contain
+from .errors import ConfigError, ConstrainedSpecError
 from .stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -172,12 +174,8 @@ class Ticket:
         except RuntimeError:  # the handler's event loop is closed: nobody is listening
             self.request.cancelled = True
         if self._user_callback is not None:
-            try:
+            with contain("callback", [self.request]):
                 self._user_callback(ids)
-            except Exception as e:
-                logger.exception("on_tokens callback of request %s failed", self.request.id)
-                r = self.request
-                r.finish_reason, r.error = "error", EngineLoop._error("callback", e, r)
 
     def _notify_finished(self) -> None:
         try:
@@ -221,15 +219,15 @@ class EngineLoop:
     Parameters
     ----------
     engine:
-        An :class:`~constrained_spec.engine.Engine` (``Generator.new_engine()``); anything
-        with ``add(requests)``, ``step()``, ``reap()`` and ``running`` will do.
+        An :class:`~constrained_spec.engine.Engine` (``Generator.new_engine()``): the loop
+        calls its ``admit``, ``safe_step`` and ``reap`` and reads ``running``.
     max_batch_size:
         Requests running at once (stepped together).
     max_queue:
         Requests waiting for a slot; :meth:`submit` raises :class:`QueueFullError` past it.
     """
 
-    def __init__(self, engine: Any, *, max_batch_size: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, *, max_batch_size: int = 8, max_queue: int = 64) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"must be an integer >= 1, got {max_batch_size!r}",
                               option="max_batch_size")
@@ -338,66 +336,16 @@ class EngineLoop:
             self._shutdown()
 
     def _admit(self, reqs: list[Request]) -> None:
-        reqs = [r for r in reqs if not r.finished]
         for r in reqs:
-            if r.cancelled:  # cancelled between the queue and here
+            if r.cancelled and not r.finished:  # cancelled between the queue and here
                 r.finish_reason = "cancelled"
         reqs = [r for r in reqs if not r.finished]
-        if not reqs:
-            return
-        try:
-            self.engine.add(reqs)  # one batched prefill
-            self._check_admitted(reqs)
-            return
-        except Exception:
-            logger.warning("admitting %d requests together failed; admitting them one by one",
-                           len(reqs), exc_info=True)
-        # Engine.add assigns every slot before it prefills: give back those it did not admit
-        admitted = {id(r) for r in self.engine.running}
-        pending = [r for r in reqs if id(r) not in admitted]
-        for r in pending:
-            self._free_slot(r)
-        for r in pending:
-            try:
-                self.engine.add([r])
-            except Exception as e:
-                logger.exception("request %s could not be admitted", r.id)
-                self._free_slot(r)
-                r.finish_reason, r.error = "error", self._error("admit", e, r)
-        self._check_admitted(reqs)
-
-    def _check_admitted(self, reqs: list[Request]) -> None:
-        # a request the engine neither runs nor finished would be waited on forever
-        running = {id(r) for r in self.engine.running}
-        for r in reqs:
-            if not r.finished and id(r) not in running:
-                r.finish_reason, r.error = "error", self._error(
-                    "admit", RuntimeError("the engine did not admit the request"), r)
-
-    @staticmethod
-    def _error(stage: str, exc: BaseException, r: Request) -> GenerationError:
-        return GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
-
-    def _free_slot(self, r: Request) -> None:
-        if r.slot >= 0:
-            self.engine.runner.free_slot(r.slot)
-            r.slot = -1
+        if reqs:
+            self.engine.admit(reqs)  # one batched prefill, else one by one
 
     def _step(self) -> None:
         t0 = time.perf_counter()
-        failed_before = getattr(self.engine, "failed_steps", 0)
-        failed = False
-        try:
-            self.engine.step()  # fails a request alone where it can tell which one failed
-        except Exception as e:
-            failed = True
-            # a bug outside the engine's guards: the failing request cannot be told apart
-            logger.exception("engine step failed; ending the %d requests of this step",
-                             len(self.engine.running))
-            for r in self.engine.running:
-                if not r.finished:
-                    r.finish_reason, r.error = "error", self._error("step", e, r)
-        failed = failed or getattr(self.engine, "failed_steps", 0) != failed_before
+        failed = self.engine.safe_step()  # fails a request alone where it can tell which one failed
         self.metrics._add_step(time.perf_counter() - t0, failed=failed)
 
     def _reap(self) -> None:

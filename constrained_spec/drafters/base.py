@@ -12,20 +12,24 @@ sampled drafts, the distribution q each token was drawn from (``None`` = point m
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+from ..timing import StepTimer
+
+T = TypeVar("T")
 
 
 class GrammarCursor:
     """A throw-away fork of a matcher that records one bitmask row per visited position."""
 
-    def __init__(self, matcher: Any | None, rows: torch.Tensor, timer: list[float], *,
+    def __init__(self, matcher: Any | None, rows: torch.Tensor, timer: StepTimer | None = None, *,
                  note_forced: bool = False) -> None:
-        # rows: int32 [max_rows, W], this request's slice of the step's bitmask buffer
+        # rows: int32 [max_rows, W], this request's slice of the step's bitmask buffer;
+        # timer: the step's, whose "grammar" stage the fork's work is added to
         self._fork = matcher.fork() if matcher is not None else None
         self._rows = rows
         self._filled = -1  # index of the last filled row
@@ -54,9 +58,7 @@ class GrammarCursor:
             if self._fork is None:
                 self._rows[self._pos].fill_(-1)
             else:
-                t0 = time.perf_counter()
-                self._fork.fill_bitmask(self._rows, self._pos)
-                self._timer[0] += time.perf_counter() - t0
+                self._timed(self._fork.fill_bitmask, self._rows, self._pos)
                 if self._note_forced:
                     self.forced_rows[self._pos] = bool(self.forced_tokens())
             self._filled = self._pos
@@ -75,10 +77,7 @@ class GrammarCursor:
         if self._fork is not None:
             if not self.allows(token):
                 return False
-            t0 = time.perf_counter()
-            ok = self._fork.accept(token)
-            self._timer[0] += time.perf_counter() - t0
-            if not ok:
+            if not self._timed(self._fork.accept, token):
                 self._dead = True
                 return False
             if self._fork.is_terminated():
@@ -92,9 +91,7 @@ class GrammarCursor:
             return []
         if self._forced_cache is not None and self._forced_cache[0] == self._pos:
             return self._forced_cache[1]
-        t0 = time.perf_counter()
-        out = self._fork.forced_tokens()
-        self._timer[0] += time.perf_counter() - t0
+        out = self._timed(self._fork.forced_tokens)
         self._forced_cache = (self._pos, out)
         return out
 
@@ -106,6 +103,13 @@ class GrammarCursor:
     @property
     def exhausted(self) -> bool:
         return self._dead
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (a call on the fork), its time added to the step's grammar time."""
+        if self._timer is None:
+            return fn(*args)
+        with self._timer.measure("grammar"):
+            return fn(*args)
 
 
 @dataclass
@@ -173,18 +177,28 @@ class DraftState:
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """A plug-in that proposes up to ``k`` drafts per request, continuing after forced ones.
 
-    Optional: ``resumable = True`` when it can continue any proposal (the engine then
-    alternates it with forced tokens); ``release(drafter_state)``, called when a request
-    finished, for a drafter that keeps per-request memory in ``DraftState.drafter_state``
-    (the engine keeps that value on the request between steps).
+    Subclass it (``class MyDrafter(Drafter)``) to inherit the defaults of `resumable` and
+    `release`, or define all four members yourself.
     """
 
     name: str
+    # True when it can continue any proposal: the engine then alternates it with forced
+    # tokens within a step (a copied value, the forced key after it, the next copied value)
+    resumable: bool = False
 
-    def propose(self, states: Sequence[DraftState], k: int) -> None: ...
+    def propose(self, states: Sequence[DraftState], k: int) -> None:
+        """Extend each state's proposal by up to ``k`` drafts (``DraftState.push``)."""
+        ...
+
+    def release(self, drafter_state: Any) -> None:
+        """Free what the drafter kept for a request that finished: the value it left in
+        ``DraftState.drafter_state`` (the engine keeps it on the request between steps and
+        calls this when it reaps the request). Keeps nothing by default."""
+        return None
 
 
 # padded tokens per catch-up forward of a model drafter (activation memory)

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ModelLoadError
-from .base import DraftState, fit_width, length_groups
+from ..protocols import Runner
+from .base import Drafter, DraftState, fit_width, length_groups
 
 
 @dataclass(eq=False)
@@ -43,13 +44,14 @@ class DraftSeq:
     last_len: int = 0
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts with a smaller causal LM of the same vocabulary (``method="draft_model"``).
 
     Parameters
     ----------
     runner:
-        A runner over the draft model (``runner.make_runner``), owned by this drafter.
+        A `protocols.Runner` over the draft model (``runner.make_runner``), owned by this
+        drafter: one slot per request.
     vocab_size:
         The TARGET's logits width: draft logits are cut or padded (-inf) to it, so masks and q
         rows line up with the target's (the two may differ by padding beyond the tokenizer).
@@ -58,13 +60,14 @@ class DraftModelDrafter:
     name = "draft_model"
     resumable = True
 
-    def __init__(self, runner: Any, *, vocab_size: int) -> None:
+    def __init__(self, runner: Runner, *, vocab_size: int) -> None:
         self.runner = runner
         self.vocab_size = int(vocab_size)
 
     # -- per-request memory -----------------------------------------------------------------
-    def release(self, seq: Any) -> None:
+    def release(self, drafter_state: Any) -> None:
         """Free a finished request's draft cache slot (the engine calls this when it reaps)."""
+        seq = drafter_state
         if isinstance(seq, DraftSeq) and seq.slot >= 0:
             self.runner.free_slot(seq.slot)
             seq.slot, seq.tokens, seq.last_state = -1, [], None

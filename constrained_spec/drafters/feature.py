@@ -36,7 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import DraftState, fit_width, length_groups
+from ..protocols import FeatureSource, feature_source
+from ..slots import SlotAllocator
+from .base import Drafter, DraftState, fit_width, length_groups
 from .heads import DraftHead
 
 
@@ -52,42 +54,30 @@ class HeadSeq:
     last_len: int = 0
 
 
-class _HeadCache:
-    """The head layer's keys and values per slot and position (grown on demand)."""
+class _HeadCache(SlotAllocator):
+    """The head layer's keys and values per slot and position (grown on demand). A slot's
+    length is unused: `HeadSeq.true_len` says which of its entries are kept."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
         self.shape = (kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.k = torch.zeros((0, 0, kv_heads, head_dim), dtype=dtype, device=device)
+        self.k = torch.zeros((0, 0, kv_heads, head_dim), dtype=dtype, device=device)  # [S, L, KV, hd]
         self.v = self.k.clone()
-        self._free: list[int] = []
-        self._next = 0
-
-    def new_slot(self) -> int:
-        if self._free:
-            return self._free.pop()
-        self._next += 1
-        return self._next - 1
-
-    def free_slot(self, slot: int) -> None:
-        self._free.append(slot)
 
     def ensure(self, slots: int, length: int) -> None:
-        S, L = self.k.shape[:2]
-        if slots <= S and length <= L:
+        grown = self.grown_capacity(slots, length)
+        if grown is None:
             return
-        S2 = max(S, slots, 2 * S if slots > S else S, 4)
-        L2 = L
-        while L2 < length:
-            L2 = max(256, 2 * L2)
+        S, L = self._cap_slots, self._cap_len
         for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.zeros((S2, L2, *self.shape), dtype=self.dtype, device=self.device)
-            new[:S, :L] = old
+            new = torch.zeros((*grown, *self.shape), dtype=self.dtype, device=self.device)
+            new[:S, :L] = getattr(self, name)
             setattr(self, name, new)
+        self._cap_slots, self._cap_len = grown
 
 
-class FeatureDrafter:
+class FeatureDrafter(Drafter):
     """Drafts with a `DraftHead` over the target's hidden states (``method="eagle3"`` or
     ``"mtp"``).
 
@@ -96,7 +86,8 @@ class FeatureDrafter:
     head:
         The head, on the target's device and in its dtype, in eval mode.
     runner:
-        The TARGET's runner; its features for ``head.config.feature_layers`` are enabled here.
+        The TARGET's runner, a `protocols.FeatureSource` (else a ConfigError); its features
+        for ``head.config.feature_layers`` are enabled here.
     vocab_size:
         The target's logits width (q rows and masks are that wide).
     """
@@ -109,10 +100,10 @@ class FeatureDrafter:
     def __init__(self, head: DraftHead, runner: Any, *, vocab_size: int) -> None:
         self.head = head
         self.name = head.config.kind
-        self.runner = runner
+        self.runner: FeatureSource = feature_source(runner)
         self.vocab_size = int(vocab_size)
         self.layers = tuple(head.config.feature_layers)
-        runner.enable_features(self.layers)
+        self.runner.enable_features(self.layers)
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         c = head.config
@@ -124,7 +115,9 @@ class FeatureDrafter:
         self.mask_drafts = True
 
     # -- per-request memory -----------------------------------------------------------------
-    def release(self, seq: Any) -> None:
+    def release(self, drafter_state: Any) -> None:
+        """Free a finished request's head cache slot (the engine calls this when it reaps)."""
+        seq = drafter_state
         if isinstance(seq, HeadSeq) and seq.slot >= 0:
             self.cache.free_slot(seq.slot)
             seq.slot, seq.anchor_out, seq.last_state = -1, None, None
@@ -292,10 +285,9 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
     from ..errors import ConfigError
     from .checkpoints import load_head
 
-    runner = target.runner
-    # a runner that keeps no hidden states (HFRunner) raises the ConfigError saying so here,
-    # before anything below reads the lean runner's weights (runner.embed, runner.lm_head)
-    runner.enable_features(())
+    # a runner that keeps no hidden states (HFRunner) is refused here, before anything below
+    # reads its weights
+    runner = feature_source(target.runner)
     if source is None:
         own = getattr(target, "path", None)
         if method == "mtp" and own is not None and _has_mtp_layer(Path(own)):

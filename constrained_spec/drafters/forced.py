@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import DraftState
+from .base import Drafter, DraftState
 
 
-class ForcedDrafter:
+class ForcedDrafter(Drafter):
     name = "forced"
 
     def __init__(self, max_tokens: int = 16) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import DraftState
+from .base import Drafter, DraftState
 
 
 def lookup(context: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -28,7 +28,7 @@ def lookup(context: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
     resumable = True  # stateless: can continue any proposal, e.g. after forced tokens
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
-import threading
 import time
 
 import pytest
@@ -22,49 +21,35 @@ from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import GenerationError
 from constrained_spec.runner import LlamaRunner
 from constrained_spec.serving import EngineLoop, QueueFullError
+from constrained_spec.slots import SlotAllocator
 
 POISON = [666]  # a prompt the fake engine refuses to prefill
 
 
-class FakeRunner:
-    def __init__(self) -> None:
-        self.slots: set[int] = set()
-        self._next = 0
+class FakeRunner(SlotAllocator):
+    """Slots only: the fake engine runs no model."""
 
-    def new_slot(self) -> int:
-        self._next += 1
-        self.slots.add(self._next)
-        return self._next
-
-    def free_slot(self, slot: int) -> None:
-        self.slots.discard(slot)
+    vocab_size = 8
+    max_context = 1 << 20
 
 
-class FakeEngine:
-    """The Engine's serving surface: each step emits token ``len(output)`` to every request."""
+class FakeEngine(Engine):
+    """The real Engine's admission, isolation and reaping over a scripted model: each step
+    emits token ``len(output)`` to every request; prompt POISON cannot be prefilled."""
 
     def __init__(self, step_s: float = 0.002, fail_steps: int = 0) -> None:
-        self.runner = FakeRunner()
-        self.running: list[Request] = []
+        super().__init__(FakeRunner(), speculative=None)
         self.batches: list[list[int]] = []  # prompt[0] of every request stepped, per step
         self.step_s = step_s
         self.fail_steps = fail_steps
-        self.lock = threading.Lock()
 
-    def add(self, reqs):
-        for r in reqs:
-            r.slot = self.runner.new_slot()
+    def _prefill(self, reqs):
         if any(r.prompt_ids == POISON for r in reqs):
             raise ValueError("cannot prefill this prompt")
-        self.running.extend(reqs)
 
     def step(self):
         time.sleep(self.step_s)
-        live = [r for r in self.running if not r.finished]
-        for r in live:
-            if r.cancelled:
-                r.finish_reason = "cancelled"
-        live = [r for r in live if not r.finished]
+        live = self._live()
         self.batches.append([r.prompt_ids[0] for r in live])
         if self.fail_steps:
             self.fail_steps -= 1
@@ -77,13 +62,7 @@ class FakeEngine:
             if r.on_tokens:
                 r.on_tokens([tok])
             if len(r.output_ids) >= r.params.max_tokens:
-                r.finish_reason = "length"
-
-    def reap(self):
-        for r in self.running:
-            if r.finished:
-                self.runner.free_slot(r.slot)
-        self.running = [r for r in self.running if not r.finished]
+                self._finish(r, "length")
 
 
 def req(tag: int, max_tokens: int = 3) -> Request:
@@ -122,7 +101,7 @@ def test_streamed_tokens_are_the_output_in_order():
     (got, r), _, engine = serve(body)
     assert got == r.output_ids == [0, 1, 2, 3, 4]
     assert r.finish_reason == "length"
-    assert engine.runner.slots == set()
+    assert engine.runner.slots_in_use == 0
 
 
 def test_requests_join_and_leave_between_steps():
@@ -153,7 +132,7 @@ def test_max_batch_size_bounds_the_running_batch():
     reqs, _, _ = serve(body, engine=engine, max_batch_size=3, max_queue=10)
     assert max(len(b) for b in engine.batches) == 3
     assert all(r.finish_reason == "length" and len(r.output_ids) == 4 for r in reqs)
-    assert engine.runner.slots == set()
+    assert engine.runner.slots_in_use == 0
 
 
 def test_full_queue_refuses_whole_submits():
@@ -175,7 +154,7 @@ def test_full_queue_refuses_whole_submits():
 
     snap, _, engine = serve(body, max_batch_size=1, max_queue=1)
     assert snap["rejected"] == 3 and snap["submitted"] == 3
-    assert engine.runner.slots == set()
+    assert engine.runner.slots_in_use == 0
 
 
 def test_cancelling_a_running_request_frees_its_slot():
@@ -191,7 +170,7 @@ def test_cancelling_a_running_request_frees_its_slot():
     (ra, rb), loop, engine = serve(body, max_batch_size=1, max_queue=4)
     assert ra.finish_reason == "cancelled"
     assert rb.finish_reason == "length" and rb.output_ids == [0, 1, 2]
-    assert engine.runner.slots == set()
+    assert engine.runner.slots_in_use == 0
     assert loop.metrics.snapshot()["finished"] == {"cancelled": 1, "length": 1}
 
 
@@ -221,7 +200,7 @@ def test_a_request_that_cannot_be_admitted_fails_alone():
     assert bad.finish_reason == "error" and isinstance(bad.error, GenerationError)
     assert bad.error.stage == "admit" and isinstance(bad.error.__cause__, ValueError)
     assert r1.finish_reason == r2.finish_reason == "length"
-    assert engine.runner.slots == set()
+    assert engine.runner.slots_in_use == 0
 
 
 def test_a_failing_step_keeps_the_loop_serving():
@@ -263,7 +242,7 @@ def test_stopping_the_loop_finishes_every_request():
 
     reqs = asyncio.run(main())
     assert [r.finish_reason for r in reqs] == ["cancelled", "cancelled"]
-    assert engine.runner.slots == set()
+    assert engine.runner.slots_in_use == 0
 
 
 def test_metrics_count_requests_tokens_and_queue():

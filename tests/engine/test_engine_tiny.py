@@ -9,7 +9,7 @@ import torch
 from cs_testlib import CHARS
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
-from constrained_spec.drafters import NgramDrafter
+from constrained_spec.drafters import Drafter, NgramDrafter
 from constrained_spec.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
 from constrained_spec.runner import HFRunner, LlamaRunner
@@ -127,7 +127,7 @@ def test_every_completed_output_matches_the_grammar(tiny_model, tiny_tok):
             assert re.fullmatch(r"(ab|c)+d{2,4}", text), text
 
 
-class RogueDrafter:
+class RogueDrafter(Drafter):
     """Proposes a token the grammar forbids, bypassing the cursor's check."""
 
     name = "rogue"

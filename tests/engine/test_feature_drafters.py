@@ -102,12 +102,16 @@ def perfect_mtp_head(model, noise: float = 0.0, seed: int = 5) -> DraftHead:
 
 
 class FeatureTable:
-    """A stand-in for the target runner: the features of slot b are ``feats[b]``."""
+    """A stand-in for the target runner (a `protocols.FeatureSource`): the features of slot b
+    are ``feats[b]``."""
 
     max_context = 10**6
+    device = CPU
 
     def __init__(self, feats: torch.Tensor) -> None:
         self.feats = feats  # [B, T, F]
+        self.dtype = feats.dtype
+        self.embed = self.lm_head = torch.zeros(V, 4)  # unread: the heads here bring their own
         self.enabled: tuple[int, ...] = ()
 
     def enable_features(self, layers) -> None:
@@ -176,7 +180,7 @@ def test_greedy_proposal_follows_the_unrolled_argmax_chain(tiny_model, kind, pus
     drafter = FeatureDrafter(head, FeatureTable(feats), vocab_size=V)
     words = (V + 31) // 32
     for b, a in itertools.product(range(B), [0, 3, 7]):
-        cursor = GrammarCursor(None, torch.empty((12, words), dtype=torch.int32), [0.0])
+        cursor = GrammarCursor(None, torch.empty((12, words), dtype=torch.int32))
         st = DraftState(0, tokens[b, : a + 2].tolist(), cursor, SamplingParams(), None, slot=b)
         for t in tokens[b, a + 2: a + 2 + pushed].tolist():  # e.g. forced tokens
             assert st.push(t)
@@ -190,7 +194,7 @@ def test_greedy_proposal_follows_the_unrolled_argmax_chain(tiny_model, kind, pus
             want = int(head.target_ids()[head.logits(outs[step][0, a + step]).argmax()])
             assert st.tokens[pushed + j] == want
         drafter.release(st.drafter_state)
-    assert len(drafter.cache._free) == drafter.cache._next  # every head slot came back
+    assert drafter.cache.slots_in_use == 0  # every head slot came back
 
 
 @pytest.mark.parametrize("kind", HEADS)
@@ -321,7 +325,7 @@ def heads(tiny_model):
 
 def assert_released(drafter, reqs) -> None:
     assert all(r.drafter_state is None for r in reqs)
-    assert drafter.cache._next > 0 and len(drafter.cache._free) == drafter.cache._next
+    assert drafter.cache._next > 0 and drafter.cache.slots_in_use == 0
 
 
 @pytest.mark.parametrize("forced", [True, False], ids=["forced", "no_forced"])
@@ -521,4 +525,39 @@ def test_a_random_head_through_the_public_api_matches_no_speculation(loaded):
         for x, y in zip(a, b):  # results, or errors (max_tokens reached) with their tokens
             assert type(y) is type(x) and y.token_ids == x.token_ids
             assert y.stats.drafted_tokens > y.stats.forced_drafted
-        assert len(on.drafter.cache._free) == on.drafter.cache._next
+        assert on.drafter.cache.slots_in_use == 0
+
+
+class NoWeights(FeatureTable):
+    """Keeps features but exposes no embedding or LM head (what a head folder is built on)."""
+
+    def __getattribute__(self, name):
+        if name in ("embed", "lm_head"):
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("runner", ["transformers", "no_weights"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_feature_drafter_on_a_runner_that_is_no_feature_source_is_a_config_error(
+        loaded, tmp_path, runner, kind):
+    """Through the `protocols.FeatureSource` check, before anything reads the runner: never an
+    AttributeError from a missing ``runner.embed``."""
+    from types import SimpleNamespace
+
+    from constrained_spec.runner import HFRunner
+
+    if runner == "transformers":
+        target_runner = HFRunner(loaded.model, dtype=torch.float32, device=CPU)
+    else:
+        target_runner = NoWeights(torch.zeros(1, 4, 8))
+    head = random_head(kind, loaded.model, seed=1)
+    head.save(tmp_path / "head")
+    target = SimpleNamespace(runner=target_runner, model=loaded.model, vocab_size=loaded.vocab_size,
+                             path=None, is_default=False, tokenizer=loaded.tokenizer)
+    for source in (tmp_path / "head", head):
+        with pytest.raises(ConfigError, match="does not keep hidden states") as info:
+            load_feature_drafter(kind, source, target)
+        assert info.value.option == "speculative.method"
+    with pytest.raises(ConfigError, match="does not keep hidden states"):
+        FeatureDrafter(head, target_runner, vocab_size=loaded.vocab_size)

@@ -20,7 +20,7 @@ from constrained_spec.schemas import Regex, normalize_schema
 from cs_testlib import CHARS, bigram_llama, exact_distribution, gof
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
-from constrained_spec.drafters import NgramDrafter
+from constrained_spec.drafters import Drafter, NgramDrafter
 from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import ConfigError
 from constrained_spec.runner import LlamaRunner
@@ -192,7 +192,7 @@ PROMPT = [ID[c] for c in "ababcab"]
 SAMPLE_GUARD = {"no_repeat_ngram_size": 2, "repetition_penalty": 2.0}
 
 
-class RandomQDrafter:
+class RandomQDrafter(Drafter):
     """Samples each draft from an arbitrary distribution (random logits processed like the
     target's: grammar mask, repetition guard, temperature), so q is not a point mass."""
 

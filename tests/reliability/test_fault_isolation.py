@@ -214,12 +214,31 @@ def test_a_failing_batched_forward_ends_its_step_and_the_engine_serves_on(
     assert_no_slot_held(engine)
 
 
-def test_a_failing_prefill_admits_none_of_its_requests_and_leaks_no_slot(
+def test_a_failed_batched_prefill_is_retried_alone_and_fails_only_the_request_that_fails_alone(
         make_engine, compiled, solo, monkeypatch):
     engine = make_engine()
     engine.max_batch_size = 2  # the first two are admitted together, then the next two
     forward = engine.runner.forward
-    calls = [0]
+    poison = PROMPTS[BAD][:-1]  # what BAD's prefill feeds (the last prompt token is pending)
+
+    def failing_prefill(slots, tokens, num_logits, **kwargs):
+        if not any(num_logits) and poison in [list(t) for t in tokens]:
+            raise Boom("prefill failed")
+        return forward(slots, tokens, num_logits, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", failing_prefill)
+    reqs = requests(compiled)
+    done = engine.run(reqs)
+    assert set(map(id, done)) == set(map(id, reqs))  # every request comes back, none is lost
+    assert_only_bad_failed(reqs, solo, "admit")  # its batch-mate was admitted alone
+    assert reqs[BAD].slot == -1
+    assert_no_slot_held(engine)
+
+
+def test_a_prefill_that_fails_once_admits_every_request_alone(make_engine, compiled, solo,
+                                                              monkeypatch):
+    engine = make_engine()
+    forward, calls = engine.runner.forward, [0]
 
     def failing_first_prefill(*args, **kwargs):
         calls[0] += 1
@@ -229,12 +248,8 @@ def test_a_failing_prefill_admits_none_of_its_requests_and_leaks_no_slot(
 
     monkeypatch.setattr(engine.runner, "forward", failing_first_prefill)
     reqs = requests(compiled)
-    done = engine.run(reqs)
-    assert set(map(id, done)) == set(map(id, reqs))  # every request comes back, none is lost
-    for r in reqs[:2]:
-        assert r.finish_reason == "error" and r.error.stage == "admit"
-        assert isinstance(r.error.__cause__, Boom)
-    assert [(r.output_ids, r.finish_reason) for r in reqs[2:]] == solo[2:]
+    engine.run(reqs)
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == solo
     assert_no_slot_held(engine)
 
 
