@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -565,13 +565,37 @@ class LeanRunner(Runner):
         """``phase``: "prefill" (a prompt) or "decode" (decode / verify rows); None = prefill
         when no logits are asked for. With the rows of the forward it picks the plan's kernel,
         and the kernel the activations' dtype."""
-        fam = self.family
-        B = len(slots)
-        T = max(len(t) for t in tokens)
+        if phase is None:
+            phase = "decode" if any(num_logits) else "prefill"
+        fb = self._batch(slots, tokens, phase)
+        x = F.embedding(fb.ids, self.embed)  # [B, T, D]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        x = x.to(ACT_DTYPE[fb.kernel])
+        fb.rope = {key: tuple(c[:, :, None] for c in self._rope(x, fb.pos, fb.lengths, key))
+                   for key in set(self.family.rope_keys)}  # {key: (cos, sin) [B, T, 1, rot_dim]}
+        keep = self.feature_layers
+        kept: dict[int, torch.Tensor] = {}
+        for i, L in enumerate(self.layers):
+            if i in keep:
+                kept[i] = x
+            x = self._layer(i, L, x, fb)
+        if keep:
+            if self.n_layers in keep or -1 in keep:  # the last one after the final norm
+                kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
+            self.f_cache.index_put_(fb.write_idx, torch.cat([kept[i] for i in keep], dim=-1).to(self.f_cache.dtype))
+        for s, e in zip(slots, fb.ends):
+            self._lengths[s] = e
+        return self._logits(x, tokens, num_logits, return_hidden)
+
+    def _batch(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], phase: str) -> _ForwardBatch:
+        """The padded ids, positions, masks and cache indices of one forward, its kernel
+        chosen by the plan for its rows; grows the cache to hold it."""
+        B, T = len(slots), max(len(t) for t in tokens)
         lengths = [len(t) for t in tokens]
         starts = [self._lengths[s] for s in slots]
         ends = [st + n for st, n in zip(starts, lengths)]
-        if fam.rope == "original" and max(ends) > self.max_context:
+        if self.family.rope == "original" and max(ends) > self.max_context:
             raise ValueError(f"position {max(ends) - 1} is past max_position_embeddings "
                              f"{self.max_context}: beyond it transformers' dynamic RoPE rescales "
                              "statefully, which this runner does not reproduce")
@@ -581,77 +605,84 @@ class LeanRunner(Runner):
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-        ids = ids.to(dev)
-        start_t = torch.tensor(starts, device=dev)
-        pos = start_t[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
-        Lk = max(ends)
-        masks = self._masks(pos, starts, Lk)  # {window: (first key, [B, 1, T, Lk - first key])}
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         slot_t = torch.tensor(slots, device=dev)
-        contiguous = list(slots) == list(range(slots[0], slots[0] + B))
-
-        if phase is None:
-            phase = "decode" if any(num_logits) else "prefill"
         kernel = (self.plan.prefill_kernel if phase == "prefill" else self.plan.decode_kernel)(B * T)
-        act = ACT_DTYPE[kernel]
-        x = F.embedding(ids, self.embed)  # [B, T, D]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        x = x.to(act)
-        rope = {key: tuple(c[:, :, None] for c in self._rope(x, pos, lengths, key))
-                for key in set(fam.rope_keys)}  # {key: (cos, sin) [B, T, 1, rot_dim]}
+        return _ForwardBatch(
+            slots=list(slots), lengths=lengths, ends=ends, ids=ids.to(dev), pos=pos, Lk=max(ends),
+            masks=self._masks(pos, starts, max(ends)), slot_t=slot_t,
+            write_idx=(slot_t[:, None].expand(B, T), pos),
+            contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel)
+
+    def _layer(self, i: int, L: dict[str, Any], x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
+        """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""
+        fam, kernel = self.family, fb.kernel
+        B, T = fb.ids.shape
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
-        write_idx = (slot_t[:, None].expand(B, T), pos)
-        keep = self.feature_layers
-        kept: dict[int, torch.Tensor] = {}
-        for i, L in enumerate(self.layers):
-            if i in keep:
-                kept[i] = x
-            h = self._rms(x, L["ln_attn"])
-            qkv = self._matmul(h, L, "qkv", kernel).view(B, T, H + 2 * KV, hd)
-            qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV:]  # q and k heads together: [B, T, H + KV, hd]
-            if fam.qk_norm:
-                qk = self._rms(qk, L["qk_norm"])
-            cos, sin = rope[fam.rope_keys[i]]
-            rd = cos.shape[-1]  # < hd: partial rotary (phi3), the rest passes through
-            rot = qk[..., :rd] * cos + _rotate_half(qk[..., :rd]) * sin
-            qk = rot if rd == hd else torch.cat([rot, qk[..., rd:]], dim=-1)
-            q, k = qk[:, :, :H], qk[:, :, H:]
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.index_put_(write_idx, k.to(kc.dtype))  # cache layout [S, L, KV, hd]
-            vc.index_put_(write_idx, v.to(vc.dtype))
-            lo, mask = masks[fam.windows[i]]
-            if contiguous:
-                keys = kc[slots[0]: slots[0] + B, lo:Lk]
-                vals = vc[slots[0]: slots[0] + B, lo:Lk]
-            else:
-                keys = kc.index_select(0, slot_t)[:, lo:Lk]
-                vals = vc.index_select(0, slot_t)[:, lo:Lk]
-            a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask), L, "o", kernel)  # [B, T, D]
-            if fam.gemma_norms:
-                a = self._rms(a, L["post_attn"])
-            x = x + a
-            h = self._rms(x, L["ln_mlp"])
-            gate, up = self._matmul(h, L, "gate_up", kernel).chunk(2, dim=-1)
-            gate = F.silu(gate) if fam.act == "silu" else F.gelu(gate, approximate="tanh")
-            m = self._matmul(gate * up, L, "down", kernel)
-            if fam.gemma_norms:
-                m = self._rms(m, L["post_mlp"])
-            x = x + m
-        if keep:
-            if self.n_layers in keep or -1 in keep:  # the last one after the final norm
-                kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
-            self.f_cache.index_put_(write_idx, torch.cat([kept[i] for i in keep], dim=-1).to(self.f_cache.dtype))
-        for s, e in zip(slots, ends):
-            self._lengths[s] = e
-        # logits only for the rows asked for: the last num_logits[b] real positions of each slot
+        h = self._rms(x, L["ln_attn"])
+        qkv = self._matmul(h, L, "qkv", kernel).view(B, T, H + 2 * KV, hd)
+        qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV:]  # q and k heads together: [B, T, H + KV, hd]
+        if fam.qk_norm:
+            qk = self._rms(qk, L["qk_norm"])
+        cos, sin = fb.rope[fam.rope_keys[i]]
+        rd = cos.shape[-1]  # < hd: partial rotary (phi3), the rest passes through
+        rot = qk[..., :rd] * cos + _rotate_half(qk[..., :rd]) * sin
+        qk = rot if rd == hd else torch.cat([rot, qk[..., rd:]], dim=-1)
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc.index_put_(fb.write_idx, k.to(kc.dtype))  # cache layout [S, L, KV, hd]
+        vc.index_put_(fb.write_idx, v.to(vc.dtype))
+        lo, mask = fb.masks[fam.windows[i]]
+        if fb.contiguous:
+            s0 = fb.slots[0]
+            keys, vals = kc[s0: s0 + B, lo:fb.Lk], vc[s0: s0 + B, lo:fb.Lk]
+        else:
+            keys = kc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
+            vals = vc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
+        act = ACT_DTYPE[kernel]
+        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask), L, "o", kernel)  # [B, T, D]
+        if fam.gemma_norms:
+            a = self._rms(a, L["post_attn"])
+        x = x + a
+        h = self._rms(x, L["ln_mlp"])
+        gate, up = self._matmul(h, L, "gate_up", kernel).chunk(2, dim=-1)
+        gate = F.silu(gate) if fam.act == "silu" else F.gelu(gate, approximate="tanh")
+        m = self._matmul(gate * up, L, "down", kernel)
+        if fam.gemma_norms:
+            m = self._rms(m, L["post_mlp"])
+        return x + m
+
+    def _logits(self, x: torch.Tensor, tokens: Sequence[Sequence[int]], num_logits: Sequence[int],
+                return_hidden: bool) -> Any:
+        """Logits only for the rows asked for: the last ``num_logits[b]`` real positions of
+        each slot (and their final-normed hidden states with ``return_hidden``)."""
+        B, T = x.shape[:2]
         rows = [b * T + len(t) - n + j for b, (t, n) in enumerate(zip(tokens, num_logits)) for j in range(n)]
-        idx = torch.tensor(rows, device=dev, dtype=torch.long)
-        hidden = x.reshape(B * T, -1).index_select(0, idx)
-        hidden = self._rms(hidden, self.norm)
+        idx = torch.tensor(rows, device=x.device, dtype=torch.long)
+        hidden = self._rms(x.reshape(B * T, -1).index_select(0, idx), self.norm)
         logits = self._matmul(hidden, self.head, "lm_head", self.plan.lm_head).float()  # [sum num_logits, V]
+        fam = self.family
         if fam.final_softcap is not None:
             logits = torch.tanh(logits / fam.final_softcap) * fam.final_softcap
         return (logits, hidden) if return_hidden else logits
+
+
+@dataclass
+class _ForwardBatch:
+    """What every layer of one `LeanRunner.forward` shares."""
+
+    slots: list[int]
+    lengths: list[int]  # real tokens per row
+    ends: list[int]  # each slot's length after this forward
+    ids: torch.Tensor  # long [B, T], padded with 0
+    pos: torch.Tensor  # long [B, T]: positions
+    Lk: int  # keys read: positions 0..Lk-1
+    masks: dict[int | None, tuple[int, torch.Tensor]]  # see LeanRunner._masks
+    slot_t: torch.Tensor  # long [B]
+    write_idx: tuple[torch.Tensor, torch.Tensor]  # (slot, position) [B, T] each: cache rows written
+    contiguous: bool  # slots are consecutive: the cache is read by slicing
+    kernel: str  # the plan's kernel for this forward's rows
+    rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 LlamaRunner = LeanRunner  # the old name, kept for callers
