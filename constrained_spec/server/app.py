@@ -280,10 +280,10 @@ def serve(args: argparse.Namespace) -> int:
 
     from constrained_spec.models import load_model
 
+    ServerConfig.from_args(args, "")  # bad flags fail before the model loads
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.captureWarnings(True)  # schema pre-flight warnings become log lines
-    ServerConfig.from_args(args, "")  # bad flags fail before the model loads
     logger.info("loading the model %s", args.model or "(embedded default)")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is uvicorn's
         loaded = load_model(args.model)
