@@ -1,6 +1,13 @@
 """The routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and, with
 metrics on, ``GET /metrics``; and the error handlers that answer in OpenAI's envelope.
 
+``POST /v1/chat/completions`` reads ``response_format`` (json_schema / json_object / text),
+``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, and as
+vLLM-style extra parameters ``top_k`` and the library's opt-in output-quality levers
+``repetition_penalty``, ``no_repeat_ngram_size``, ``max_retries``; any other parameter is
+refused with a 400 naming it, except bookkeeping ones such as ``user`` or ``metadata``
+(``protocol.parse_body``).
+
 A completion's choices are submitted to the engine loop at once; a streamed one is answered
 as its tokens arrive (``streaming``), any other once every choice has finished. With
 ``max_retries``, a choice that failed is run again under the library's
