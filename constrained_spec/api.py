@@ -14,8 +14,10 @@ generated and are off unless asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from constrained_spec.grammar import compile_spec
@@ -29,7 +31,7 @@ from constrained_spec.schemas import (
 )
 
 from .config import SamplingParams, SpeculativeConfig, _is_real, resolve_speculative
-from .drafters import make_drafter
+from .drafters import Drafter, make_drafter
 from .engine import Engine, Request
 from .errors import (
     ConfigError,
@@ -78,11 +80,10 @@ DEFAULT_RETRY_TEMPERATURE = 0.7
 #: Seed of retry k (k >= 1) when the request has none: ``DEFAULT_RETRY_SEED + k`` (with a seed
 #: s: ``s + k``), so retried generations are reproducible.
 DEFAULT_RETRY_SEED = 0
-# errors a retry can cure: the output ran out of tokens or failed final validation
-_RETRYABLE = (IncompleteOutputError, OutputValidationError)
 # Generator options a call may override besides SamplingParams fields
 _SPEC_OPTIONS = ("max_string_length", "max_items")
-_CALL_OPTIONS = ("max_retries", "retry_temperature")
+_CALL_OPTIONS = ("schema_mode", "max_retries", "retry_temperature")
+_SCHEMA_MODES = ("default", "strict", "lenient")
 
 
 def _check_count(value: Any, option: str, *, minimum: int, allow_none: bool) -> Any:
@@ -116,13 +117,137 @@ def _check_retry_temperature(value: Any) -> float:
     return float(value)
 
 
+def _check_schema_mode(value: Any) -> SchemaMode:
+    if value not in _SCHEMA_MODES:
+        raise ConfigError(f"must be one of {', '.join(_SCHEMA_MODES)}, got {value!r:.40}",
+                          option="schema_mode")
+    return value
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The one rule of ``max_retries``, for :meth:`Generator.batch` and for servers that run
+    their own engine loop: which finished attempts run again, and with which options.
+
+    An attempt failed when it ended in anything but a valid output that a new attempt may
+    cure: an :class:`IncompleteOutputError` (``max_tokens`` ran out, or the engine ended the
+    output early for any other reason) or an :class:`OutputValidationError`. Bad input, a
+    cancelled request and an engine failure are not retried. Attempt 0 runs with the call's
+    options; retry k (>= 1) samples (at ``temperature`` when the call was greedy) with seed
+    ``seed + k`` (seed None: :data:`DEFAULT_RETRY_SEED` + k).
+
+    Parameters
+    ----------
+    max_retries:
+        Retries after the first attempt (0: off).
+    temperature:
+        Temperature of the retries of a greedy call, in (0, 100].
+    """
+
+    max_retries: int = 0
+    temperature: float = DEFAULT_RETRY_TEMPERATURE
+
+    def __post_init__(self) -> None:
+        _check_count(self.max_retries, "max_retries", minimum=0, allow_none=False)
+        object.__setattr__(self, "temperature", _check_retry_temperature(self.temperature))
+
+    @staticmethod
+    def failed(result: Any) -> bool:
+        """Whether ``result`` (what :meth:`Generator.finalize` returned) is a failed attempt
+        that a retry may cure."""
+        return isinstance(result, (IncompleteOutputError, OutputValidationError))
+
+    def options(self, overrides: dict[str, Any], attempt: int,
+                defaults: SamplingParams) -> dict[str, Any]:
+        """The call options of ``attempt`` (0: the first) of a call with ``overrides`` over the
+        sampling ``defaults``."""
+        if attempt == 0:
+            return dict(overrides)
+        merged = {**defaults.__dict__, **overrides}
+        seed = merged.get("seed")
+        return {**overrides,
+                "temperature": merged["temperature"] if merged["temperature"] > 0 else self.temperature,
+                "seed": (DEFAULT_RETRY_SEED if seed is None else seed) + attempt}
+
+    def attempts(self, items: Iterable[int]) -> Attempts:
+        """The attempts of one call over ``items`` (indices): see :class:`Attempts`."""
+        return Attempts(self, items)
+
+
+class Attempts:
+    """The attempts of one call under a :class:`RetryPolicy`.
+
+    Iterating yields ``(attempt, items)``: first every item, then, while retries are left, the
+    items whose result was :meth:`recorded <record>` as a failed attempt. An item whose
+    attempt could not even start (bad input) is simply not recorded, and so not retried.
+    """
+
+    def __init__(self, policy: RetryPolicy, items: Iterable[int]) -> None:
+        self.policy = policy
+        self._todo = list(items)
+        self._failed: list[int] = []
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        for attempt in range(self.policy.max_retries + 1):
+            if not self._todo:
+                return
+            self._failed = []
+            yield attempt, list(self._todo)
+            self._todo = self._failed
+
+    def record(self, item: int, result: Any) -> None:
+        """Note the result of ``item``'s current attempt (a value, a result or an error)."""
+        if self.policy.failed(result):
+            self._failed.append(item)
+
+
+# the drafters built for a model, one per speculative config (see `shared_drafter`)
+_drafters_lock = threading.Lock()
+
+
+def _config_key(config: SpeculativeConfig) -> tuple[Any, ...]:
+    """A hashable key equal for equal configs; an in-memory ``model`` counts by identity."""
+    def part(name: str) -> Any:
+        value = getattr(config, name)
+        if name != "model" or value is None:
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return ("path", os.fspath(value))
+        return ("object", id(value))
+    return tuple((f.name, part(f.name)) for f in fields(config))
+
+
+def shared_drafter(model: LoadedModel, speculative: SpeculativeConfig | None) -> Drafter | None:
+    """The drafter ``speculative`` names for ``model``, built once per model and config.
+
+    Kept on the model it drafts for (a drafter may hold a head's weights or a draft model, and
+    holds a cache slot per running request, like the model's runner): every Generator over the
+    model with an equal config shares it, so a Generator (and ``generate()`` in a loop) costs
+    no set-up. A caller that changes the drafter's attributes changes them for all of them.
+    """
+    if speculative is None:
+        return None
+    key = _config_key(speculative)
+    with _drafters_lock:
+        # a plain attribute of the model: the cache lives and dies with it
+        cache: dict[tuple[Any, ...], tuple[SpeculativeConfig, Drafter | None]] = (
+            vars(model).setdefault("_drafters", {}))
+        if key not in cache:
+            # the config is kept with its drafter, so an object counted by identity stays alive
+            cache[key] = (speculative, make_drafter(speculative, model))
+        return cache[key][1]
+
+
 def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None,
-                       system_prompt: Any, max_tokens: int, lookahead: int) -> list[int]:
+                       system_prompt: Any, max_tokens: int) -> list[int]:
+    """The prompt's ids, refused when they and ``max_tokens`` do not fit the context. The
+    speculative lookahead takes no room here (the engine drafts no further than max_tokens),
+    so speculation changes neither the prompt nor whether it is accepted."""
     limit = loaded.runner.max_context
     # the default schema description shortens itself to fit beside max_tokens (prompts.py)
     ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
-                        reserved=max_tokens + lookahead + 1)
-    if len(ids) + max_tokens + lookahead + 1 > limit:
+                        reserved=max_tokens + 1)
+    if len(ids) + max_tokens + 1 > limit:
         raise PromptTooLongError(
             f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
             f"of {limit} tokens; shorten the prompt or lower max_tokens", option="prompt")
@@ -131,6 +256,12 @@ def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None
 
 class Generator(Generic[T]):
     """A model + schema compiled once, serving many prompts (a list runs as one batch).
+
+    What is loaded once lives with the model and is shared by every Generator over it: the
+    weights and the model runner (``load_model``), the drafter (one per speculative config,
+    :func:`shared_drafter`) and compiled grammars (a process-wide cache). A Generator itself
+    holds only options (schema, schema mode, sampling, levers), so making one is cheap, and
+    every option but the model, ``speculative`` and ``backend`` can also be changed per call.
 
     Parameters
     ----------
@@ -147,7 +278,8 @@ class Generator(Generic[T]):
         Grammar backend: ``"xgrammar"`` (default) or ``"outlines"`` (JSON Schema, regex, choices).
     schema_mode:
         Pre-flight policy: ``"default"`` raises on unsupported keywords and warns on ignored
-        ones, ``"strict"`` raises on both, ``"lenient"`` only warns.
+        ones, ``"strict"`` raises on both, ``"lenient"`` only warns. Its report for the
+        Generator's own schema is ``report`` (``None`` for free text).
     system_prompt:
         ``None``: describe the schema in a system message; a string: your system message;
         ``False``: none.
@@ -195,8 +327,7 @@ class Generator(Generic[T]):
         self.max_string_length = _check_count(max_string_length, "max_string_length", minimum=1,
                                               allow_none=True)
         self.max_items = _check_count(max_items, "max_items", minimum=1, allow_none=True)
-        self.max_retries = _check_count(max_retries, "max_retries", minimum=0, allow_none=False)
-        self.retry_temperature = _check_retry_temperature(retry_temperature)
+        self.retry = RetryPolicy(max_retries, retry_temperature)
         self.speculative = resolve_speculative(speculative)
         self.backend = backend
         self.schema_mode = schema_mode
@@ -207,22 +338,31 @@ class Generator(Generic[T]):
         self.max_batch_size = _check_count(max_batch_size, "max_batch_size", minimum=1,
                                            allow_none=False)
         # schema problems surface before any model is loaded
-        self.spec = self._prepare_spec(schema)
+        self.spec, self.report = self._prepare_spec(schema, schema_mode)
         #: the spec the grammar is compiled from: ``spec`` plus any bounds (max_string_length,
         #: max_items); outputs are validated against ``spec``
         self.grammar_spec, added = self._bound(self.spec, {})
-        if self.spec is not None:
+        if self.report is not None:
             self.report.added_bounds = added
         self.model = load_model(model, tokenizer)
-        self.drafter = make_drafter(self.speculative, self.model)
+        self.drafter = shared_drafter(self.model, self.speculative)
         self.compiled = self._compile(self.spec)
 
-    def _prepare_spec(self, schema: Any) -> SchemaSpec | None:
+    @property
+    def max_retries(self) -> int:
+        return self.retry.max_retries
+
+    @property
+    def retry_temperature(self) -> float:
+        return self.retry.temperature
+
+    def _prepare_spec(self, schema: Any, mode: SchemaMode) -> tuple[SchemaSpec | None, Any]:
+        """The spec of ``schema`` and its pre-flight report under ``mode`` (None, None for free
+        text). A call's own schema gets its own report: ``self.report`` stays the Generator's."""
         if schema is None:
-            return None
+            return None, None
         spec = normalize_schema(schema, layout=self.layout)
-        self.report = check_schema(spec, self.backend, self.schema_mode)
-        return spec
+        return spec, check_schema(spec, self.backend, mode)
 
     def _bound(self, spec: SchemaSpec | None, options: dict[str, Any]) -> tuple[Any, list[Any]]:
         if spec is None:
@@ -237,21 +377,14 @@ class Generator(Generic[T]):
         grammar_spec, _ = self._bound(spec, options or {})
         return compile_spec(grammar_spec, self.model.tokenizer_data, backend=self.backend)
 
-    @property
-    def _lookahead(self) -> int:
-        spec = self.speculative
-        if spec is None:
-            return 0
-        return spec.num_speculative_tokens + (spec.max_forced_tokens if spec.forced else 0)
-
     # -- running ----------------------------------------------------------------------------
     def __call__(self, prompt: str | Messages | Sequence[str | Messages], *,
                  return_result: bool = False, **overrides: Any) -> Any:
         """Generate for one prompt (-> value) or a list of prompts (-> list, one batch).
 
         ``overrides`` change this call's options: max_tokens, temperature, top_p, top_k, seed,
-        repetition_penalty, no_repeat_ngram_size, max_string_length, max_items, max_retries,
-        retry_temperature. Errors are raised; for a list the first failing item's error is raised after the whole
+        repetition_penalty, no_repeat_ngram_size, max_string_length, max_items, schema_mode,
+        max_retries, retry_temperature. Errors are raised; for a list the first failing item's error is raised after the whole
         batch ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
@@ -275,19 +408,16 @@ class Generator(Generic[T]):
         ``on_tokens(index, token_ids)`` streams tokens as they are accepted. With
         ``max_retries``, the items that failed run again as one batch per retry.
         """
-        retries = _check_count(overrides.pop("max_retries", self.max_retries), "max_retries",
-                               minimum=0, allow_none=False)
-        retry_temperature = _check_retry_temperature(
-            overrides.pop("retry_temperature", self.retry_temperature))
-        if retries and on_tokens is not None:
+        policy = RetryPolicy(overrides.pop("max_retries", self.retry.max_retries),
+                             overrides.pop("retry_temperature", self.retry.temperature))
+        if policy.max_retries and on_tokens is not None:
             raise ConfigError("cannot be combined with on_tokens streaming: the tokens of a failed "
                               "attempt would already be streamed", option="max_retries")
         results: list[Any] = [None] * len(prompts)
         stats: list[SpecStats | None] = [None] * len(prompts)
-        todo = list(range(len(prompts)))
-        for attempt in range(retries + 1):
-            options = overrides if attempt == 0 else self.retry_options(overrides, attempt,
-                                                                          retry_temperature)
+        attempts = policy.attempts(range(len(prompts)))
+        for attempt, todo in attempts:
+            options = policy.options(overrides, attempt, self.sampling)
             requests: list[tuple[int, Request, SchemaSpec | None]] = []
             for i in todo:
                 try:
@@ -301,10 +431,8 @@ class Generator(Generic[T]):
             for i, req, spec in requests:
                 results[i] = self.finalize(req, spec, return_result)
                 stats[i] = req.stats if stats[i] is None else stats[i].merge(req.stats)
-            todo = [i for i, _, _ in requests if isinstance(results[i], _RETRYABLE)]
-            if not todo:
-                break
-        if retries:
+                attempts.record(i, results[i])
+        if policy.max_retries:
             for item, st in zip(results, stats):
                 _record_attempts(item, st)
         if not return_exceptions:
@@ -313,28 +441,20 @@ class Generator(Generic[T]):
                     raise item
         return results
 
-    def retry_options(self, overrides: dict[str, Any], attempt: int,
-                      temperature: float = DEFAULT_RETRY_TEMPERATURE) -> dict[str, Any]:
-        """The call options of retry ``attempt`` (>= 1) after a call with ``overrides``: sampled
-        (at ``temperature`` when the call was greedy), with a seed derived per attempt — the
-        rule ``max_retries`` follows, for servers that run their own engine loop."""
-        merged = {**self.sampling.__dict__, **overrides}
-        seed = merged.get("seed")
-        return {**overrides,
-                "temperature": merged["temperature"] if merged["temperature"] > 0 else temperature,
-                "seed": (DEFAULT_RETRY_SEED if seed is None else seed) + attempt}
-
     # -- building blocks (also used by servers that run their own engine loop) --------------
     def make_request(self, prompt: str | Messages, *, schema: Any = _SAME,
+                     schema_mode: SchemaMode | None = None,
                      on_tokens: Callable[[list[int]], None] | None = None,
                      **overrides: Any) -> tuple[Request, SchemaSpec | None]:
         """A ready-to-run engine request for ``prompt`` and the spec to finalize it with.
 
         ``schema`` defaults to the Generator's own (compiled once); another schema is
-        normalised, checked and compiled here (compiles are cached). Raises
-        :class:`ConstrainedSpecError` subclasses for bad input, before any compute.
-        ``overrides``: any :class:`SamplingParams` field, ``max_string_length``, ``max_items``.
+        normalised, checked (under ``schema_mode``, default the Generator's) and compiled here
+        (compiles are cached). Raises :class:`ConstrainedSpecError` subclasses for bad input,
+        before any compute. ``overrides``: any :class:`SamplingParams` field,
+        ``max_string_length``, ``max_items``.
         """
+        mode = self.schema_mode if schema_mode is None else _check_schema_mode(schema_mode)
         bounds = {k: overrides.pop(k) for k in _SPEC_OPTIONS if k in overrides}
         unknown = sorted(set(overrides) - set(SamplingParams.__dataclass_fields__))
         if unknown:
@@ -344,13 +464,16 @@ class Generator(Generic[T]):
         params = SamplingParams(**{**self.sampling.__dict__, **overrides})
         _check_count(bounds.get("max_string_length"), "max_string_length", minimum=1, allow_none=True)
         _check_count(bounds.get("max_items"), "max_items", minimum=1, allow_none=True)
-        if schema is _SAME and not bounds:
+        if schema is _SAME:
             spec, compiled = self.spec, self.compiled
+            if spec is not None and mode != self.schema_mode:
+                check_schema(spec, self.backend, mode)
+            if bounds:
+                compiled = self._compile(spec, bounds)
         else:
-            spec = self.spec if schema is _SAME else self._prepare_spec(schema)
+            spec, _ = self._prepare_spec(schema, mode)
             compiled = self._compile(spec, bounds)
-        ids = _encode_with_check(self.model, prompt, spec, self.system_prompt, params.max_tokens,
-                                 self._lookahead)
+        ids = _encode_with_check(self.model, prompt, spec, self.system_prompt, params.max_tokens)
         matcher = compiled.new_matcher() if compiled is not None else None
         return Request(ids, matcher, params, self.model.eos_token_ids, on_tokens=on_tokens), spec
 
@@ -362,11 +485,6 @@ class Generator(Generic[T]):
     def finalize(self, req: Request, spec: SchemaSpec | None, return_result: bool = True) -> Any:
         """The value / :class:`GenerationResult` of a finished request, or the error it ended in."""
         text = self.model.tokenizer.decode(req.output_ids)
-        if req.finish_reason == "length":
-            return IncompleteOutputError(
-                f"max_tokens={req.params.max_tokens} reached before the output was complete; "
-                "raise max_tokens (partial output on .partial_text)",
-                partial_text=text, token_ids=req.output_ids, stats=req.stats)
         if req.finish_reason == "loop" and req.loops is not None and req.loops.loop is not None:
             loop = req.loops.loop  # the output repeated one unit of tokens (loops.py)
             unit = self.model.tokenizer.decode(req.output_ids[loop.start:loop.start + loop.period])
@@ -379,8 +497,18 @@ class Generator(Generic[T]):
                 stats=req.stats, period=loop.period, start=loop.start, repeated_text=unit)
         if req.finish_reason == "cancelled":
             return ConstrainedSpecError("the request was cancelled")
-        if req.finish_reason != "stop":
+        if req.finish_reason == "error":
             return self._generation_error(req, text)
+        if req.finish_reason != "stop":
+            # "length", or any other way the engine ends an output early: incomplete (and so
+            # a failed attempt that RetryPolicy runs again)
+            why = (f"max_tokens={req.params.max_tokens} reached before the output was complete; "
+                   "raise max_tokens" if req.finish_reason == "length" else
+                   f"generation ended ({req.finish_reason}) before the output was complete; "
+                   "max_retries generates again")
+            return IncompleteOutputError(f"{why} (partial output on .partial_text)",
+                                         partial_text=text, token_ids=req.output_ids,
+                                         stats=req.stats)
         try:
             value = parse_output(spec, text) if spec is not None else text
         except ConstrainedSpecError as e:

@@ -3,6 +3,7 @@
     constrained-spec generate "Ada Lovelace, 36, mathematician" --schema 'name, age int'
     constrained-spec generate --batch people.jsonl --schema person.json > people.out.jsonl
     constrained-spec schema-check person.json
+    constrained-spec serve --port 8000            # the OpenAI-compatible server (app extra)
 
 stdout carries nothing but JSON: one value per line (the whole value indented with
 ``--pretty``). Everything else (progress bars, warnings, stats, errors) goes to stderr, and
@@ -12,7 +13,9 @@ command runs is sent to stderr as well, so a stray ``print`` cannot corrupt the 
 The command line is a thin layer over :class:`~constrained_spec.api.Generator`: it turns flags
 into a schema object, the Generator's options (sampling, the opt-in output-quality levers, the
 JSON layout) and a speculative config, loads the model (quietly with ``--quiet``) and runs one
-engine batch, whether for one prompt or a whole ``--batch`` file.
+engine batch, whether for one prompt or a whole ``--batch`` file. ``serve`` is the exception
+to the stdout rule: it hands over to :func:`constrained_spec.server.serve`, whose stdout is
+uvicorn's access log.
 """
 
 from __future__ import annotations
@@ -93,6 +96,14 @@ on small models").
 
 {EPILOG_EXIT_CODES}"""
 
+SERVE_EPILOG = f"""\
+example:
+  {PROG} serve --port 8000 --api-key sk-local --enable-metrics
+
+Routes: POST /v1/chat/completions, GET /v1/models, GET /health, and GET /metrics with
+--enable-metrics. Logs go to stderr; stdout carries uvicorn's access log only. Needs the app
+extra: pip install constrained_spec[app]."""
+
 SCHEMA_CHECK_EPILOG = """\
 Prints what the grammar backend would not enforce, with JSON pointers into the schema:
 "unsupported" keywords make generation refuse the schema, "ignored" ones are not enforced
@@ -107,9 +118,9 @@ exit codes: 0 the schema would run under --schema-mode (ignored keywords may be 
 # ------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``constrained-spec`` (subcommands ``generate``, ``schema-check``)."""
+    """The argument parser of ``constrained-spec`` (subcommands ``generate``, ``schema-check``,
+    ``info``, ``serve``)."""
     from . import __version__
-    from .api import DEFAULT_RETRY_TEMPERATURE
 
     parser = argparse.ArgumentParser(
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -119,7 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_generate_parser(sub)
+    _add_schema_check_parser(sub)
+    _add_info_parser(sub)
+    _add_serve_parser(sub)
+    return parser
 
+
+def _add_generate_parser(sub: Any) -> None:
     gen = sub.add_parser(
         "generate", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=GENERATE_EPILOG,
         help="generate JSON that matches a schema",
@@ -127,28 +145,52 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", metavar="PROMPT",
                      help="the prompt; read from stdin when omitted or '-'")
     _add_schema_arguments(gen)
-
     model = gen.add_argument_group("model and speculation")
     model.add_argument("--model", metavar="PATH", default=None,
                        help="a checkpoint folder or .gguf file (default: the embedded model, "
                             "fetched and converted once)")
-    model.add_argument("--speculative-config", metavar="JSON",
+    _add_speculation_arguments(model)
+    _add_sampling_arguments(gen)
+    _add_lever_arguments(gen)
+    output = gen.add_argument_group("input and output")
+    output.add_argument("--batch", metavar="FILE.jsonl",
+                        help="one prompt or {prompt, schema} per line ('-' = stdin); JSONL out, "
+                             "in input order, run as one batch")
+    output.add_argument("--pretty", action="store_true",
+                        help="indent the JSON output (by --indent N, else 2)")
+    output.add_argument("--indent", type=int, metavar="N",
+                        help="the model writes JSON indented by N spaces (json.dumps(indent=N)) "
+                             "instead of on one line; printed on one line unless --pretty")
+    output.add_argument("--stream", action="store_true",
+                        help="write the output to stdout as tokens are accepted")
+    output.add_argument("--stats", action="store_true",
+                        help="print the speculation stats as JSON on stderr")
+    output.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress bars, warnings or log messages on stderr (errors only)")
+    gen.set_defaults(func=_cmd_generate)
+
+
+def _add_speculation_arguments(group: Any) -> None:
+    """The speculation flags ``generate`` and ``serve`` share."""
+    group.add_argument("--speculative-config", metavar="JSON",
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 5}\' (FastDeploy / vLLM style)')
-    model.add_argument("--speculative-algorithm", metavar="METHOD",
+    group.add_argument("--speculative-algorithm", metavar="METHOD",
                        choices=[*METHODS, *_METHOD_ALIASES],
                        help=f"the drafter: {', '.join(METHODS)} (lmdeploy's flag; "
                             "deepseek_mtp = mtp)")
-    model.add_argument("--speculative-num-draft-tokens", type=int, metavar="N",
+    group.add_argument("--speculative-num-draft-tokens", type=int, metavar="N",
                        help="drafts proposed per step (lmdeploy's flag)")
-    model.add_argument("--speculative-draft-model", metavar="PATH",
+    group.add_argument("--speculative-draft-model", metavar="PATH",
                        help="the drafter's weights (lmdeploy's flag; method draft_model unless "
                             "--speculative-algorithm says otherwise)")
-    model.add_argument("--no-speculation", action="store_true",
+    group.add_argument("--no-speculation", action="store_true",
                        help="plain decoding: no drafts at all, not even forced tokens")
 
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SamplingParams()
-    sampling = gen.add_argument_group("sampling")
+    sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=defaults.temperature,
                           help="0 = greedy (default: %(default)s)")
     sampling.add_argument("--top-p", type=float, default=defaults.top_p,
@@ -161,7 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--system", metavar="TEXT", default=None,
                           help="the system message (default: one describing the schema)")
 
-    levers = gen.add_argument_group(
+
+def _add_lever_arguments(parser: argparse.ArgumentParser) -> None:
+    from .api import DEFAULT_RETRY_TEMPERATURE
+
+    defaults = SamplingParams()
+    levers = parser.add_argument_group(
         "output quality", "opt-in levers for a small model that loops until --max-tokens runs out")
     levers.add_argument("--max-retries", type=int, default=0, metavar="N",
                         help="after an incomplete or invalid output, generate again up to N times "
@@ -182,23 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     levers.add_argument("--max-items", type=int, metavar="N",
                         help="maxItems N on every array of the schema that has no bound")
 
-    output = gen.add_argument_group("input and output")
-    output.add_argument("--batch", metavar="FILE.jsonl",
-                        help="one prompt or {prompt, schema} per line ('-' = stdin); JSONL out, "
-                             "in input order, run as one batch")
-    output.add_argument("--pretty", action="store_true",
-                        help="indent the JSON output (by --indent N, else 2)")
-    output.add_argument("--indent", type=int, metavar="N",
-                        help="the model writes JSON indented by N spaces (json.dumps(indent=N)) "
-                             "instead of on one line; printed on one line unless --pretty")
-    output.add_argument("--stream", action="store_true",
-                        help="write the output to stdout as tokens are accepted")
-    output.add_argument("--stats", action="store_true",
-                        help="print the speculation stats as JSON on stderr")
-    output.add_argument("--quiet", "-q", action="store_true",
-                        help="no progress bars, warnings or log messages on stderr (errors only)")
-    gen.set_defaults(func=_cmd_generate)
 
+def _add_schema_check_parser(sub: Any) -> None:
     check = sub.add_parser(
         "schema-check", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=SCHEMA_CHECK_EPILOG, help="pre-flight report of a schema (no model loaded)",
@@ -209,8 +241,48 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", dest="as_json",
                        help="print the report as a JSON object")
     check.set_defaults(func=_cmd_schema_check)
-    _add_info_parser(sub)
-    return parser
+
+
+def _add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EPILOG,
+        help="an OpenAI-compatible chat-completions server (needs the app extra)",
+        description="An OpenAI-compatible chat-completions server: schema-constrained outputs, "
+                    "speculative decoding, continuous batching.")
+    model = serve.add_argument_group("model and speculation (as generate)")
+    model.add_argument("--model", metavar="PATH", default=None,
+                       help="a checkpoint folder or .gguf file (default: the embedded model)")
+    model.add_argument("--served-model-name", metavar="NAME", default=None,
+                       help="the model id clients send and /v1/models lists (default: the model's name)")
+    _add_speculation_arguments(model)
+    model.add_argument("--backend", choices=("xgrammar", "outlines"), default="xgrammar",
+                       help="grammar backend (default: %(default)s)")
+    group = serve.add_argument_group("serving")
+    group.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (else 401)")
+    group.add_argument("--max-batch-size", type=int, default=8,
+                       help="requests decoded together (default: %(default)s)")
+    group.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for a slot; past it the server answers 429 "
+                            "(default: %(default)s)")
+    group.add_argument("--max-request-bytes", type=int, default=None,
+                       help="larger request bodies are refused with 413 (default: 1 MiB)")
+    group.add_argument("--max-tokens", type=int, default=512,
+                       help="max_tokens of a request that gives none (default: %(default)s)")
+    group.add_argument("--enable-metrics", action="store_true",
+                       help="expose Prometheus metrics on GET /metrics")
+    group.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"))
+    serve.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace, out: TextIO) -> int:
+    # imported here: without the app extra this raises a ConfigError naming it
+    from .server import serve
+
+    return serve(args)
 
 
 def _add_info_parser(sub: Any) -> None:
@@ -938,26 +1010,34 @@ def _stdout_for_results() -> Iterator[TextIO]:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (``EXIT_CODES``)."""
     args = build_parser().parse_args(argv)  # bad arguments: argparse exits with 2
+    if args.command == "serve":
+        # the server logs to stderr at its --log-level, and stdout is uvicorn's access log
+        return _run(args, sys.stdout)
     with _stdout_for_results() as out, _diagnostics(getattr(args, "quiet", False)):
-        try:
-            return int(args.func(args, out))
-        except ConstrainedSpecError as e:
-            return report_error(e)
-        except KeyboardInterrupt:
-            print(f"{PROG}: interrupted", file=sys.stderr)
-            return 130
-        except BrokenPipeError:
-            # the reader went away (| head): stop quietly, and keep the interpreter's final
-            # flush of stdout from failing again
-            with contextlib.suppress(OSError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
-            return 141  # 128 + SIGPIPE, as a shell reports it
-        except Exception as e:
-            if os.environ.get("CONSTRAINED_SPEC_DEBUG"):
-                import traceback
+        return _run(args, out)
 
-                traceback.print_exc()
-            print(f"{PROG}: {EXIT_CODES[EXIT_INTERNAL][0]}: {type(e).__name__}: "
-                  f"{_one_line(str(e))} (CONSTRAINED_SPEC_DEBUG=1 shows the traceback)",
-                  file=sys.stderr)
-            return EXIT_INTERNAL
+
+def _run(args: argparse.Namespace, out: TextIO) -> int:
+    """Run the subcommand; an error becomes its one line on stderr and its exit code."""
+    try:
+        return int(args.func(args, out))
+    except ConstrainedSpecError as e:
+        return report_error(e)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # the reader went away (| head): stop quietly, and keep the interpreter's final
+        # flush of stdout from failing again
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
+    except Exception as e:
+        if os.environ.get("CONSTRAINED_SPEC_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"{PROG}: {EXIT_CODES[EXIT_INTERNAL][0]}: {type(e).__name__}: "
+              f"{_one_line(str(e))} (CONSTRAINED_SPEC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL

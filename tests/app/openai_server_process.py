@@ -1,11 +1,11 @@
-"""Start ``examples/openai_server.py`` on a free loopback port (test helpers): as a real process
-(:func:`start_server`, embedded model), or in this process on a model of the test's choosing
-(:func:`serve_in_thread`, e.g. the tiny Llama; the test can then reach into the server)."""
+"""Start the OpenAI-compatible server on a free loopback port (test helpers): as a real
+``constrained-spec serve`` process (:func:`start_server`, embedded model), or in this process on
+a model of the test's choosing (:func:`serve_in_thread`, :func:`serve_tiny`, e.g. the tiny
+Llama; the test can then reach into the server)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import socket
 import subprocess
@@ -16,11 +16,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_server.py"
+from constrained_spec.server import ServerConfig, create_app
 
 
 def free_port() -> int:
@@ -64,7 +63,8 @@ def start_server(*flags: str, timeout: float = 240.0) -> ServerProcess:
         port = free_port()
         out, err = logs / f"{port}.stdout", logs / f"{port}.stderr"
         with open(out, "wb") as fo, open(err, "wb") as fe:
-            proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), *flags],
+            proc = subprocess.Popen([sys.executable, "-m", "constrained_spec", "serve",
+                                     "--port", str(port), *flags],
                                     stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         server = ServerProcess(proc, port, out, err)
@@ -83,17 +83,6 @@ def start_server(*flags: str, timeout: float = 240.0) -> ServerProcess:
         if "address already in use" not in last_error.lower():
             break
     raise RuntimeError(f"the server did not start:\n{last_error}")
-
-
-def import_example() -> ModuleType:
-    """``examples/openai_server.py`` as a module (``examples`` is not a package); loaded once."""
-    name = "openai_server_example"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @contextlib.contextmanager
@@ -126,12 +115,12 @@ def serve_in_thread(app, timeout: float = 60.0) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serve_tiny(loaded, model_name: str = "tiny") -> Iterator[tuple]:
-    """The example app over ``loaded`` with the small limits the in-process tests use (batch 4,
-    queue 8, 8 tokens, metrics on), served in a thread; yields ``(server, url)``."""
-    srv = import_example()
-    config = srv.ServerConfig(model_name=model_name, max_batch_size=4, max_queue=8, max_tokens=8,
-                              enable_metrics=True)
-    app = srv.create_app(loaded, config)
+def serve_tiny(loaded, model_name: str = "tiny", **options) -> Iterator[tuple]:
+    """The app over ``loaded`` with the small limits the in-process tests use (batch 4, queue 8,
+    8 tokens, metrics on; ``options``: other ServerConfig fields or these), served in a
+    thread; yields ``(server, url)``."""
+    config = ServerConfig(**{"model_name": model_name, "max_batch_size": 4, "max_queue": 8,
+                             "max_tokens": 8, "enable_metrics": True, **options})
+    app = create_app(loaded, config)
     with serve_in_thread(app) as url:
         yield app.state.server, url

@@ -15,9 +15,7 @@ import time
 
 import httpx
 import pytest
-from openai_server_process import import_example, serve_in_thread
-
-srv = import_example()
+from openai_server_process import serve_tiny
 
 MODEL = "tiny"
 MAX_TOKENS = 16
@@ -70,11 +68,8 @@ class FailingMatcher:
 
 @pytest.fixture(scope="module")
 def served(tiny_loaded):
-    config = srv.ServerConfig(model_name=MODEL, max_batch_size=4, max_queue=32,
-                              max_tokens=MAX_TOKENS, enable_metrics=True)
-    app = srv.create_app(tiny_loaded, config)
-    with serve_in_thread(app) as url:
-        yield app.state.server, url
+    with serve_tiny(tiny_loaded, MODEL, max_queue=32, max_tokens=MAX_TOKENS) as served:
+        yield served
 
 
 @pytest.fixture

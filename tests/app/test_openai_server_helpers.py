@@ -7,12 +7,18 @@ import asyncio
 
 import httpx
 import pytest
-from openai_server_process import import_example
-
 from constrained_spec.errors import ConfigError, SchemaError
+from constrained_spec.server.app import Guard, ServerConfig
+from constrained_spec.server.protocol import (
+    APIError,
+    api_error,
+    chat_prompt,
+    parse_body,
+    schema_of,
+    stop_strings,
+)
+from constrained_spec.server.streaming import ChoiceText
 from constrained_spec.serving import QueueFullError
-
-srv = import_example()
 
 VOCAB = ["Hello", " E", "N", "D", " more", "é"[:1], "\ufffd"]
 
@@ -22,7 +28,7 @@ def decode(ids):
 
 
 def test_stop_string_cuts_the_text_and_never_leaks_its_start():
-    text = srv.ChoiceText(decode, ["END"])
+    text = ChoiceText(decode, ["END"])
     sent = text.feed([0]) + text.feed([1])  # "Hello E": "E" may begin "END"
     assert sent == "Hello "
     assert text.feed([2]) == ""  # "EN" still may
@@ -32,7 +38,7 @@ def test_stop_string_cuts_the_text_and_never_leaks_its_start():
 
 
 def test_held_back_text_is_released_when_no_stop_follows():
-    text = srv.ChoiceText(decode, ["END"])
+    text = ChoiceText(decode, ["END"])
     assert text.feed([0, 1]) == "Hello "
     assert text.feed([4]) == "E more"
     assert not text.stopped
@@ -40,29 +46,29 @@ def test_held_back_text_is_released_when_no_stop_follows():
 
 
 def test_an_incomplete_character_waits_for_its_last_byte():
-    text = srv.ChoiceText(decode)
+    text = ChoiceText(decode)
     assert text.feed([0, 6]) == "Hello"  # U+FFFD at the end: the rest of a UTF-8 sequence is due
     assert text.feed([4]) == "\ufffd more"  # not at the end any more: it was the text
 
 
 def test_response_format_maps_to_schema_and_preflight_mode():
     schema = {"type": "object"}
-    assert srv.schema_of(None) == (None, "default")
-    assert srv.schema_of({"type": "text"}) == (None, "default")
-    assert srv.schema_of({"type": "json_object"}) == ({"type": "object"}, "default")
+    assert schema_of(None) == (None, "default")
+    assert schema_of({"type": "text"}) == (None, "default")
+    assert schema_of({"type": "json_object"}) == ({"type": "object"}, "default")
     for strict, mode in ((True, "strict"), (False, "lenient"), (None, "default")):
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
-        assert srv.schema_of(rf) == (schema, mode)
+        assert schema_of(rf) == (schema, mode)
     for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
-        with pytest.raises(srv.APIError) as info:
-            srv.schema_of(bad)
+        with pytest.raises(APIError) as info:
+            schema_of(bad)
         assert info.value.status == 400 and info.value.param.startswith("response_format")
 
 
 def test_request_bodies_are_checked_with_the_parameter_named():
     ok = b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}'
-    body = srv.parse_body(ok)
-    assert srv.chat_prompt(body.messages) == [{"role": "user", "content": "hi"}]
+    body = parse_body(ok)
+    assert chat_prompt(body.messages) == [{"role": "user", "content": "hi"}]
     cases = {
         b"{nope": None,
         b'{"model": "m", "messages": []}': "messages",
@@ -71,24 +77,24 @@ def test_request_bodies_are_checked_with_the_parameter_named():
         b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}': "messages.0.role",
     }
     for raw, param in cases.items():
-        with pytest.raises(srv.APIError) as info:
-            srv.parse_body(raw)
+        with pytest.raises(APIError) as info:
+            parse_body(raw)
         assert info.value.status == 400 and info.value.param == param, raw
-    with pytest.raises(srv.APIError):
-        srv.stop_strings(["a", "b", "c", "d", "e"])
-    assert srv.stop_strings(["", "x"]) == ["x"]
+    with pytest.raises(APIError):
+        stop_strings(["a", "b", "c", "d", "e"])
+    assert stop_strings(["", "x"]) == ["x"]
 
 
 def test_library_errors_map_to_openai_statuses_and_codes():
-    e = srv.api_error(SchemaError("bad", keyword="type", pointer="/a"))
+    e = api_error(SchemaError("bad", keyword="type", pointer="/a"))
     assert (e.status, e.code, e.param) == (400, "invalid_schema", "response_format")
     assert "keyword 'type'" in e.message and "/a" in e.message
-    e = srv.api_error(ConfigError("too hot", option="temperature"))
+    e = api_error(ConfigError("too hot", option="temperature"))
     assert (e.status, e.param) == (400, "temperature")
-    e = srv.api_error(QueueFullError("full"))
+    e = api_error(QueueFullError("full"))
     assert (e.status, e.code) == (429, "queue_full")
     assert e.response().headers["retry-after"] == "1"
-    assert srv.api_error(RuntimeError("x")).status == 500
+    assert api_error(RuntimeError("x")).status == 500
 
 
 def test_guard_checks_the_key_on_v1_routes_and_the_declared_size():
@@ -96,8 +102,8 @@ def test_guard_checks_the_key_on_v1_routes_and_the_declared_size():
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    config = srv.ServerConfig(model_name="m", api_key="k", max_request_bytes=10)
-    guard = srv.Guard(ok, config)
+    config = ServerConfig(model_name="m", api_key="k", max_request_bytes=10)
+    guard = Guard(ok, config)
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t") as c:

@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 from cs_testlib import bigram_loaded
-from openai_server_process import import_example, serve_in_thread
+from openai_server_process import serve_tiny
 
-srv = import_example()
+from constrained_spec.server import MAX_RETRIES
 
 MODEL = "loop"
 # inside the string a -> b (5) -> a (5) -> ...; after a, c comes second (4) and the closing
@@ -39,10 +39,8 @@ def looping():
 
 @pytest.fixture(scope="module")
 def served(looping):
-    config = srv.ServerConfig(model_name=MODEL, max_batch_size=4, max_queue=16, max_tokens=40)
-    app = srv.create_app(looping, config)
-    with serve_in_thread(app) as url:
-        yield app.state.server, url
+    with serve_tiny(looping, MODEL, max_queue=16, max_tokens=40, enable_metrics=False) as served:
+        yield served
 
 
 @pytest.fixture
@@ -127,7 +125,7 @@ def test_max_retries_with_stream_is_refused_naming_the_parameter(url):
     ({"no_repeat_ngram_size": 65}, "no_repeat_ngram_size", "must be an integer in 0..64"),
     ({"no_repeat_ngram_size": 2.5}, "no_repeat_ngram_size", "valid integer"),
     ({"max_retries": -1}, "max_retries", "greater than or equal to 0"),
-    ({"max_retries": srv.MAX_RETRIES + 1}, "max_retries", f"less than or equal to {srv.MAX_RETRIES}"),
+    ({"max_retries": MAX_RETRIES + 1}, "max_retries", f"less than or equal to {MAX_RETRIES}"),
     ({"max_retries": "2"}, "max_retries", "valid integer"),
 ])
 def test_bad_values_are_400_naming_the_parameter_and_the_limit(url, extra, param, reason):

@@ -105,7 +105,7 @@ def test_slow_final_validation_does_not_block_the_event_loop(served, monkeypatch
     """Final validation runs on the finish threads: a slow one (a large output) leaves /health
     answering while the request is in flight."""
     server, url = served
-    gen = server.generator("lenient")
+    gen = server.generator  # one Generator serves every schema mode
     real = gen.finalize
     started = threading.Event()
 

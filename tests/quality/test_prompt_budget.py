@@ -24,7 +24,7 @@ from constrained_spec.prompts import (
 )
 
 CONTEXT = 8192
-RESERVED = 512 + 21 + 1  # max_tokens + the default speculative lookahead + the pending token
+RESERVED = 512 + 1  # max_tokens + the pending token (the speculative lookahead takes no room)
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "description": "full name"},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

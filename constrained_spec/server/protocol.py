@@ -1,0 +1,218 @@
+"""The wire format of the OpenAI-compatible server: the request body, OpenAI's error envelope,
+and the mapping of library errors and request fields onto them.
+
+Nothing here runs a model: a request is parsed and checked (``parse_body``), its
+``response_format`` turned into a schema and a pre-flight mode (``schema_of``), its messages
+into the library's prompt (``chat_prompt``). Every refusal is an :class:`APIError`, answered in
+OpenAI's envelope ``{"error": {message, type, param, code}}`` with an HTTP status.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from constrained_spec.api import SchemaMode
+from constrained_spec.errors import (
+    ConfigError,
+    GenerationError,
+    OutputValidationError,
+    PromptTooLongError,
+    SchemaError,
+)
+from constrained_spec.serving import QueueFullError
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+#: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a
+#: batch slot, and two retries already complete every benchmark task (README).
+MAX_RETRIES = 4
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's envelope with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(envelope(self.message, self.type, self.param, self.code),
+                            status_code=self.status, headers=headers)
+
+
+def envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    # a lone surrogate echoed from the request could not be written as UTF-8: escape it, or
+    # the error response itself would fail (a 500)
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_OPTION_PARAMS = {"prompt": "messages", "max_tokens": "max_tokens", "temperature": "temperature",
+                  "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
+
+
+def api_error(exc: BaseException, *, schema_param: str | None = "response_format") -> APIError:
+    """The API error for a library exception raised while preparing or running a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SchemaError):
+        return APIError(400, f"bad schema: {exc}", param=schema_param, code="invalid_schema")
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, ConfigError):
+        return APIError(400, str(exc), param=_OPTION_PARAMS.get(exc.option or "", exc.option),
+                        code="invalid_value")
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full")
+    if isinstance(exc, GenerationError):  # this request alone failed; the server goes on
+        return APIError(500, str(exc), type="server_error", code="generation_failed")
+    if isinstance(exc, OutputValidationError):
+        return APIError(500, f"the output failed final validation: {exc}", type="server_error",
+                        code="output_validation_failed")
+    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The fields of OpenAI's chat-completions request this server reads. Any other field is
+    refused with a 400 naming it (`check_extra_fields`), except the bookkeeping ones in
+    ``_IGNORED`` and a falsy (default) value of the unimplemented ones in ``_UNSUPPORTED``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    response_format: dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # vLLM's extra parameter; -1 (vLLM's "off") and 0 both switch it off
+    top_k: int | None = Field(default=None, ge=-1, strict=True)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    # vLLM-style extra parameters: the library's opt-in levers (off when absent). Strict types
+    # (no "2" or true for a number); their ranges are SamplingParams', checked by make_request.
+    repetition_penalty: float | None = Field(default=None, strict=True)
+    no_repeat_ngram_size: int | None = Field(default=None, strict=True)
+    max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES, strict=True)
+
+
+# request fields that would change the answer and that this server does not implement:
+# refused rather than silently ignored (a falsy value is accepted: clients send defaults)
+_UNSUPPORTED = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+                "audio", "frequency_penalty", "presence_penalty", "prediction", "min_p",
+                "reasoning_effort", "web_search_options")
+# request fields that do not change the answer: accepted and ignored
+_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+            "prompt_cache_key")
+# OpenAI's penalties subtract from the logits by count; the guard here divides (as vLLM's and
+# transformers' repetition_penalty) or bans repeated n-grams: a different setting, not a rename
+_INSTEAD = dict.fromkeys(("frequency_penalty", "presence_penalty"),
+                         "; use repetition_penalty (> 1 penalises the tokens already in the "
+                         "output, 1.1 to 1.3 is typical) or no_repeat_ngram_size instead")
+
+
+def parse_body(raw: bytes) -> ChatCompletionRequest:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        body = ChatCompletionRequest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+                       code="invalid_value") from e
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        if name in _UNSUPPORTED:
+            if value:
+                raise APIError(400, f"{name} is not supported by this server"
+                               f"{_INSTEAD.get(name, '')}", param=name, code="unsupported_parameter")
+        elif name in ("tool_choice", "modalities"):
+            if value not in (None, "none", [], ["text"]):  # what the server does anyway
+                raise APIError(400, f"{name} {value!r:.40} is not supported by this server",
+                               param=name, code="unsupported_parameter")
+        elif name not in _IGNORED:
+            # a misspelt or newer parameter would otherwise be silently ignored
+            raise APIError(400, f"unknown parameter {name!r:.60}: this server does not implement "
+                           "it; remove it from the request", param=name[:60],
+                           code="unknown_parameter")
+    if body.stream and body.max_retries:
+        raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
+                       "attempt would already be sent", param="max_retries",
+                       code="unsupported_parameter")
+    return body
+
+
+def schema_of(response_format: dict[str, Any] | None) -> tuple[Any, SchemaMode]:
+    """``response_format`` -> (schema for ``make_request``, pre-flight mode).
+
+    json_schema: the schema; ``strict`` true -> "strict", absent -> "default", false ->
+    "lenient". json_object: any JSON object. text / absent: free text (``None``).
+    """
+    if response_format is None:
+        return None, "default"
+    kind = response_format.get("type")
+    if kind == "text":
+        return None, "default"
+    if kind == "json_object":
+        return {"type": "object"}, "default"
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "response_format.json_schema must be an object with 'name' and "
+                           "'schema'", param="response_format.json_schema")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON Schema object",
+                           param="response_format.json_schema.schema", code="invalid_schema")
+        strict = spec.get("strict")
+        mode: SchemaMode = "default" if strict is None else ("strict" if strict else "lenient")
+        return schema, mode
+    raise APIError(400, f"response_format.type {kind!r} is not supported; use 'json_schema', "
+                   "'json_object' or 'text'", param="response_format.type")
+
+
+def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages -> the library's ``[{role, content}]`` (text content parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"only text content parts are supported, got "
+                                   f"{part.get('type')!r}", param=f"messages.{i}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    items = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(items) > 4:
+        raise APIError(400, "stop takes at most 4 strings", param="stop")
+    return [s for s in items if s]

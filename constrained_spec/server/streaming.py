@@ -1,0 +1,250 @@
+"""How a chat completion's choices run: their tokens as they arrive, the text they make
+(detokenized whole, cut at ``stop`` strings), their outcome once finished, and the SSE stream.
+
+Each choice is one engine request (a :class:`~constrained_spec.serving.Ticket` of the shared
+engine loop). ``run_choices`` consumes all of a completion's choices together; ``stream``
+turns them into OpenAI's ``chat.completion.chunk`` events. A client that goes away cancels
+its choices, which frees their slots at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from constrained_spec.api import SchemaMode
+from constrained_spec.serving import Ticket
+
+from .protocol import APIError, api_error, envelope
+
+if TYPE_CHECKING:
+    from .app import Server
+
+logger = logging.getLogger(__name__)
+
+_GONE = object()  # the stream's queue item for "the client went away"
+
+
+class ChoiceText:
+    """The text of one choice as its tokens arrive: what may be sent, and where it stops.
+
+    The ids so far are decoded as a whole (decoding piece by piece would split multi-byte
+    characters). Text that could be the start of a stop string is held back until it is not;
+    when a stop string appears the text is cut before it and ``stopped`` is set.
+    """
+
+    def __init__(self, decode: Any, stop: Sequence[str] = ()) -> None:
+        self.decode = decode
+        self.stop = list(stop)
+        self.ids: list[int] = []
+        self.text = ""  # the text so far (cut at a stop string once found)
+        self.sent = ""  # the part of it already handed out
+        self.stopped = False
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Add tokens; return the new text that is safe to send."""
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        # an incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives
+        self.text = self.decode(self.ids).rstrip("\ufffd")
+        safe = len(self.text)
+        if self.stop:
+            hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                safe = len(self.text)
+            else:
+                safe -= self._held_back(self.text)
+        return self._release(self.text[:safe])
+
+    def finish(self, final_text: str | None = None) -> str:
+        """The rest to send once generation ended (``final_text``: the whole output)."""
+        if final_text is not None and not self.stopped:
+            self.text = final_text
+        return self._release(self.text)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that begins some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, upto: str) -> str:
+        if not upto.startswith(self.sent):
+            return ""  # decoding rewrote an earlier character; wait for more (or the end)
+        new = upto[len(self.sent):]
+        self.sent = upto
+        return new
+
+
+@dataclass
+class Choice:
+    """One of the ``n`` outputs of a chat completion while it runs."""
+
+    index: int
+    ticket: Ticket
+    spec: Any
+    mode: SchemaMode
+    text: ChoiceText
+
+    @property
+    def request(self) -> Any:
+        return self.ticket.request
+
+
+@dataclass
+class Outcome:
+    """How a finished choice ended: its text and finish reason, or the error to answer."""
+
+    text: str
+    finish_reason: str
+    error: APIError | None = None
+    completion_tokens: int = 0
+    # what Generator.finalize returned (None when a stop string ended the text): RetryPolicy
+    # decides from it whether ``max_retries`` runs the choice again
+    result: Any = None
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has gone away (the body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _events(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, list[int] | None]]:
+    """Token ids of all choices as they arrive, and ``(choice, None)`` when one finishes."""
+    queue: asyncio.Queue[tuple[Choice, list[int] | None]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        async for ids in choice.ticket:
+            queue.put_nowait((choice, ids))
+        queue.put_nowait((choice, None))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(choices)
+        while running:
+            choice, ids = await queue.get()
+            running -= ids is None
+            yield choice, ids
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def run_choices(choices: Sequence[Choice],
+                      on_text: Callable[[Choice, str], Awaitable[None]] | None = None,
+                      on_done: Callable[[Choice], Awaitable[None]] | None = None) -> None:
+    """Consume every choice's tokens; cancel a choice at its stop string."""
+    async for choice, ids in _events(choices):
+        if ids is None:
+            if on_done is not None:
+                await on_done(choice)
+            continue
+        delta = choice.text.feed(ids)
+        if choice.text.stopped:
+            choice.ticket.cancel()
+        if delta and on_text is not None:
+            await on_text(choice, delta)
+
+
+def usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """OpenAI's ``usage``: the prompt once, the completion tokens of every choice's outcome."""
+    prompt = len(choices[0].request.prompt_ids)
+    completion = sum(o.completion_tokens for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def stream(server: Server, request: Request, choices: Sequence[Choice], completion_id: str,
+                 model: str, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE events of a streamed completion: a role chunk, text deltas as they are safe to
+    send, each choice's last delta with its finish reason, the usage chunk if asked, then
+    ``[DONE]``; a late error is one error event before ``[DONE]``."""
+    created = int(time.time())
+
+    def chunk(items: list[dict[str, Any]], totals: dict[str, int] | None = None) -> str:
+        data: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
+                                "created": created, "model": model, "system_fingerprint": None,
+                                "choices": items}
+        if include_usage:
+            data["usage"] = totals
+        return sse(data)
+
+    def delta(choice: Choice, content: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {"index": choice.index, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+
+    # one queue for everything the response waits on: SSE chunks, the end (None), the
+    # client going away (_GONE) and a failure of the producer (the exception)
+    out: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def on_text(choice: Choice, text: str) -> None:
+        out.put_nowait(chunk([delta(choice, {"content": text})]))
+
+    outcomes: dict[int, Outcome] = {}
+
+    async def on_done(choice: Choice) -> None:
+        o = outcomes[choice.index] = await server.outcome_async(choice)
+        if o.error is not None:
+            raise o.error
+        rest = choice.text.finish(o.text)
+        out.put_nowait(chunk([delta(choice, {"content": rest} if rest else {}, o.finish_reason)]))
+
+    async def produce() -> None:
+        try:
+            await run_choices(choices, on_text, on_done)
+            if include_usage:
+                out.put_nowait(chunk([], usage(choices, [outcomes[c.index] for c in choices])))
+            out.put_nowait(None)
+        except Exception as e:  # noqa: BLE001 -- sent as an error event, then [DONE] (as vLLM)
+            out.put_nowait(e)
+
+    async def watch() -> None:
+        await disconnected(request)
+        out.put_nowait(_GONE)
+
+    tasks = [asyncio.create_task(produce()), asyncio.create_task(watch())]
+    ended = False
+    try:
+        yield chunk([delta(c, {"role": "assistant", "content": ""}) for c in choices])
+        while (item := await out.get()) is not None:
+            if item is _GONE:
+                return
+            if isinstance(item, BaseException):
+                if not isinstance(item, APIError):
+                    logger.error("%s failed", completion_id, exc_info=item)
+                e = api_error(item)
+                yield sse(envelope(e.message, e.type, e.param, e.code))
+                break
+            yield item
+        ended = True
+        yield "data: [DONE]\n\n"
+    finally:
+        # runs on completion, on a client disconnect (Starlette cancels the stream), on errors
+        if not ended and not all(c.ticket.done for c in choices):
+            logger.info("%s: client disconnected; cancelling", completion_id)
+        for t in tasks:
+            t.cancel()
+        for c in choices:
+            c.ticket.cancel()
+
+
+
+def sse(data: Any) -> str:
+    """One server-sent event carrying ``data`` as compact JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
