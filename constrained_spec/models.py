@@ -257,6 +257,9 @@ class LoadedModel:
     _int4: Any = field(default=None, repr=False)  # exact 4-bit groups (runner.int4_weights)
     dtype_choice: str = "auto"  # as asked: "auto" lets the kernel plan choose per phase
     plan_cache: Path | None = None  # where this model's kernel plans are kept per machine
+    # whether the plan may run weights on the int8 kernel (a per-row re-quantization): for
+    # files whose matrices are already quantized at more than 4 bits (`int8_worth_it`)
+    int8_plan: bool = False
     quiet: bool = True
 
     @property
@@ -269,6 +272,7 @@ class LoadedModel:
                 from .plan import choose_plan
 
                 runner.set_plan(choose_plan(runner, dtype=self.dtype_choice, cache=self.plan_cache,
+                                            int8=self.int8_plan,
                                             quiet=self.quiet))
                 release_free_memory()
             self._runner = runner
@@ -495,10 +499,33 @@ def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = Fals
         marker.write_text(str(e))
         return None
     loaded = _open_lean(folder, name=str(gguf), dtype_choice=dtype_choice, quiet=quiet)
+    loaded.int8_plan = int8_worth_it(gguf)
     release_free_memory()
     logger.info("loaded %s in %.1fs (converted checkpoint %s)", gguf.name, time.perf_counter() - t0,
                 folder.name)
     return loaded
+
+
+# matrix types that are lossy already and not exact 4-bit groups: their dense form is a
+# dequantization, and an int8 re-quantization of it adds ~0.4-0.8% error (gguf_weights) for
+# half the bytes of bf16 per decode step
+_INT8_WORTH = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q2_K", "Q3_K"}
+
+
+def int8_worth_it(gguf: Path) -> bool:
+    """Whether ``gguf``'s decoder layers hold matrices of a type in `_INT8_WORTH`: then the
+    kernel plan also times the int8 weight-only kernel for every phase, the LM head included,
+    and picks it where it is faster. A file whose layers are exact 4-bit or float matrices
+    keeps its own numbers (int8 stays opt-in there, whatever its embedding's type: the
+    embedded model's Q8_0 embedding does not make its LM head int8)."""
+    from .gguf_weights import read_gguf
+
+    try:
+        g = read_gguf(gguf)
+    except ModelLoadError:
+        return False
+    return any(len(t.shape) == 2 and t.ggml_type in _INT8_WORTH and ".layers." in name
+               for name, t in g.tensors.items())
 
 
 def release_free_memory() -> None:
@@ -584,11 +611,7 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     hf.load_state_dict(dense, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         hf.tie_weights()
-    for mod_name, mod in list(hf.named_modules()):
-        # buffers computed at init (RoPE frequencies) were made on the meta device
-        if any(b.is_meta for b in mod.buffers(recurse=False)):
-            parent = hf.get_submodule(mod_name.rpartition(".")[0]) if "." in mod_name else hf
-            setattr(parent, mod_name.rpartition(".")[2], type(mod)(config=config))
+    _materialize_buffers(hf, config)
     groups = {key: Int4Groups(*(stored[key + s] for s in _GROUP_PARTS))
               for key in _fused_parts(hf) if key + ".nibbles" in stored}
     hf.eval()
@@ -597,6 +620,28 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
                        dtype=torch.bfloat16, vocab_size=_logits_width(hf), path=folder,
                        _int4=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
                        quiet=quiet)
+
+
+def _materialize_buffers(hf: Any, config: Any) -> None:
+    """Buffers computed at init were made on the meta device: rebuild the modules that hold
+    them from the config (RoPE modules), or the buffer from the scalar the module keeps beside
+    it (gemma3's scaled embedding keeps ``scalar_embed_scale`` for its ``embed_scale``)."""
+    import inspect
+
+    for mod_name, mod in list(hf.named_modules()):
+        meta = [n for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+        if not meta:
+            continue
+        if "config" in inspect.signature(type(mod).__init__).parameters:
+            parent = hf.get_submodule(mod_name.rpartition(".")[0]) if "." in mod_name else hf
+            setattr(parent, mod_name.rpartition(".")[2], type(mod)(config=config))
+            continue
+        for name in meta:
+            scalar = getattr(mod, f"scalar_{name}", None)
+            if not isinstance(scalar, (int, float)):
+                raise ModelLoadError(f"cannot rebuild buffer {mod_name}.{name} of "
+                                     f"{type(mod).__name__} after loading the converted weights")
+            mod.register_buffer(name, torch.tensor(float(scalar)), persistent=False)
 
 
 def _plan_cache_dir(spec: str) -> Path:

@@ -293,7 +293,8 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
             prefill_rows: Sequence[int] = PREFILL_ROWS, repeats: int = 2, memory: str = "fast",
             progress: Callable[[str], None] | None = None) -> KernelPlan:
     """Time each phase of ``runner`` (a lean runner) with each kernel in ``candidates`` and
-    return the fastest per phase. Uses one scratch slot, freed after."""
+    return the fastest per phase, over ``repeats`` rounds of every kernel (``progress`` is
+    called once per kernel and round). Uses one scratch slot, freed after."""
     times: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
     times.update({f"decode@{r}": {} for r in rows})
     times["lm_head"] = {}
@@ -304,32 +305,43 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     # "auto" times a prompt's dense kernels both ways: dequantized per call and resident
     prefill_modes = ("lean", "fast") if memory == "auto" else (memory,)
     resident: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
+    def keep(into: dict[str, dict[str, float]], phase: str, kernel: str, seconds: float) -> None:
+        into[phase][kernel] = min(seconds, into[phase].get(kernel, float("inf")))
+
+    def one_round(kernel: str, warm: bool) -> None:
+        # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
+        # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
+        kv = "fp32" if kernel == "fp32" else "bf16"
+        for mode in prefill_modes if kernel in ("fp32", "bf16") else prefill_modes[:1]:
+            into = resident if mode == "fast" and memory == "auto" else times
+            runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
+                                       lm_head=kernel, kv=kv, memory=mode))
+            for r in prefill_rows:
+                keep(into, f"prefill@{r}", kernel, _timed(1, lambda r=r: (
+                    runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
+                                                             phase="prefill")), warm=warm))
+        runner.set_plan(KernelPlan.uniform(kernel))  # decode kernels keep dense forms resident
+        runner.truncate(slot, 0)
+        runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
+        for r in rows:
+            keep(times, f"decode@{r}", kernel, _timed(2, lambda r=r: (
+                runner.truncate(slot, _CONTEXT), runner.forward([slot], [prompt[:r]], [0],
+                                                                phase="decode")), warm=warm))
+        if runner.lm_head_weight.supports(kernel):
+            h = torch.randn(max(rows), runner.hidden_size)
+            n = rows[min(1, len(rows) - 1)]  # one request verifying its drafts
+            keep(times, "lm_head", kernel,
+                 _timed(2, lambda: runner.lm_head_linear(h[:n], kernel), warm=warm))
+
     try:
-        for kernel in candidates:
-            if progress:
-                progress(kernel)
-            # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
-            # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
-            kv = "fp32" if kernel == "fp32" else "bf16"
-            for mode in prefill_modes if kernel in ("fp32", "bf16") else prefill_modes[:1]:
-                into = resident if mode == "fast" and memory == "auto" else times
-                runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
-                                           lm_head=kernel, kv=kv, memory=mode))
-                for r in prefill_rows:
-                    into[f"prefill@{r}"][kernel] = _timed(1 if r > 256 else repeats, lambda r=r: (
-                        runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
-                                                                 phase="prefill")))
-            runner.set_plan(KernelPlan.uniform(kernel))  # decode kernels keep dense forms resident
-            runner.truncate(slot, 0)
-            runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
-            for r in rows:
-                times[f"decode@{r}"][kernel] = _timed(repeats, lambda r=r: (
-                    runner.truncate(slot, _CONTEXT), runner.forward([slot], [prompt[:r]], [0],
-                                                                    phase="decode")))
-            if runner.lm_head_weight.supports(kernel):
-                h = torch.randn(max(rows), runner.hidden_size)
-                n = rows[min(1, len(rows) - 1)]  # one request verifying its drafts
-                times["lm_head"][kernel] = _timed(repeats, lambda: runner.lm_head_linear(h[:n], kernel))
+        # round-robin over the kernels, keeping each one's best time: a burst of load from
+        # another process then slows one round of every kernel, not every timing of one
+        # (a kernel-major loop cached a wrong plan on a busy machine)
+        for rnd in range(max(1, repeats)):
+            for kernel in candidates if rnd % 2 == 0 else candidates[::-1]:
+                if progress:
+                    progress(f"{kernel} (round {rnd + 1})")
+                one_round(kernel, warm=rnd == 0)
     finally:
         runner.free_slot(slot)
         runner.set_plan(saved)
@@ -359,8 +371,9 @@ def _auto_memory(decode: list[tuple[int, str]], per_call: dict[int, dict[str, fl
     return "fast" if wins and all(wins) else "lean"
 
 
-def _timed(repeats: int, fn: Callable[[], Any]) -> float:
-    fn()  # warm-up: packs built, caches allocated
+def _timed(repeats: int, fn: Callable[[], Any], *, warm: bool = True) -> float:
+    if warm:
+        fn()  # warm-up: packs built, caches allocated
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -387,7 +400,7 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     if env and env != "measure":
         return KernelPlan.parse(env)
     memory = memory_mode()
-    key = machine_key(runner.device) + "|" + memory
+    key = machine_key(runner.device) + "|" + memory + ("|int8" if int8 else "")
     path = None if cache is None else cache / PLAN_FILE
     if path is not None and env != "measure":
         try:
@@ -400,11 +413,11 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
                   if runner.supports_kernel(k) and (k != "int8" or int8)]
     from tqdm.auto import tqdm
 
-    with tqdm(total=len(candidates), desc="measure the kernel plan (once per machine)",
+    rounds = 2
+    with tqdm(total=rounds * len(candidates), desc="measure the kernel plan (once per machine)",
               disable=quiet, file=sys.stderr) as bar:
-        plan = measure(runner, candidates, memory=memory,
-                       progress=lambda k: (bar.set_postfix_str(k), bar.update(0)))
-        bar.update(len(candidates))
+        plan = measure(runner, candidates, memory=memory, repeats=rounds,
+                       progress=lambda k: (bar.set_postfix_str(k), bar.update(1)))
     logger.info("kernel plan: %s", plan.describe())
     if path is not None:
         _store(path, key, plan)

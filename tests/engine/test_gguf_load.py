@@ -129,3 +129,18 @@ def test_generate_on_a_gguf_returns_a_valid_choice(tiny_gguf):
 
     out = generate(str(tiny_gguf), "Is the sky blue?", schema=["yes", "no"], max_tokens=8)
     assert out in ("yes", "no")
+
+
+def test_int8_is_a_plan_candidate_only_for_files_quantized_past_4_bits(tiny_gguf, tmp_path):
+    from constrained_spec.models import int8_worth_it
+
+    # the tiny file mixes 4-bit groups with Q8_0 / Q6_K matrices: int8 may win their decode
+    assert int8_worth_it(tiny_gguf)
+    assert load_model(tiny_gguf, quiet=True).int8_plan
+    assert not int8_worth_it(tmp_path / "missing.gguf")  # an unreadable file: no claim
+
+
+def test_the_embedded_model_keeps_its_own_numbers_no_int8():
+    from constrained_spec.models import fetch_default_gguf, int8_worth_it
+
+    assert not int8_worth_it(fetch_default_gguf(quiet=True))
