@@ -389,3 +389,22 @@ def test_greedy_output_with_an_mtp_head_drafting_equals_no_speculation(name):
             assert y.token_ids == x.token_ids
             drafted += y.stats.drafted_tokens - y.stats.forced_drafted
     assert drafted > 0 or all(isinstance(x, Exception) for x in a)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama3"])
+def test_buffers_of_a_model_built_on_meta_are_rebuilt_as_at_init(name):
+    # the lean GGUF path builds the transformers model on the meta device; every buffer made
+    # at init (RoPE frequencies, gemma3's embedding scale) must come back with its init value
+    from transformers import AutoModelForCausalLM
+
+    from constrained_spec.models import _materialize_buffers
+
+    config = _config(name, V)
+    want = dict(AutoModelForCausalLM.from_config(config).named_buffers())
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    _materialize_buffers(meta, config)
+    got = dict(meta.named_buffers())
+    assert set(got) == set(want) and want
+    for key, value in want.items():
+        assert not got[key].is_meta and torch.equal(got[key], value), key
