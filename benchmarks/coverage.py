@@ -1,7 +1,8 @@
 """Schema coverage on JSONSchemaBench: does the grammar accept exactly what the schema allows?
 
-For every schema of ``../shared/bench/jsonschemabench/<split>.jsonl.gz`` and every instance in
-its ``tests`` (``{valid, data}``), three systems are checked side by side, in one run:
+For every schema of ``<split>.jsonl.gz`` in ``--bench-dir`` (default: the full splits in
+``../shared/bench/jsonschemabench``; ``benchmarks/data/jsonschemabench`` is the 48-schema sample
+of six splits in the repository) and every instance in its ``tests`` (``{valid, data}``), three systems are checked side by side, in one run:
 
 * **ours**: ``normalize_schema`` -> ``preflight`` (xgrammar backend) -> ``compile_spec`` under
   ``--time-limit`` -> ``Matcher.accepts_text``. Default mode refuses a schema whose pre-flight
@@ -59,9 +60,9 @@ the time limit raises / is abandoned and the worker is replaced (its compile thr
 a core busy); a worker that does not answer within a hard deadline, or dies, is killed and
 replaced, and the systems it had not finished are recorded as "hang" / "crash".
 
-    python benchmarks/coverage.py                              # all splits, table on stdout
-    python benchmarks/coverage.py --splits JME,BFCL --limit 50 # a seeded sample per split
-    python benchmarks/coverage.py --out /tmp/cov.jsonl --write-results benchmarks/RESULTS.md
+    python -m benchmarks.coverage                              # all splits, table on stdout
+    python -m benchmarks.coverage --splits JME,BFCL --limit 50 # a seeded sample per split
+    python -m benchmarks.coverage --out /tmp/cov.jsonl --write-results benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -82,13 +83,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Iterable
 
-# benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
-sys.path.append(str(Path(__file__).resolve().parent))
-from _results import write_section
-from _workers import Pool
+from benchmarks._results import write_section
+from benchmarks._workers import Pool
 from constrained_spec.schemas.backends import resolve_local_ref
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench" / "jsonschemabench"
+ROOT = Path(__file__).resolve().parents[1]
+# The full splits are not in the repository: by default they sit beside the checkout
+BENCH_DIR = ROOT.parent / "shared" / "bench" / "jsonschemabench"
+# The 48-schema sample the tests use (benchmarks/sample.py writes it)
+SAMPLE_DIR = ROOT / "benchmarks" / "data" / "jsonschemabench"
+SAMPLE_SPLITS = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten", "Synthesized",
+                 "Snowplow")
 SPLITS = ("Github_trivial", "Github_easy", "Glaiveai2K", "BFCL", "Handwritten", "Synthesized",
           "MCPspec", "JME", "Snowplow")
 SYSTEMS = ("ours", "xgrammar", "outlines")
@@ -106,7 +111,15 @@ WORKER_PRELOAD = ["constrained_spec.grammar", "constrained_spec.schemas", "trans
 
 def load_split(name: str, bench_dir: Path = BENCH_DIR) -> list[dict]:
     """The rows of one split (``id``, ``schema``, ``tests``, ...), in file order."""
-    with gzip.open(bench_dir / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+    path = bench_dir / f"{name}.jsonl.gz"
+    if not path.is_file():
+        present = sorted(p.name.removesuffix(".jsonl.gz") for p in bench_dir.glob("*.jsonl.gz"))
+        raise FileNotFoundError(
+            f"JSONSchemaBench split {name!r} not found: no {path} (splits there: "
+            f"{', '.join(present) or 'none'}); pass --bench-dir with the full splits, or "
+            f"--bench-dir {SAMPLE_DIR.relative_to(ROOT)} --splits {','.join(SAMPLE_SPLITS)} "
+            "for the sample in the repository")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -870,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
               f"worker processes, wall time {wall / 60:.1f} min on {platform.processor() or platform.machine()} "
               f"({os.cpu_count()} CPUs); tokenizer: {tok_desc}; xgrammar {version('xgrammar')}, "
               f"outlines-core {version('outlines_core')}. "
-              "`python benchmarks/coverage.py` (rules in its docstring).")
+              "`python -m benchmarks.coverage` (rules in its docstring).")
     print(body + footer)
     for mode, key in (("default", "counts"), ("lenient", "counts_lenient")):
         silent = [(r["split"], r["id"]) for r in records if "ours" in r["results"]

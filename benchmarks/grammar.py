@@ -1,7 +1,7 @@
 """Grammar overhead on JSONSchemaBench, MaskBench-style: compile time per schema and mask time
 per token under speculation, for our grammar layer over xgrammar and over outlines-core.
 
-For every schema of ``../shared/bench/jsonschemabench/<split>.jsonl.gz`` and each backend:
+For every schema of ``<split>.jsonl.gz`` in ``--bench-dir`` (as in coverage.py) and each backend:
 
 * **compile**: ``normalize_schema`` -> ``compile_spec(spec, tok, backend=..., timeout_s=...)``
   with the compile cache cleared first (a cold compile: schema -> grammar / regex conversion plus
@@ -38,9 +38,9 @@ Each schema runs in a worker process (``--workers``, default: the CPU count) wit
 compile limit; a worker past it is retired, a hung or dead one replaced (``_workers.Pool``, as
 in coverage.py).
 
-    python benchmarks/grammar.py                                  # all splits, both backends
-    python benchmarks/grammar.py --splits JME,BFCL --limit 20     # a seeded sample per split
-    python benchmarks/grammar.py --sample 200 --seed 1 --json benchmarks/out/grammar.json \\
+    python -m benchmarks.grammar                                  # all splits, both backends
+    python -m benchmarks.grammar --splits JME,BFCL --limit 20     # a seeded sample per split
+    python -m benchmarks.grammar --sample 200 --seed 1 --json benchmarks/out/grammar.json \\
         --write-results benchmarks/RESULTS.md
 """
 
@@ -58,11 +58,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-# benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
-sys.path.append(str(Path(__file__).resolve().parent))
-from _workers import Pool, load_sibling
-
-coverage = load_sibling("coverage")
+from benchmarks import coverage
+from benchmarks._results import write_section
+from benchmarks._workers import Pool
 
 BACKENDS = ("xgrammar", "outlines")
 K = 5
@@ -537,7 +535,7 @@ def _shown_command(argv: list[str]) -> str:
             skip = not skip and "=" not in a
             continue
         shown.append(a)
-    return " ".join(["python benchmarks/grammar.py", *shown])
+    return " ".join(["python -m benchmarks.grammar", *shown])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -601,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and not args.from_json:
         save(forward)
     if args.write_results:
-        load_sibling("_results").write_section(args.write_results, RESULTS_HEADING, body)
+        write_section(args.write_results, RESULTS_HEADING, body)
     return 0
 
 

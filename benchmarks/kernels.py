@@ -10,8 +10,8 @@ Runs on the CPU always and on CUDA too when available. Each number is the median
 repeated calls after one warm-up call. The bitmasks look like grammar masks: a mix of
 all-allowed, all-disallowed and random words.
 
-    python benchmarks/kernels.py                 # CPU (and GPU), prints the table
-    python benchmarks/kernels.py --out benchmarks/out/kernels.md --threads 2
+    python -m benchmarks.kernels                 # CPU (and GPU), prints the table
+    python -m benchmarks.kernels --out benchmarks/out/kernels.md --threads 2
 """
 
 from __future__ import annotations

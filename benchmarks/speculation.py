@@ -5,7 +5,7 @@ back to back in a rotating order (cancels drift), each on a warm compile cache. 
 mode: tokens/s (emitted tokens over wall time, prefill included), acceptance length, the
 share of step time spent in grammar work, and the speed-up over speculation off.
 
-    python benchmarks/speculation.py [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.speculation [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from tqdm import tqdm
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
 from constrained_spec.stats import SpecStats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helper modules
-from _results import write_section
+from benchmarks._results import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TASKS = ROOT.parent / "shared" / "bench" / "tasks.jsonl"
+DEFAULT_TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"
 # Tasks whose values are copied from the prompt (the rest invent their values).
 EXTRACTION = {"person_extract", "event_extract", "invoice_extract", "address_extract",
               "product_extract", "contacts_list", "medication", "job_post", "log_parse",
