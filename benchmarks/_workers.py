@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from multiprocessing.connection import wait

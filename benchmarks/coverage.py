@@ -2,7 +2,8 @@
 
 For every schema of ``<split>.jsonl.gz`` in ``--bench-dir`` (default: the full splits in
 ``../shared/bench/jsonschemabench``; ``benchmarks/data/jsonschemabench`` is the 48-schema sample
-of six splits in the repository) and every instance in its ``tests`` (``{valid, data}``), three systems are checked side by side, in one run:
+of six splits in the repository) and every instance in its ``tests`` (``{valid, data}``), three
+systems are checked side by side, in one run:
 
 * **ours**: ``normalize_schema`` -> ``preflight`` (xgrammar backend) -> ``compile_spec`` under
   ``--time-limit`` -> ``Matcher.accepts_text``. Default mode refuses a schema whose pre-flight
@@ -15,7 +16,8 @@ of six splits in the repository) and every instance in its ``tests`` (``{valid, 
   own regex -> DFA engine (Python ``re`` would differ on syntax and backtrack exponentially);
   the byte vocabulary keeps the Index small. "compiled" = the regex and the Index were built
   within ``--outlines-time-limit`` (default 5 s: Index builds that do not finish in seconds
-  often run for minutes, and on a 845-schema sample only 0.9% finished between 5 and 10 s). Whitespace: outlines puts one pattern around every separator, so for
+  often run for minutes, and on a 845-schema sample only 0.9% finished between 5 and 10 s).
+  Whitespace: outlines puts one pattern around every separator, so for
   our default ``", "`` / ``": "`` layout it gets ``[ ]?`` (accepts our layout, plus variants).
 
 The tokenizer is the embedded model's (49,152 tokens: compile times are the real ones) when
@@ -40,7 +42,8 @@ What counts
       explained by an issue of the pre-flight report, else **silently wrong**. An error is
       explained when an issue's pointer is a prefix of the error's keyword location in the
       schema document, or of a location on the way there (``absolute_schema_path`` re-walked
-      through the document, following ``$ref`` hops, which jsonschema does not record), or the error sits under a ``then`` /
+      through the document, following ``$ref`` hops, which jsonschema does not record), or the
+      error sits under a ``then`` /
       ``else`` whose sibling ``if`` has an issue, or it is an ``anyOf`` / ``oneOf`` error one of
       whose branches fails only with explained errors. Default mode counts "ignored" issues
       (the only ones a default-mode compile can have); lenient mode also counts "unsupported"
@@ -785,7 +788,8 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
 
 
 def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limit: float = 10.0,
-        outlines_time_limit: float = 5.0, workers: int | None = None, systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
+        outlines_time_limit: float = 5.0, workers: int | None = None,
+        systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
         bench_dir: Path = BENCH_DIR, out: Path | None = None, progress: bool = True,
         ids: set[str] | None = None) -> list[dict]:
     """Evaluate every (sampled) schema of `splits`; returns one record per schema."""
@@ -878,8 +882,10 @@ def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
 
     tok_desc = tokenizer_vocab(args.tokenizer)[0]
-    footer = (f"\n\n{len(records)} schemas ({'all' if args.limit is None else f'seeded sample of {args.limit} per split, seed {args.seed}'}), "
-              f"compile limit {args.time_limit:g} s (raw outlines-core {args.outlines_time_limit:g} s), {args.workers or os.cpu_count()} "
+    sampled = "all" if args.limit is None else f"seeded sample of {args.limit} per split, seed {args.seed}"
+    footer = (f"\n\n{len(records)} schemas ({sampled}), "
+              f"compile limit {args.time_limit:g} s (raw outlines-core {args.outlines_time_limit:g} s), "
+              f"{args.workers or os.cpu_count()} "
               f"worker processes, wall time {wall / 60:.1f} min on {platform.processor() or platform.machine()} "
               f"({os.cpu_count()} CPUs); tokenizer: {tok_desc}; xgrammar {version('xgrammar')}, "
               f"outlines-core {version('outlines_core')}. "

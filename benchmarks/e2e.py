@@ -959,11 +959,11 @@ class Worker:
 # --- the parent ------------------------------------------------------------------------------
 def prompt_builder() -> Callable[[dict], dict]:
     """A task -> its chat messages (our schema system message) and their token ids."""
-    from constrained_spec.schemas import normalize_schema
     from transformers import AutoTokenizer
 
     from constrained_spec.models import _converted_default_dir
     from constrained_spec.prompts import build_messages, encode_prompt
+    from constrained_spec.schemas import normalize_schema
 
     tok = AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
 

@@ -240,9 +240,10 @@ class Context:
     """Per-worker state: grammar tokenizer data, the text tokenizer, warmed-up backends."""
 
     def __init__(self, vocab: tuple, tokenizer_file: str, backends: Sequence[str]) -> None:
+        from tokenizers import Tokenizer
+
         from constrained_spec.grammar import clear_compile_cache, compile_spec
         from constrained_spec.schemas import normalize_schema
-        from tokenizers import Tokenizer
 
         self.tok = coverage.tokenizer_from_vocab(vocab)
         self.text_tok = Tokenizer.from_file(tokenizer_file)
@@ -270,9 +271,8 @@ def compile_within(spec: Any, tok: Any, backend: str, cpu_limit: float, poll_s: 
     processes. ``compile_spec`` keeps a timed-out compile running and pending in its cache, so
     asking again every `poll_s` waits for the same compile; it returns as soon as it is done.
     """
-    from constrained_spec.grammar import compile_spec
-
     from constrained_spec.errors import SchemaError
+    from constrained_spec.grammar import compile_spec
 
     t0, c0 = time.perf_counter(), time.process_time()
     while True:
@@ -291,10 +291,10 @@ def measure(ctx: Context, schema: Any, instances: list[list[int]], backend: str,
     """Cold compile of `schema` on `backend`, then the speculative walk of every instance."""
     import numpy as np
     import torch
-    from constrained_spec.grammar import clear_compile_cache
-    from constrained_spec.schemas import normalize_schema
 
     from constrained_spec.errors import SchemaError
+    from constrained_spec.grammar import clear_compile_cache
+    from constrained_spec.schemas import normalize_schema
 
     clear_compile_cache()
     try:
@@ -509,7 +509,8 @@ def render(meta: dict[str, Any], table: dict, forward: dict[str, Any]) -> str:
         f"`{meta['command']}` — {meta['n']} schemas ({meta['chosen']}) from "
         f"{', '.join(meta['splits'])}; K = {k} ({k + 1} masks per step); compile limit "
         f"{meta['limits']['xgrammar']:g} s xgrammar, {meta['limits']['outlines']:g} s outlines-core "
-        f"(CPU time; wall-clock cap {WALL_FACTOR}x); {meta['workers']} worker processes; wall time {meta['wall_s'] / 60:.1f} min; "
+        f"(CPU time; wall-clock cap {WALL_FACTOR}x); {meta['workers']} worker processes; "
+        f"wall time {meta['wall_s'] / 60:.1f} min; "
         f"1-minute load average during the run {_num(load[1], 1)} (median; "
         f"{_num(load[0], 1)}-{_num(load[2], 1)}) on {meta['cpus']} CPUs.\n\n"
         f"Hardware: {meta['processor']}, {meta['cpus']} CPUs; "

@@ -10,7 +10,8 @@ the prompt (``e2e.verbatim_fields``): a lever that completes outputs by bending 
 copies shows up there. Tasks whose output changed from the first row
 are listed, so a lever that "completes" an output by damaging it can be seen.
 
-    python -m benchmarks.levers [--tasks FILE.jsonl] [--limit N] [--rows a,b] [--out benchmarks/RESULTS.md] [--dump FILE.json]
+    python -m benchmarks.levers [--tasks FILE.jsonl] [--limit N] [--rows a,b]
+                                [--out benchmarks/RESULTS.md] [--dump FILE.json]
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import time
 from pathlib import Path
 
 import torch
+
 from benchmarks._results import write_section
 from benchmarks.e2e import verbatim_fields
 from benchmarks.speculation import DEFAULT_TASKS, EXTRACTION, hardware
-
 from constrained_spec import (
     Generator,
     IncompleteOutputError,

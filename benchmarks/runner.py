@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks._results import write_section
 from constrained_spec import load_model
 from constrained_spec.runner import INT4_MAX_ROWS
-
-from benchmarks._results import write_section
 
 ROWS = (1, 2, 4, 6, 8, 10, 12, 13, 16, 22)
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from benchmarks._results import write_section
 from benchmarks.load import RESULTS, scrape, start_server, stop_server
 

@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks._results import write_section
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
 from constrained_spec.stats import SpecStats
-
-from benchmarks._results import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"
@@ -122,7 +121,9 @@ def summarize(rows: dict, subset=None) -> dict:
 def table(summary: dict, title: str) -> str:
     base = summary.get("off", {}).get("tok_s")
     lines = [f"**{title}**", "",
-             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length | acceptance by draft position 1..5 | drafting / target forward time | speed-up vs off | grammar share of step | completed valid |",
+             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length "
+             "| acceptance by draft position 1..5 | drafting / target forward time | speed-up vs off "
+             "| grammar share of step | completed valid |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m, s in summary.items():
         q = s["tok_s_iqr"]
@@ -182,7 +183,8 @@ def main() -> None:
            "tests/test_tasks_embedded.py)" if mismatches and model.dtype == torch.bfloat16 else "")
     text = "\n\n".join([
         f"Hardware: {hardware()}; model dtype {model.dtype}; {len(tasks)} tasks x {args.repeats}; "
-        f"greedy; outputs identical to speculation off: {'yes' if not mismatches else 'NO' + why + ': ' + ', '.join(sorted(set(mismatches)))}",
+        "greedy; outputs identical to speculation off: "
+        + ("yes" if not mismatches else "NO" + why + ": " + ", ".join(sorted(set(mismatches)))),
         table(summarize(rows), "All tasks"),
         table(summarize(rows, EXTRACTION), "Extraction tasks (values copied from the prompt)"),
         table(summarize(rows, {t['id'] for t in tasks} - EXTRACTION), "Generation tasks"),

@@ -41,7 +41,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-
 from benchmarks._results import write_section
 from benchmarks.coverage import BENCH_DIR, SPLITS, Declarations, load_split, make_validator
 

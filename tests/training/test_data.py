@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from constrained_spec.schemas import normalize_schema
 from cs_testlib import JSONSCHEMABENCH_SAMPLE
 
 from constrained_spec import Generator
 from constrained_spec.api import DEFAULT_LAYOUT
 from constrained_spec.errors import ConfigError, IncompleteOutputError
 from constrained_spec.prompts import encode_prompt
+from constrained_spec.schemas import normalize_schema
 from constrained_spec.training import (
     FREE_CHAT,
     FeatureDataset,

@@ -7,19 +7,16 @@ copied from the benchmark's prompts.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
 from typing import Any
 
 import pytest
-from jsonschema import Draft202012Validator
-
 from cs_testlib import load_tasks
+from jsonschema import Draft202012Validator
 
 from constrained_spec.errors import ConfigError
 from constrained_spec.training.synthetic import DOMAINS, KINDS, task_prompts
-
 
 
 @pytest.fixture(scope="module")
