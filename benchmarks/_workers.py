@@ -1,5 +1,6 @@
 """Worker processes for the JSONSchemaBench sweeps (coverage.py, grammar.py): one schema at a
-time per process, hung or dead workers replaced.
+time per process, hung or dead workers replaced. Also the environment of a benchmark module
+started as its own process (:func:`module_env`).
 
 A worker is ``target(conn, *args)``. It sends ``("ready", None, None, None)`` once started, then
 for every task ``(index, row)`` it receives: one ``("part", index, system, result)`` per system
@@ -11,26 +12,23 @@ killed and replaced; the systems it had not reported get ``{"status": "hang" | "
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
-import sys
+import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def load_sibling(name: str) -> Any:
-    """``benchmarks/<name>.py`` as a module, loaded by path under a private name (benchmarks/ is
-    not a package, and ``coverage`` is also the code-coverage tool's name)."""
-    key = f"constrained_spec_bench_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+
+def module_env(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` with the repository root first on ``PYTHONPATH``: a child started as
+    ``python -m benchmarks.<name>`` then imports the package from any working directory."""
+    env = dict(base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
+    return env
 
 
 class Pool:

@@ -1,7 +1,9 @@
 """Schema coverage on JSONSchemaBench: does the grammar accept exactly what the schema allows?
 
-For every schema of ``../shared/bench/jsonschemabench/<split>.jsonl.gz`` and every instance in
-its ``tests`` (``{valid, data}``), three systems are checked side by side, in one run:
+For every schema of ``<split>.jsonl.gz`` in ``--bench-dir`` (default: the full splits in
+``../shared/bench/jsonschemabench``; ``benchmarks/data/jsonschemabench`` is the 48-schema sample
+of six splits in the repository) and every instance in its ``tests`` (``{valid, data}``), three
+systems are checked side by side, in one run:
 
 * **ours**: ``normalize_schema`` -> ``preflight`` (xgrammar backend) -> ``compile_spec`` under
   ``--time-limit`` -> ``Matcher.accepts_text``. Default mode refuses a schema whose pre-flight
@@ -14,7 +16,8 @@ its ``tests`` (``{valid, data}``), three systems are checked side by side, in on
   own regex -> DFA engine (Python ``re`` would differ on syntax and backtrack exponentially);
   the byte vocabulary keeps the Index small. "compiled" = the regex and the Index were built
   within ``--outlines-time-limit`` (default 5 s: Index builds that do not finish in seconds
-  often run for minutes, and on a 845-schema sample only 0.9% finished between 5 and 10 s). Whitespace: outlines puts one pattern around every separator, so for
+  often run for minutes, and on a 845-schema sample only 0.9% finished between 5 and 10 s).
+  Whitespace: outlines puts one pattern around every separator, so for
   our default ``", "`` / ``": "`` layout it gets ``[ ]?`` (accepts our layout, plus variants).
 
 The tokenizer is the embedded model's (49,152 tokens: compile times are the real ones) when
@@ -39,7 +42,8 @@ What counts
       explained by an issue of the pre-flight report, else **silently wrong**. An error is
       explained when an issue's pointer is a prefix of the error's keyword location in the
       schema document, or of a location on the way there (``absolute_schema_path`` re-walked
-      through the document, following ``$ref`` hops, which jsonschema does not record), or the error sits under a ``then`` /
+      through the document, following ``$ref`` hops, which jsonschema does not record), or the
+      error sits under a ``then`` /
       ``else`` whose sibling ``if`` has an issue, or it is an ``anyOf`` / ``oneOf`` error one of
       whose branches fails only with explained errors. Default mode counts "ignored" issues
       (the only ones a default-mode compile can have); lenient mode also counts "unsupported"
@@ -59,9 +63,9 @@ the time limit raises / is abandoned and the worker is replaced (its compile thr
 a core busy); a worker that does not answer within a hard deadline, or dies, is killed and
 replaced, and the systems it had not finished are recorded as "hang" / "crash".
 
-    python benchmarks/coverage.py                              # all splits, table on stdout
-    python benchmarks/coverage.py --splits JME,BFCL --limit 50 # a seeded sample per split
-    python benchmarks/coverage.py --out /tmp/cov.jsonl --write-results benchmarks/RESULTS.md
+    python -m benchmarks.coverage                              # all splits, table on stdout
+    python -m benchmarks.coverage --splits JME,BFCL --limit 50 # a seeded sample per split
+    python -m benchmarks.coverage --out /tmp/cov.jsonl --write-results benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -82,13 +86,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Iterable
 
-# benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
-sys.path.append(str(Path(__file__).resolve().parent))
-from _results import write_section
-from _workers import Pool
+from benchmarks._results import write_section
+from benchmarks._workers import Pool
 from constrained_spec.schemas.backends import resolve_local_ref
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "bench" / "jsonschemabench"
+ROOT = Path(__file__).resolve().parents[1]
+# The full splits are not in the repository: by default they sit beside the checkout
+BENCH_DIR = ROOT.parent / "shared" / "bench" / "jsonschemabench"
+# The 48-schema sample the tests use (benchmarks/sample.py writes it)
+SAMPLE_DIR = ROOT / "benchmarks" / "data" / "jsonschemabench"
+SAMPLE_SPLITS = ("Github_trivial", "Github_easy", "Glaiveai2K", "Handwritten", "Synthesized",
+                 "Snowplow")
 SPLITS = ("Github_trivial", "Github_easy", "Glaiveai2K", "BFCL", "Handwritten", "Synthesized",
           "MCPspec", "JME", "Snowplow")
 SYSTEMS = ("ours", "xgrammar", "outlines")
@@ -106,7 +114,15 @@ WORKER_PRELOAD = ["constrained_spec.grammar", "constrained_spec.schemas", "trans
 
 def load_split(name: str, bench_dir: Path = BENCH_DIR) -> list[dict]:
     """The rows of one split (``id``, ``schema``, ``tests``, ...), in file order."""
-    with gzip.open(bench_dir / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+    path = bench_dir / f"{name}.jsonl.gz"
+    if not path.is_file():
+        present = sorted(p.name.removesuffix(".jsonl.gz") for p in bench_dir.glob("*.jsonl.gz"))
+        raise FileNotFoundError(
+            f"JSONSchemaBench split {name!r} not found: no {path} (splits there: "
+            f"{', '.join(present) or 'none'}); pass --bench-dir with the full splits, or "
+            f"--bench-dir {SAMPLE_DIR.relative_to(ROOT)} --splits {','.join(SAMPLE_SPLITS)} "
+            "for the sample in the repository")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -772,7 +788,8 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
 
 
 def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limit: float = 10.0,
-        outlines_time_limit: float = 5.0, workers: int | None = None, systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
+        outlines_time_limit: float = 5.0, workers: int | None = None,
+        systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
         bench_dir: Path = BENCH_DIR, out: Path | None = None, progress: bool = True,
         ids: set[str] | None = None) -> list[dict]:
     """Evaluate every (sampled) schema of `splits`; returns one record per schema."""
@@ -865,12 +882,14 @@ def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
 
     tok_desc = tokenizer_vocab(args.tokenizer)[0]
-    footer = (f"\n\n{len(records)} schemas ({'all' if args.limit is None else f'seeded sample of {args.limit} per split, seed {args.seed}'}), "
-              f"compile limit {args.time_limit:g} s (raw outlines-core {args.outlines_time_limit:g} s), {args.workers or os.cpu_count()} "
+    sampled = "all" if args.limit is None else f"seeded sample of {args.limit} per split, seed {args.seed}"
+    footer = (f"\n\n{len(records)} schemas ({sampled}), "
+              f"compile limit {args.time_limit:g} s (raw outlines-core {args.outlines_time_limit:g} s), "
+              f"{args.workers or os.cpu_count()} "
               f"worker processes, wall time {wall / 60:.1f} min on {platform.processor() or platform.machine()} "
               f"({os.cpu_count()} CPUs); tokenizer: {tok_desc}; xgrammar {version('xgrammar')}, "
               f"outlines-core {version('outlines_core')}. "
-              "`python benchmarks/coverage.py` (rules in its docstring).")
+              "`python -m benchmarks.coverage` (rules in its docstring).")
     print(body + footer)
     for mode, key in (("default", "counts"), ("lenient", "counts_lenient")):
         silent = [(r["split"], r["id"]) for r in records if "ours" in r["results"]

@@ -72,11 +72,11 @@ feature. (A native run removes those variables from the workers' environment.) E
 preceded by a line with the CPU model and flags the workers saw, torch's capability, llama.cpp's
 CPU features and our kernel plan; the two runs write separate RESULTS.md sections (and plots).
 
-    python benchmarks/e2e.py --limit 3                       # quick look, prints the tables
-    python benchmarks/e2e.py --out benchmarks/RESULTS.md --out-json e2e.json   # the full run
-    python benchmarks/e2e.py --isa avx2 --llama-cpp-path DIR --out benchmarks/RESULTS.md
-    python benchmarks/e2e.py --long-only --long-repeats 5   # the long-prompt table only
-    python benchmarks/e2e.py --systems "ours off,ours forced+ngram,ours k=8" \\
+    python -m benchmarks.e2e --limit 3                       # quick look, prints the tables
+    python -m benchmarks.e2e --out benchmarks/RESULTS.md --out-json e2e.json   # the full run
+    python -m benchmarks.e2e --isa avx2 --llama-cpp-path DIR --out benchmarks/RESULTS.md
+    python -m benchmarks.e2e --long-only --long-repeats 5   # the long-prompt table only
+    python -m benchmarks.e2e --systems "ours off,ours forced+ngram,ours k=8" \\
         --ours-variant 'ours k=8={"speculative": {"method": "ngram", "num_speculative_tokens": 8}}'
 """
 
@@ -101,8 +101,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (not a package)
-from _results import write_section
+from benchmarks._results import write_section
+from benchmarks._workers import module_env
 
 RESULTS_HEADING = "## End-to-end against peers"
 PEERS = ("transformers+xgrammar", "transformers+outlines", "llama.cpp")
@@ -134,7 +134,7 @@ LONG_SOURCE_TASK = "invoice_extract"  # the note to extract and its schema
 def _speculation() -> Any:
     """benchmarks/speculation.py: the task set, its extraction ids, ``task_schema``. Imported
     lazily: it imports torch, which the llama.cpp worker must not carry (peak RSS)."""
-    import speculation
+    from benchmarks import speculation
 
     return speculation
 
@@ -914,10 +914,10 @@ class Worker:
     def __init__(self, spec: dict, log_dir: Path, timeout_s: float) -> None:
         self.name, self.timeout_s = spec["name"], timeout_s
         self.log = log_dir / (re.sub(r"[^\w.+-]+", "_", self.name) + ".log")
-        env = worker_env(os.environ, spec.get("isa", "native"), spec["threads"])
+        env = module_env(worker_env(os.environ, spec.get("isa", "native"), spec["threads"]))
         self._log_file = open(self.log, "w")  # noqa: SIM115 (the worker's lifetime)
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            [sys.executable, "-m", "benchmarks.e2e", "--worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
         self.dead: str | None = None
         self.peak_rss_mb: float | None = None
@@ -959,11 +959,11 @@ class Worker:
 # --- the parent ------------------------------------------------------------------------------
 def prompt_builder() -> Callable[[dict], dict]:
     """A task -> its chat messages (our schema system message) and their token ids."""
-    from constrained_spec.schemas import normalize_schema
     from transformers import AutoTokenizer
 
     from constrained_spec.models import _converted_default_dir
     from constrained_spec.prompts import build_messages, encode_prompt
+    from constrained_spec.schemas import normalize_schema
 
     tok = AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
 
@@ -1090,7 +1090,7 @@ def report(records: list[dict], notes: dict[str, str], facts: dict[str, dict],
         seen = machine_info()
     machine = machine_line(seen["cpu"], seen["flags"], args.isa, facts)
     lines = [
-        (f"`python benchmarks/e2e.py {shlex.join(public_argv(args.argv))}` — {n_tasks} tasks x "
+        (f"`python -m benchmarks.e2e {shlex.join(public_argv(args.argv))}` — {n_tasks} tasks x "
          f"{args.repeats} from `{args.tasks.name}`, greedy, each task's max_tokens, {args.threads} "
          "CPU thread(s) in every system, the order of the systems rotated per task."),
         "",
@@ -1130,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", type=Path, default=None,
-                    help="JSONL tasks in the ../shared/bench/tasks.jsonl format (the default)")
+                    help="JSONL tasks in the format of benchmarks/data/tasks.jsonl (the default)")
     ap.add_argument("--limit", type=int, default=None, help="the first N tasks only")
     ap.add_argument("--task-ids", default=None, help="comma-separated task ids to run")
     ap.add_argument("--repeats", type=int, default=1, help="requests per task and system")

@@ -1,7 +1,7 @@
 """Time and peak memory of reading a GGUF: ``gguf_weights`` vs transformers' GGUF load.
 
-    python benchmarks/gguf_load.py                 # the embedded model's GGUF
-    python benchmarks/gguf_load.py --gguf path/to/model.gguf
+    python -m benchmarks.gguf_load                 # the embedded model's GGUF
+    python -m benchmarks.gguf_load --gguf path/to/model.gguf
 
 Each row runs in a fresh Python process (peak RSS is per process, ``ru_maxrss``), one after
 the other, and prints one markdown table row:
@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks._workers import module_env
 
 MODES = ("imports", "int4", "int4+rest", "transformers")
 LABELS = {"imports": "imports only", "int4": "gguf_weights int4",
@@ -77,8 +80,9 @@ def main() -> None:
     print(f"{args.gguf.name}, {args.gguf.stat().st_size / 2**20:.0f} MiB")
     print("| load | seconds | of which read_gguf | peak RSS (MiB) |\n| --- | --- | --- | --- |")
     for mode in MODES:
-        out = subprocess.run([sys.executable, __file__, "--gguf", str(args.gguf), "--mode", mode],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([sys.executable, "-m", "benchmarks.gguf_load", "--gguf", str(args.gguf),
+                              "--mode", mode], check=True, capture_output=True, text=True,
+                             env=module_env(os.environ)).stdout
         r = json.loads(out.strip().splitlines()[-1])
         read = "" if r["read_seconds"] is None else f"{r['read_seconds']:.1f}"
         print(f"| {LABELS[mode]} | {r['seconds']:.1f} | {read} | {r['peak_rss_mb']:.0f} |", flush=True)

@@ -13,8 +13,8 @@ Needs there: torch with CUDA and Triton; this package (``pip install --no-deps
 ``CONSTRAINED_SPEC_CACHE`` at a folder with ``gguf/SmolLM2-135M-Instruct.Q4_1.gguf`` in it
 (converted there on first use), or ``--model`` a checkpoint folder.
 
-    python benchmarks/gpu.py                                          # on the GPU machine
-    python benchmarks/gpu.py --device cpu --batches 1,2 --limit 2     # dry run anywhere
+    python -m benchmarks.gpu                                          # on the GPU machine
+    python -m benchmarks.gpu --device cpu --batches 1,2 --limit 2     # dry run anywhere
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling scripts (not a package)
-from _workers import load_sibling
-
+from benchmarks import kernels as kernel_bench
+from benchmarks import speculation
 from constrained_spec import GenerationResult, Generator, IncompleteOutputError, load_model
 from constrained_spec import kernels as ks
 from constrained_spec.plan import machine_info
@@ -45,7 +44,7 @@ def check_kernels(dev: torch.device, batch: int = 8, vocab: int = 128256,
     g = torch.Generator().manual_seed(0)
     rows = batch * (K + 1)
     logits = torch.randn(rows, vocab, generator=g)
-    bitmask = load_sibling("kernels").grammar_like_bitmask(rows, vocab, g)
+    bitmask = kernel_bench.grammar_like_bitmask(rows, vocab, g)
     d2t = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     draft_logits = torch.randn(rows, draft_vocab, generator=g)
     drafts = torch.randint(0, vocab, (batch * K,), generator=g)
@@ -85,10 +84,9 @@ def check_kernels(dev: torch.device, batch: int = 8, vocab: int = 128256,
 def throughput(model: object, tasks: list[dict], batch: int, speculative: bool) -> dict:
     """One batch of ``batch`` prompts (tasks cycled), after the same batch for 16 tokens
     (untimed: grammar compiles, first-use costs at these shapes)."""
-    spec = load_sibling("speculation")
     gen = Generator(model, speculative=None if speculative else False)
     picked = [tasks[i % len(tasks)] for i in range(batch)]
-    prompts, schemas = [t["prompt"] for t in picked], [spec.task_schema(t) for t in picked]
+    prompts, schemas = [t["prompt"] for t in picked], [speculation.task_schema(t) for t in picked]
     gen.batch(prompts, schemas=schemas, max_tokens=16)  # compiles (cached), this batch's shapes
     sync = torch.cuda.synchronize if gen.model.device.type == "cuda" else (lambda: None)
     sync()
@@ -116,15 +114,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     args = ap.parse_args()
     dev = torch.device(args.device)
-    spec = load_sibling("speculation")
-    tasks = [json.loads(line) for line in spec.DEFAULT_TASKS.read_text().splitlines() if line.strip()]
+    tasks = [json.loads(line) for line in speculation.DEFAULT_TASKS.read_text().splitlines() if line.strip()]
     tasks = tasks[: args.limit] if args.limit else tasks
     batches = [int(b) for b in args.batches.split(",")]
 
     checks = check_kernels(dev)
-    kb = load_sibling("kernels")
-    bench = (kb.bench_apply_bitmask(dev, torch.float32, batches, [49152, 128256], args.budget),
-             kb.bench_rejection(dev, batches, 128256, args.budget))
+    bench = (kernel_bench.bench_apply_bitmask(dev, torch.float32, batches, [49152, 128256], args.budget),
+             kernel_bench.bench_rejection(dev, batches, 128256, args.budget))
     model = load_model(args.model, device=dev, quiet=True)
     rows = [throughput(model, tasks, b, s) for b in batches for s in (True, False)]
 
@@ -148,7 +144,7 @@ def main() -> int:
              f"{str(model.dtype).removeprefix('torch.')}, plan {desc.get('plan', '—')}; "
              f"{len(tasks)} tasks cycled, greedy, max_tokens the batch's largest."]
     for head, body in tables:
-        lines += ["", *kb.markdown(head, body)]
+        lines += ["", *kernel_bench.markdown(head, body)]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -1,7 +1,7 @@
 """Grammar overhead on JSONSchemaBench, MaskBench-style: compile time per schema and mask time
 per token under speculation, for our grammar layer over xgrammar and over outlines-core.
 
-For every schema of ``../shared/bench/jsonschemabench/<split>.jsonl.gz`` and each backend:
+For every schema of ``<split>.jsonl.gz`` in ``--bench-dir`` (as in coverage.py) and each backend:
 
 * **compile**: ``normalize_schema`` -> ``compile_spec(spec, tok, backend=..., timeout_s=...)``
   with the compile cache cleared first (a cold compile: schema -> grammar / regex conversion plus
@@ -38,9 +38,9 @@ Each schema runs in a worker process (``--workers``, default: the CPU count) wit
 compile limit; a worker past it is retired, a hung or dead one replaced (``_workers.Pool``, as
 in coverage.py).
 
-    python benchmarks/grammar.py                                  # all splits, both backends
-    python benchmarks/grammar.py --splits JME,BFCL --limit 20     # a seeded sample per split
-    python benchmarks/grammar.py --sample 200 --seed 1 --json benchmarks/out/grammar.json \\
+    python -m benchmarks.grammar                                  # all splits, both backends
+    python -m benchmarks.grammar --splits JME,BFCL --limit 20     # a seeded sample per split
+    python -m benchmarks.grammar --sample 200 --seed 1 --json benchmarks/out/grammar.json \\
         --write-results benchmarks/RESULTS.md
 """
 
@@ -58,11 +58,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-# benchmarks/ is not a package: its shared helper module, also when this file is loaded by path
-sys.path.append(str(Path(__file__).resolve().parent))
-from _workers import Pool, load_sibling
-
-coverage = load_sibling("coverage")
+from benchmarks import coverage
+from benchmarks._results import write_section
+from benchmarks._workers import Pool
 
 BACKENDS = ("xgrammar", "outlines")
 K = 5
@@ -242,9 +240,10 @@ class Context:
     """Per-worker state: grammar tokenizer data, the text tokenizer, warmed-up backends."""
 
     def __init__(self, vocab: tuple, tokenizer_file: str, backends: Sequence[str]) -> None:
+        from tokenizers import Tokenizer
+
         from constrained_spec.grammar import clear_compile_cache, compile_spec
         from constrained_spec.schemas import normalize_schema
-        from tokenizers import Tokenizer
 
         self.tok = coverage.tokenizer_from_vocab(vocab)
         self.text_tok = Tokenizer.from_file(tokenizer_file)
@@ -272,9 +271,8 @@ def compile_within(spec: Any, tok: Any, backend: str, cpu_limit: float, poll_s: 
     processes. ``compile_spec`` keeps a timed-out compile running and pending in its cache, so
     asking again every `poll_s` waits for the same compile; it returns as soon as it is done.
     """
-    from constrained_spec.grammar import compile_spec
-
     from constrained_spec.errors import SchemaError
+    from constrained_spec.grammar import compile_spec
 
     t0, c0 = time.perf_counter(), time.process_time()
     while True:
@@ -293,10 +291,10 @@ def measure(ctx: Context, schema: Any, instances: list[list[int]], backend: str,
     """Cold compile of `schema` on `backend`, then the speculative walk of every instance."""
     import numpy as np
     import torch
-    from constrained_spec.grammar import clear_compile_cache
-    from constrained_spec.schemas import normalize_schema
 
     from constrained_spec.errors import SchemaError
+    from constrained_spec.grammar import clear_compile_cache
+    from constrained_spec.schemas import normalize_schema
 
     clear_compile_cache()
     try:
@@ -511,7 +509,8 @@ def render(meta: dict[str, Any], table: dict, forward: dict[str, Any]) -> str:
         f"`{meta['command']}` — {meta['n']} schemas ({meta['chosen']}) from "
         f"{', '.join(meta['splits'])}; K = {k} ({k + 1} masks per step); compile limit "
         f"{meta['limits']['xgrammar']:g} s xgrammar, {meta['limits']['outlines']:g} s outlines-core "
-        f"(CPU time; wall-clock cap {WALL_FACTOR}x); {meta['workers']} worker processes; wall time {meta['wall_s'] / 60:.1f} min; "
+        f"(CPU time; wall-clock cap {WALL_FACTOR}x); {meta['workers']} worker processes; "
+        f"wall time {meta['wall_s'] / 60:.1f} min; "
         f"1-minute load average during the run {_num(load[1], 1)} (median; "
         f"{_num(load[0], 1)}-{_num(load[2], 1)}) on {meta['cpus']} CPUs.\n\n"
         f"Hardware: {meta['processor']}, {meta['cpus']} CPUs; "
@@ -537,7 +536,7 @@ def _shown_command(argv: list[str]) -> str:
             skip = not skip and "=" not in a
             continue
         shown.append(a)
-    return " ".join(["python benchmarks/grammar.py", *shown])
+    return " ".join(["python -m benchmarks.grammar", *shown])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -601,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and not args.from_json:
         save(forward)
     if args.write_results:
-        load_sibling("_results").write_section(args.write_results, RESULTS_HEADING, body)
+        write_section(args.write_results, RESULTS_HEADING, body)
     return 0
 
 

@@ -10,8 +10,8 @@ Runs on the CPU always and on CUDA too when available. Each number is the median
 repeated calls after one warm-up call. The bitmasks look like grammar masks: a mix of
 all-allowed, all-disallowed and random words.
 
-    python benchmarks/kernels.py                 # CPU (and GPU), prints the table
-    python benchmarks/kernels.py --out benchmarks/out/kernels.md --threads 2
+    python -m benchmarks.kernels                 # CPU (and GPU), prints the table
+    python -m benchmarks.kernels --out benchmarks/out/kernels.md --threads 2
 """
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ def bench_apply_bitmask(device: torch.device, dtype: torch.dtype, batches: list[
         logits = torch.randn(rows, vocab, generator=gen).to(device=device, dtype=dtype)
         bitmask = grammar_like_bitmask(rows, vocab, gen).to(device)
         # masking is idempotent, so repeating the call on the same logits times the same work
-        ours = time_call(lambda: apply_bitmask(logits, bitmask), device, budget_s=budget_s,
-                         max_repeats=200)
-        theirs = (time_call(lambda: xgrammar.apply_token_bitmask_inplace(logits, bitmask),
+        # (the lambdas bind this iteration's tensors: the `del` below frees them before the next)
+        ours = time_call(lambda x=logits, m=bitmask: apply_bitmask(x, m), device,
+                         budget_s=budget_s, max_repeats=200)
+        theirs = (time_call(lambda x=logits, m=bitmask: xgrammar.apply_token_bitmask_inplace(x, m),
                             device, budget_s=budget_s, max_repeats=200)
                   if xgrammar is not None else float("nan"))
-        reference = time_call(lambda: apply_bitmask_reference(logits, bitmask), device,
+        reference = time_call(lambda x=logits, m=bitmask: apply_bitmask_reference(x, m), device,
                               budget_s=budget_s, max_repeats=50)
         rows_out.append([device.type, "apply_bitmask", str(vocab), f"{batch} x {K + 1}",
                          f"{ours:,.0f}", f"{theirs:,.0f}", f"{reference:,.0f}",
@@ -108,7 +109,7 @@ def bench_rejection(device: torch.device, batches: list[int], vocab: int,
             uniform=torch.rand(num_drafts, generator=gen).to(device),
             exp_noise=torch.empty(num_rows, vocab).exponential_(generator=gen).to(device))
         accepted = rejection_sample(**args).num_accepted.float().mean().item()
-        times = [time_call(lambda fn=fn: fn(**args), device, budget_s=budget_s, max_repeats=50)
+        times = [time_call(lambda fn=fn, args=args: fn(**args), device, budget_s=budget_s, max_repeats=50)
                  for fn in (rejection_sample, _rejection_sample_torch,
                             rejection_sample_reference)]
         rows_out.append([device.type, str(vocab), str(batch), f"{accepted:.1f} / {K}",

@@ -14,8 +14,8 @@ against the task's schema. "clean end" = every completed output is exactly
 Part 3 (``--parts bench``): the same comparison on the seeded JSONSchemaBench sample of
 ``benchmarks/validity.py`` (real-world schemas, outcomes classified as there).
 
-    python benchmarks/layout.py [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
-    python benchmarks/layout.py --parts bench --bench-limit 48 --indents 2 --out benchmarks/RESULTS.md
+    python -m benchmarks.layout [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.layout --parts bench --bench-limit 48 --indents 2 --out benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from _results import write_section
-from constrained_spec.schemas import normalize_schema
-from speculation import DEFAULT_TASKS, hardware
-
+from benchmarks._results import write_section
+from benchmarks.speculation import DEFAULT_TASKS, hardware
 from constrained_spec import Generator, IncompleteOutputError, JsonLayout, load_model
 from constrained_spec.prompts import describe_schema
+from constrained_spec.schemas import normalize_schema
 
 FREE_MAX_TOKENS = 160  # enough to see the layout of the first object: its first lines
 _ITEM_SEP = re.compile(r'(?<=["\d\]}el]),( ?\n?)(?=\s*["\d\[{tfn-])')
@@ -113,7 +112,7 @@ def name(layout: JsonLayout) -> str:
 def bench_completion(model, layout: JsonLayout, n: int, batch_size: int = 8,
                      max_tokens: int = 256) -> dict:
     """Part 3: the seeded JSONSchemaBench sample of ``validity.py``, run in ``layout``."""
-    import validity
+    from benchmarks import validity
 
     rows = validity.sample_schemas(n, 0, list(validity.SPLITS))
     gen = Generator(model, layout=layout, max_tokens=max_tokens)
@@ -129,7 +128,7 @@ def bench_completion(model, layout: JsonLayout, n: int, batch_size: int = 8,
 def section_tasks(model, tasks: list[dict], natural: list[dict] | None,
                   candidates: list[JsonLayout]) -> str:
     n = len(tasks)
-    lines = [f"`python benchmarks/layout.py` — the {n} JSON tasks of `../shared/bench/tasks.jsonl`, "
+    lines = [f"`python -m benchmarks.layout` — the {n} JSON tasks of `benchmarks/data/tasks.jsonl`, "
              f"embedded model ({model.dtype}), greedy. Hardware: {hardware()}.", ""]
     if natural is not None:
         counts = Counter(r["layout"] for r in natural)
@@ -161,7 +160,7 @@ def section_tasks(model, tasks: list[dict], natural: list[dict] | None,
 
 
 def section_bench(model, candidates: list[JsonLayout], n: int) -> str:
-    lines = [f"`python benchmarks/layout.py --parts bench --bench-limit {n}` — the seeded "
+    lines = [f"`python -m benchmarks.layout --parts bench --bench-limit {n}` — the seeded "
              f"JSONSchemaBench sample of `benchmarks/validity.py` ({n} schemas drawn with seed 0, prompt "
              f"\"Generate a JSON object for: ...\"), embedded model ({model.dtype}), greedy, "
              f"speculation on, max_tokens 256, batches of 8. Hardware: {hardware()}.", "",

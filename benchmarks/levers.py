@@ -10,7 +10,8 @@ the prompt (``e2e.verbatim_fields``): a lever that completes outputs by bending 
 copies shows up there. Tasks whose output changed from the first row
 are listed, so a lever that "completes" an output by damaging it can be seen.
 
-    python benchmarks/levers.py [--tasks FILE.jsonl] [--limit N] [--rows a,b] [--out benchmarks/RESULTS.md] [--dump FILE.json]
+    python -m benchmarks.levers [--tasks FILE.jsonl] [--limit N] [--rows a,b]
+                                [--out benchmarks/RESULTS.md] [--dump FILE.json]
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from _results import write_section
-from e2e import verbatim_fields
-from speculation import DEFAULT_TASKS, EXTRACTION, hardware
 
+from benchmarks._results import write_section
+from benchmarks.e2e import verbatim_fields
+from benchmarks.speculation import DEFAULT_TASKS, EXTRACTION, hardware
 from constrained_spec import (
     Generator,
     IncompleteOutputError,
@@ -96,7 +97,7 @@ def main() -> None:
         print(f"{name}: {r['completed']}/{len(tasks)} completed, {r['wall']:.0f} s", file=sys.stderr)
     n = len(tasks)
     first = next(iter(results.values()))
-    lines = [f"`python benchmarks/levers.py` — the {n} JSON tasks of `../shared/bench/tasks.jsonl`, "
+    lines = [f"`python -m benchmarks.levers` — the {n} JSON tasks of `benchmarks/data/tasks.jsonl`, "
              f"embedded model ({model.dtype}), greedy, speculation on, default layout and prompt; one "
              f"batch per row. Hardware: {hardware()}.", "",
              "| options | completed | incomplete (max_tokens) | invalid | verbatim fields "

@@ -1,7 +1,7 @@
 """Load test of the OpenAI-compatible server: concurrent clients, mixed schemas, speculation on vs off.
 
-    python benchmarks/load.py                      # 32 clients x 2 requests, both settings
-    python benchmarks/load.py --clients 8 --requests-per-client 1 --settings on --no-write
+    python -m benchmarks.load                      # 32 clients x 2 requests, both settings
+    python -m benchmarks.load --clients 8 --requests-per-client 1 --settings on --no-write
 
 For each setting the script starts ``examples/openai_server.py`` on a free loopback port,
 sends one warm-up request, then lets ``--clients`` concurrent clients (the official async
@@ -37,8 +37,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helper modules
-from _results import write_section
+from benchmarks._results import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = ROOT / "examples" / "openai_server.py"
@@ -222,7 +221,7 @@ def percentile(xs: list[float], q: float) -> float:
 def table(runs: list[Run], args: argparse.Namespace, load_before: tuple[float, ...]) -> str:
     """The markdown section: the command, one row per setting, and notes."""
     lines = [
-        (f"`python benchmarks/load.py --clients {args.clients} --requests-per-client "
+        (f"`python -m benchmarks.load --clients {args.clients} --requests-per-client "
         f"{args.requests_per_client} --max-tokens {args.max_tokens} --max-batch-size {args.max_batch_size}`"
         f" — {args.clients} concurrent clients (official async `openai` client) × "
         f"{args.requests_per_client} requests, four schema shapes mixed, each with a per-request "

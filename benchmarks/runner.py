@@ -8,7 +8,7 @@ speed-up. ``--clock cpu`` measures process CPU time instead of wall time: with o
 is far less disturbed by other processes on a shared machine (a contended memory bus still
 shows).
 
-    python benchmarks/runner.py [--threads 1] [--clock cpu|wall] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.runner [--threads 1] [--clock cpu|wall] [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks._results import write_section
 from constrained_spec import load_model
 from constrained_spec.runner import INT4_MAX_ROWS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
 
 ROWS = (1, 2, 4, 6, 8, 10, 12, 13, 16, 22)
 
@@ -72,7 +69,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
         f"{torch.__version__}. The int4 path covers {res['int4_linears']} linears (every q/k/v, o, "
         f"gate/up, down of the 30 layers; the tied embedding / LM head is Q8_0 in the GGUF and "
         f"stays dense bf16); past {INT4_MAX_ROWS} rows the runner switches to the dense copy, so "
-        "the int4 column above that shows the dense cost. `python benchmarks/runner.py`.",
+        "the int4 column above that shows the dense cost. `python -m benchmarks.runner`.",
         "", *lines])
 
 

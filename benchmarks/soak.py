@@ -1,7 +1,7 @@
 """Memory soak of the OpenAI-compatible server: 1,000 sequential requests, RSS and leaked slots.
 
-    python benchmarks/soak.py                        # 1,000 requests, embedded model
-    python benchmarks/soak.py --requests 200 --no-write
+    python -m benchmarks.soak                        # 1,000 requests, embedded model
+    python -m benchmarks.soak --requests 200 --no-write
 
 The script starts ``examples/openai_server.py`` on a free loopback port (as
 ``benchmarks/load.py`` does) and sends ``--requests`` requests one after the other, cycling
@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _results import write_section
-from load import RESULTS, scrape, start_server, stop_server
+
+from benchmarks._results import write_section
+from benchmarks.load import RESULTS, scrape, start_server, stop_server
 
 HEADING = "## Memory soak (OpenAI server)"
 KINDS = ("schema", "schema", "schema", "schema", "schema stream", "schema stream", "json_object",
@@ -216,7 +217,7 @@ def report(result: Soak, args: argparse.Namespace, load_before: tuple[float, ...
     leaked = max(c.slots for c in result.checkpoints)
     ok = sum(n for (_, outcome), n in result.outcomes.items() if outcome == "ok")
     lines = [
-        (f"`python benchmarks/soak.py --requests {args.requests} --max-tokens {args.max_tokens}` — "
+        (f"`python -m benchmarks.soak --requests {args.requests} --max-tokens {args.max_tokens}` — "
          f"{args.requests} sequential requests against one server on 127.0.0.1 ("
          f"{'embedded model' if not args.model else args.model}, speculation on, "
          f"`--max-batch-size {args.max_batch_size}`), cycling through ten kinds: 4 × JSON Schema, "

@@ -5,7 +5,7 @@ back to back in a rotating order (cancels drift), each on a warm compile cache. 
 mode: tokens/s (emitted tokens over wall time, prefill included), acceptance length, the
 share of step time spent in grammar work, and the speed-up over speculation off.
 
-    python benchmarks/speculation.py [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.speculation [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks._results import write_section
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
 from constrained_spec.stats import SpecStats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling helper modules
-from _results import write_section
-
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TASKS = ROOT.parent / "shared" / "bench" / "tasks.jsonl"
+DEFAULT_TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"
 # Tasks whose values are copied from the prompt (the rest invent their values).
 EXTRACTION = {"person_extract", "event_extract", "invoice_extract", "address_extract",
               "product_extract", "contacts_list", "medication", "job_post", "log_parse",
@@ -123,7 +121,9 @@ def summarize(rows: dict, subset=None) -> dict:
 def table(summary: dict, title: str) -> str:
     base = summary.get("off", {}).get("tok_s")
     lines = [f"**{title}**", "",
-             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length | acceptance by draft position 1..5 | drafting / target forward time | speed-up vs off | grammar share of step | completed valid |",
+             "| mode | tokens/s (all) | tokens/s per task, median [q1, q3] | acceptance length "
+             "| acceptance by draft position 1..5 | drafting / target forward time | speed-up vs off "
+             "| grammar share of step | completed valid |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m, s in summary.items():
         q = s["tok_s_iqr"]
@@ -183,7 +183,8 @@ def main() -> None:
            "tests/test_tasks_embedded.py)" if mismatches and model.dtype == torch.bfloat16 else "")
     text = "\n\n".join([
         f"Hardware: {hardware()}; model dtype {model.dtype}; {len(tasks)} tasks x {args.repeats}; "
-        f"greedy; outputs identical to speculation off: {'yes' if not mismatches else 'NO' + why + ': ' + ', '.join(sorted(set(mismatches)))}",
+        "greedy; outputs identical to speculation off: "
+        + ("yes" if not mismatches else "NO" + why + ": " + ", ".join(sorted(set(mismatches)))),
         table(summarize(rows), "All tasks"),
         table(summarize(rows, EXTRACTION), "Extraction tasks (values copied from the prompt)"),
         table(summarize(rows, {t['id'] for t in tasks} - EXTRACTION), "Generation tasks"),

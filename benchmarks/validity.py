@@ -1,6 +1,6 @@
 """End-to-end validity: generate with the embedded model for real-world JSON Schemas.
 
-A seeded sample of JSONSchemaBench schemas (``../shared/bench/jsonschemabench``; the same
+A seeded sample of JSONSchemaBench schemas (``--bench-dir``, as in coverage.py; the same
 rows as ``coverage.py --limit``) is run through the public API exactly as a user would:
 ``Generator.batch`` with the library's defaults (default speculation, schema mode "default",
 the default schema system message, greedy decoding) and the prompt
@@ -23,8 +23,8 @@ Every schema ends in exactly one of:
 Requests run ``--batch-size`` at a time in one engine batch (one target forward per step for
 all of them); if a batch raises, its schemas are rerun one by one so the crash is attributed.
 
-    python benchmarks/validity.py --limit 30                 # quick look
-    python benchmarks/validity.py --limit 300 --out /tmp/validity.jsonl \\
+    python -m benchmarks.validity --limit 30                 # quick look
+    python -m benchmarks.validity --limit 300 --out /tmp/validity.jsonl \\
         --write-results benchmarks/RESULTS.md
 """
 
@@ -41,27 +41,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-
-def _load_coverage() -> Any:
-    """benchmarks/coverage.py, the sibling script (imported by path: the name ``coverage`` is
-    taken by the code-coverage package)."""
-    import importlib.util
-
-    name = "constrained_spec_bench_coverage"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / "coverage.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-_cov = _load_coverage()  # also puts benchmarks/ on sys.path for its helper modules
-from _results import write_section
-
-BENCH_DIR, SPLITS, Declarations = _cov.BENCH_DIR, _cov.SPLITS, _cov.Declarations
-load_split, make_validator = _cov.load_split, _cov.make_validator
+from benchmarks._results import write_section
+from benchmarks.coverage import BENCH_DIR, SPLITS, Declarations, load_split, make_validator
 
 RESULTS_HEADING = "## End-to-end validity"
 OUTCOMES = ("valid", "incomplete", "refused", "invalid_declared", "invalid_silent", "crash")
@@ -234,7 +215,7 @@ def format_summary(records: list[dict], *, max_tokens: int, seed: int, batch_siz
         "embedded model (SmolLM2-135M-Instruct), library defaults (default speculation, schema "
         f"mode default, greedy), max_tokens {max_tokens}, prompt \"Generate a JSON object for: "
         "<description / title / name>\" with the default schema system message; "
-        f"`python benchmarks/validity.py --limit {s['n']}` (batches of {batch_size}).",
+        f"`python -m benchmarks.validity --limit {s['n']}` (batches of {batch_size}).",
         "",
         "| split | schemas | valid | incomplete | refused (typed, before generating) "
         "| invalid, declared | invalid, silent | crash |",

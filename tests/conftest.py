@@ -7,7 +7,7 @@ instance of the embedded default model (fetched and converted once, then cached)
 from __future__ import annotations
 
 import pytest
-from cs_testlib import BENCH_DIR, CHARS, load_tasks, tiny_llama  # noqa: F401 (re-exported)
+from cs_testlib import CHARS, tiny_llama
 
 
 @pytest.fixture(scope="session")

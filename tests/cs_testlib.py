@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "bench"
+ROOT = Path(__file__).resolve().parents[1]
+# The benchmark data the tests run on, in the repository (a fresh clone tests what CI tests)
+TASKS_PATH = ROOT / "benchmarks" / "data" / "tasks.jsonl"
+JSONSCHEMABENCH_SAMPLE = ROOT / "benchmarks" / "data" / "jsonschemabench"
 
 # A character vocabulary: enough for small JSON objects and regexes. Id 0 is the eos token.
 CHARS = ['<eos>', '{', '}', '"', ':', ',', ' ', '[', ']', 'a', 'b', 'c', 'd', 'e', 'n', 'm',
@@ -36,10 +39,8 @@ def tiny_llama(vocab_size: int = len(CHARS) + 2, seed: int = 0, layers: int = 2,
 
 
 def load_tasks() -> list[dict]:
-    path = BENCH_DIR / "tasks.jsonl"
-    if not path.exists():
-        pytest.skip(f"benchmark tasks not found at {path} (shared/bench is absent)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The project's benchmark tasks (``benchmarks/data/tasks.jsonl``), in file order."""
+    return [json.loads(line) for line in TASKS_PATH.read_text().splitlines() if line.strip()]
 
 
 def byte_level_bpe():

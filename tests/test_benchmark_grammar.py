@@ -3,25 +3,16 @@ milliseconds: no compile, no tokenizer, no worker processes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "grammar.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    key = "constrained_spec_bench_grammar"  # `grammar` is also our grammar/ package's folder name
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
+    from benchmarks import grammar
+
+    return grammar
 
 
 def _record(split, status, compile_ms=None, row_us=(), step_us=(), instances=0, rejected=0):

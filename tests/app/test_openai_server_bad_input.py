@@ -9,7 +9,6 @@ import httpx
 import pytest
 from openai_server_process import serve_tiny
 
-
 MODEL = "tiny"
 
 

@@ -13,7 +13,6 @@ import pytest
 from cs_testlib import recording_http_server, silent_listener
 from openai_server_process import serve_tiny
 
-
 MODEL = "tiny"
 HEALTH_LIMIT_S = 1.0
 

@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 from cs_testlib import CHARS
-from constrained_spec.grammar import compile_spec
-from constrained_spec.schemas import Regex, normalize_schema
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
 from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import GenerationError
+from constrained_spec.grammar import compile_spec
 from constrained_spec.runner import LlamaRunner
+from constrained_spec.schemas import Regex, normalize_schema
 from constrained_spec.serving import EngineLoop, QueueFullError
 from constrained_spec.slots import SlotAllocator
 
@@ -304,7 +304,7 @@ def test_continuous_batching_keeps_each_schema_and_matches_solo_runs(tiny_model,
                             add(reqs))
     served, _, _ = serve(body, engine=eng, max_batch_size=4, max_queue=16)
     assert max(joined_running) > 0
-    for (p, s), a, b in zip(cases, served, solo):
+    for (_, s), a, b in zip(cases, served, solo):
         assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
         text = "".join(CHARS[t] for t in a.output_ids)
         if s == 0 and a.finish_reason == "stop":

@@ -14,8 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-from constrained_spec.grammar import compile_spec
-from constrained_spec.schemas import normalize_schema
 from cs_testlib import CHARS, byte_level_bpe, exact_distribution, gof, tiny_llama
 from test_lossless_sampling import ALPHA, PROMPT
 
@@ -29,7 +27,9 @@ from constrained_spec import (
 from constrained_spec.config import SamplingParams
 from constrained_spec.drafters import DraftModelDrafter, make_drafter
 from constrained_spec.engine import Engine, Request
+from constrained_spec.grammar import compile_spec
 from constrained_spec.runner import LlamaRunner
+from constrained_spec.schemas import normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}
 EOS = (0,)

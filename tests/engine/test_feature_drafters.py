@@ -23,8 +23,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from constrained_spec.grammar import compile_spec
-from constrained_spec.schemas import normalize_schema
 from cs_testlib import (
     bigram_llama,
     exact_distribution,
@@ -45,7 +43,9 @@ from constrained_spec.drafters.feature import (
 )
 from constrained_spec.drafters.heads import DraftHead, HeadConfig
 from constrained_spec.engine import Engine, Request
+from constrained_spec.grammar import compile_spec
 from constrained_spec.runner import LlamaRunner
+from constrained_spec.schemas import normalize_schema
 
 KINDS = ["eagle3", "mtp"]
 # the drafting tests also run an mtp head that drafts over part of the shared LM head's rows

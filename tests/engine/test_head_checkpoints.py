@@ -348,7 +348,7 @@ MTP_INTERMEDIATE = 96  # unlike the target's 128: read from the MTP block's own 
 
 def mtp_tensors(layer: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    I = MTP_INTERMEDIATE
+    inter = MTP_INTERMEDIATE
 
     def lin(out: int, inp: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(out, inp, generator=g) * scale / inp ** 0.5
@@ -365,8 +365,8 @@ def mtp_tensors(layer: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor
             p + "self_attn.v_proj.weight": lin(KV * HD, D),
             p + "self_attn.o_proj.weight": lin(D, H * HD),
             p + "post_attention_layernorm.weight": norm(),
-            p + "mlp.gate_proj.weight": lin(I, D), p + "mlp.up_proj.weight": lin(I, D),
-            p + "mlp.down_proj.weight": lin(D, I),
+            p + "mlp.gate_proj.weight": lin(inter, D), p + "mlp.up_proj.weight": lin(inter, D),
+            p + "mlp.down_proj.weight": lin(D, inter),
             p + "shared_head.norm.weight": norm(),
             p + "shared_head.head.weight": lin(vocab, D, scale=4.0)}
 

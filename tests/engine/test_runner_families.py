@@ -19,6 +19,7 @@ so that every switch changes the logits.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ from constrained_spec.runner import (
 CPU = torch.device("cpu")
 V = 100
 WINDOW = 5
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+COMMON: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from cs_testlib import byte_level_bpe
+
 from constrained_spec.grammar import TokenizerData, compile_spec
 from constrained_spec.schemas import JsonLayout, normalize_schema
-from cs_testlib import byte_level_bpe
 
 
 def test_from_tokens_basics_and_padding():

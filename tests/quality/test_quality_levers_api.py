@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from constrained_spec.grammar import compile_spec
-from constrained_spec.schemas import bound_schema, normalize_schema
 from cs_testlib import bigram_loaded
 from pydantic import BaseModel, field_validator
 
@@ -31,6 +29,8 @@ from constrained_spec import (
     OutputValidationError,
     generate,
 )
+from constrained_spec.grammar import compile_spec
+from constrained_spec.schemas import bound_schema, normalize_schema
 
 STRING_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
                  "additionalProperties": False}

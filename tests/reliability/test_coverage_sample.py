@@ -3,31 +3,25 @@ our layer (normalize -> pre-flight -> compile -> accepts_text) never accepts an 
 instance that the pre-flight report did not declare, and keeps valid instances acceptable.
 
 The full sweep (all 6,245 schemas, against raw xgrammar and outlines-core) is the benchmark;
-this runs 5 seeded schemas per split with a one-character-per-token vocabulary (text
-acceptance does not depend on the vocabulary) and the same rules.
+this runs the 48-schema sample in the repository (8 seeded schemas from each of six splits,
+``benchmarks/data/jsonschemabench``) with a one-character-per-token vocabulary (text acceptance
+does not depend on the vocabulary) and the same rules.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "shared" / "bench" / "jsonschemabench"
-PER_SPLIT = 5
+from cs_testlib import JSONSCHEMABENCH_SAMPLE
 
 
 @pytest.fixture(scope="module")
 def sample_results(coverage_mod):
-    if not BENCH.is_dir():
-        pytest.skip(f"JSONSchemaBench data not found at {BENCH} (shared/bench is absent)")
     ctx = coverage_mod.Context(coverage_mod.tokenizer_vocab("ascii"))
     results = []
-    for split in coverage_mod.SPLITS:
-        if not (BENCH / f"{split}.jsonl.gz").exists():
-            continue
-        for row in coverage_mod.sample_rows(coverage_mod.load_split(split, BENCH), PER_SPLIT, seed=1):
+    for split in coverage_mod.SAMPLE_SPLITS:
+        for row in coverage_mod.load_split(split, JSONSCHEMABENCH_SAMPLE):
             results.append((row, coverage_mod.evaluate(ctx, row, "ours", time_limit=30.0)))
     return results
 
@@ -51,11 +45,13 @@ def test_sample_compiles_and_accepts_valid_instances(sample_results):
     assert len(compiled) >= 0.95 * n, [
         (row["id"], res.get("status"), res.get("error")) for row, res in sample_results
         if res.get("status") != "compiled"]
-    valid_ok = sum(res["counts"]["valid_ok"] for res in compiled)
-    valid_rejected = sum(res["counts"]["valid_rejected"] for res in compiled)
+    assert sum(res["counts"]["valid_ok"] for res in compiled) > 0
     # rejections of valid instances are narrowings (strict mode's undeclared keys, escapes in
-    # length-limited strings); they must stay the exception
-    assert valid_rejected <= 0.1 * (valid_ok + valid_rejected)
+    # length-limited strings); they must stay the exception. Counted per schema, as the
+    # benchmark's valid-rejected column (2.1% of all schemas; this sample: 4 of 48)
+    narrowing = [row["id"] for row, res in sample_results
+                 if res.get("status") == "compiled" and res["counts"]["valid_rejected"]]
+    assert len(narrowing) <= 0.1 * len(compiled), narrowing
 
 
 def test_sample_never_hangs_or_crashes(sample_results):

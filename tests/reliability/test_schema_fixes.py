@@ -12,8 +12,9 @@ from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import JsonLayout, normalize_schema, preflight
 
 
-def matcher(schema, tok, backend="xgrammar", layout=JsonLayout()):
-    return compile_spec(normalize_schema(schema, layout=layout), tok, backend=backend).new_matcher()
+def matcher(schema, tok, backend="xgrammar", layout=None):
+    return compile_spec(normalize_schema(schema, layout=layout or JsonLayout()), tok,
+                        backend=backend).new_matcher()
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines"])

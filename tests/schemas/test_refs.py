@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 from cs_testlib import recording_http_server
-
 from referencing.exceptions import Unresolvable
 
 from constrained_spec import Generator, SchemaError

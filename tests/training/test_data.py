@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from constrained_spec.schemas import normalize_schema
-from cs_testlib import BENCH_DIR
+from cs_testlib import JSONSCHEMABENCH_SAMPLE
 
 from constrained_spec import Generator
 from constrained_spec.api import DEFAULT_LAYOUT
 from constrained_spec.errors import ConfigError, IncompleteOutputError
 from constrained_spec.prompts import encode_prompt
+from constrained_spec.schemas import normalize_schema
 from constrained_spec.training import (
     FREE_CHAT,
     FeatureDataset,
@@ -425,10 +425,13 @@ def test_empty_corpus_and_bad_layers_are_config_errors(tiny_model, tmp_path):
         load_corpus(tmp_path / "nothing.jsonl")
 
 
-def test_default_bench_dir_is_the_shared_jsonschemabench():
-    assert data_mod.BENCH_DIR == BENCH_DIR / "jsonschemabench"  # where benchmarks/ read it
-    if not data_mod.BENCH_DIR.is_dir():
-        pytest.skip(f"JSONSchemaBench not found at {data_mod.BENCH_DIR}")
-    prompts = build_prompts(12, seed=0)
+def test_default_bench_dir_is_where_the_benchmarks_read_jsonschemabench():
+    from benchmarks.coverage import BENCH_DIR
+
+    assert data_mod.BENCH_DIR == BENCH_DIR
+
+
+def test_real_schemas_make_prompts():
+    prompts = build_prompts(12, seed=0, bench_dir=JSONSCHEMABENCH_SAMPLE)
     assert sum(p["schema"] is None for p in prompts) == 3
     assert all(p["prompt"] for p in prompts) and len({p["id"] for p in prompts}) == 12

@@ -7,19 +7,16 @@ copied from the benchmark's prompts.
 
 from __future__ import annotations
 
-import json
 import random
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
+from cs_testlib import load_tasks
 from jsonschema import Draft202012Validator
 
 from constrained_spec.errors import ConfigError
 from constrained_spec.training.synthetic import DOMAINS, KINDS, task_prompts
-
-TASKS = Path(__file__).resolve().parents[3] / "shared" / "bench" / "tasks.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +113,8 @@ def test_creation_counts_match_items(prompts):
     assert seen > 100
 
 
-@pytest.mark.skipif(not TASKS.exists(), reason=f"no benchmark tasks at {TASKS}")
 def test_no_benchmark_prompts_copied(prompts):
-    bench = [json.loads(line)["prompt"] for line in TASKS.read_text().splitlines()
-             if line.strip()]
+    bench = [task["prompt"] for task in load_tasks()]
     heads = {b[:40] for b in bench}
     rows = prompts + task_prompts(2000, seed=7)
     assert not {p["prompt"] for p in rows} & set(bench)

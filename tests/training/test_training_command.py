@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from cs_testlib import tiny_loaded_model
+from cs_testlib import JSONSCHEMABENCH_SAMPLE, tiny_loaded_model
 
 from constrained_spec.config import SpeculativeConfig
 from constrained_spec.drafters import make_drafter
@@ -19,8 +19,12 @@ from constrained_spec.models import load_model
 from constrained_spec.training import data as data_mod
 from constrained_spec.training.__main__ import main
 
-pytestmark = pytest.mark.skipif(not data_mod.BENCH_DIR.is_dir(),
-                                reason="JSONSchemaBench (shared/bench) is absent")
+
+@pytest.fixture(autouse=True)
+def bench_sample(monkeypatch):
+    """The command reads JSONSchemaBench from the library's default folder, outside the
+    repository; here it reads the sample in the repository."""
+    monkeypatch.setattr(data_mod, "BENCH_DIR", JSONSCHEMABENCH_SAMPLE)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,16 @@ def _run(kind, target_dir, work, *extra):
     assert main(args) == 0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+# A known bug in constrained_spec.training: a sequence whose prompt fills max_len keeps no
+# output position, and a batch made only of such sequences has a constant loss, so the eagle3
+# step fails in loss.backward(). The sample's Snowplow schemas are long enough for that with the
+# tiny byte-level tokenizer. Strict: once fixed, this test passes and the mark must go.
+EAGLE3_EMPTY_BATCH = pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="training crashes on a batch without output positions (prompt cut at max_len)")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("eagle3", marks=EAGLE3_EMPTY_BATCH), "draft_model"])
 def test_command_writes_a_drafter_that_loads(kind, target_dir, tmp_path):
     work = tmp_path / "work"
     extra = ("--draft-vocab", "64", "--draft-layers", "0")  # the tiny target has two layers
