@@ -24,6 +24,7 @@ from tqdm import tqdm
 from benchmarks._results import write_section
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
 from constrained_spec.stats import SpecStats
+from constrained_spec.drafters import make_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"
@@ -75,6 +76,9 @@ def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
         spec, masked = s if isinstance(s, tuple) else (s, True)
         gens[m] = Generator(model, speculative=spec)
         if not masked:
+            # its own drafter: Generators with equal configs share one (api.shared_drafter),
+            # and the ablation must not switch masking off for the masked mode too
+            gens[m].drafter = make_drafter(spec, model)
             gens[m].drafter.mask_drafts = False
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     names = list(modes)
