@@ -384,8 +384,8 @@ class Generator(Generic[T]):
 
         ``overrides`` change this call's options: max_tokens, temperature, top_p, top_k, seed,
         repetition_penalty, no_repeat_ngram_size, max_string_length, max_items, schema_mode,
-        max_retries, retry_temperature. Errors are raised; for a list the first failing item's error is raised after the whole
-        batch ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
+        max_retries, retry_temperature. Errors are raised; for a list the first failing item's
+        error is raised after the whole batch ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
             out = self.batch(list(prompt), return_result=return_result, **overrides)

@@ -43,7 +43,7 @@ import torch
 from constrained_spec.kernels import apply_bitmask, rejection_sample
 
 from .config import SamplingParams, SpeculativeConfig
-from .drafters.base import DraftState, Drafter, GrammarCursor
+from .drafters.base import Drafter, DraftState, GrammarCursor
 from .drafters.forced import ForcedDrafter
 from .errors import ConfigError, GenerationError
 from .loops import LoopDetector

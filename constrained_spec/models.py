@@ -360,7 +360,7 @@ def load_model(
     """
     if isinstance(model, LoadedModel):
         return model
-    if hasattr(model, "target") and isinstance(getattr(model, "target"), LoadedModel):
+    if hasattr(model, "target") and isinstance(model.target, LoadedModel):
         return model.target  # a bundle of target + drafter
     if isinstance(model, tuple) and len(model) == 2:
         model, tokenizer = model

@@ -32,7 +32,6 @@ the kernel's dtype; the KV cache has the plan's. Every weight multiply goes thro
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal

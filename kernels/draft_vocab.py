@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .apply_bitmask import _apply_bitmask_torch, _check_args, apply_bitmask_reference
 from ._backend import Backend, cdiv, check_triton_can_run, resolve_backend
+from .apply_bitmask import _apply_bitmask_torch, _check_args, apply_bitmask_reference
 
 
 def d2t_from_offsets(d2t_offsets: torch.Tensor) -> torch.Tensor:

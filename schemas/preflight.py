@@ -703,8 +703,9 @@ class _XGrammarWalker(_Walker):
             for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
                 v = node.get(k)
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 2 ** 53:
-                    # bounds are doubles in xgrammar; measured: [0, 1e30] refuses 9223372036854775807, [2**70, 1e30] admits only
-                    # numbers near 2**70; nothing outside the range was seen accepted
+                    # bounds are doubles in xgrammar; measured: [0, 1e30] refuses
+                    # 9223372036854775807, [2**70, 1e30] admits only numbers near 2**70;
+                    # nothing outside the range was seen accepted
                     self.add(k, to_pointer(path + [k]), "narrowed",
                              f"number {k} {v!r} is past 2**53 (exact doubles): xgrammar's range grammar then "
                              "admits only part of the range (e.g. not 9223372036854775807 under "

@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+
 from constrained_spec.errors import ConfigError, SchemaError
 from constrained_spec.server.app import Guard, ServerConfig
 from constrained_spec.server.protocol import (

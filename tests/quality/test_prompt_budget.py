@@ -12,7 +12,6 @@ import gzip
 import json
 
 import pytest
-from constrained_spec.schemas import normalize_schema
 from cs_testlib import BENCH_DIR, byte_level_bpe
 
 from constrained_spec import Generator, PromptTooLongError
@@ -22,6 +21,7 @@ from constrained_spec.prompts import (
     describe_schema,
     encode_prompt,
 )
+from constrained_spec.schemas import normalize_schema
 
 CONTEXT = 8192
 RESERVED = 512 + 1  # max_tokens + the pending token (the speculative lookahead takes no room)
