@@ -226,6 +226,7 @@ def fit(module: torch.nn.Module, params: list[torch.nn.Parameter],
     rows_gen = torch.Generator().manual_seed(seed + step)
     ema = None
     while step < max_steps and elapsed < max_minutes * 60:
+        trained = 0
         for batch in epoch_batches(epoch):
             if step >= max_steps or elapsed >= max_minutes * 60:
                 break
@@ -233,6 +234,12 @@ def fit(module: torch.nn.Module, params: list[torch.nn.Parameter],
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             loss, stats = loss_fn(batch, rows_gen)
+            if not loss.requires_grad:
+                # no scored position in this batch (every prompt filled max_len and was cut
+                # before its output): nothing to learn from, and no gradient to step with
+                elapsed += time.perf_counter() - t0
+                continue
+            trained += 1
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -246,6 +253,10 @@ def fit(module: torch.nn.Module, params: list[torch.nn.Parameter],
                             min=f"{elapsed / 60:.1f}")
             if step % save_every == 0:
                 save_state()
+        if not trained and step < max_steps and elapsed < max_minutes * 60:
+            raise ValueError(f"{desc}: no batch of the corpus has an output position to learn "
+                             "from (every prompt fills the training length); raise max_len or "
+                             "use shorter prompts")
         epoch += 1
     bar.close()
     save_state()

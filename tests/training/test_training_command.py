@@ -43,16 +43,7 @@ def _run(kind, target_dir, work, *extra):
     assert main(args) == 0
 
 
-# A known bug in constrained_spec.training: a sequence whose prompt fills max_len keeps no
-# output position, and a batch made only of such sequences has a constant loss, so the eagle3
-# step fails in loss.backward(). The sample's Snowplow schemas are long enough for that with the
-# tiny byte-level tokenizer. Strict: once fixed, this test passes and the mark must go.
-EAGLE3_EMPTY_BATCH = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="training crashes on a batch without output positions (prompt cut at max_len)")
-
-
-@pytest.mark.parametrize("kind", [pytest.param("eagle3", marks=EAGLE3_EMPTY_BATCH), "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
 def test_command_writes_a_drafter_that_loads(kind, target_dir, tmp_path):
     work = tmp_path / "work"
     extra = ("--draft-vocab", "64", "--draft-layers", "0")  # the tiny target has two layers
