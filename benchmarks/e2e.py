@@ -613,21 +613,23 @@ class _System:
         raise NotImplementedError
 
 
-def _load_torch_model(dtype: str, threads: int, *, full_model: bool = False) -> Any:
+def _load_torch_model(dtype: str, threads: int, *, full_model: bool = False,
+                      model: str | None = None) -> Any:
     import torch
 
     from constrained_spec import load_model
 
     torch.set_num_threads(threads)
-    # transformers' generate needs the complete transformers model (ours runs the lean one)
-    return load_model(None, dtype=dtype, full_model=full_model, quiet=True)
+    # transformers' generate needs the complete transformers model (ours runs the lean one);
+    # ``model``: a --gguf file instead of the embedded model
+    return load_model(model, dtype=dtype, full_model=full_model, quiet=True)
 
 
 class _HFSystem(_System):
     """transformers ``generate``, greedy, with a logits processor from a grammar library."""
 
-    def __init__(self, dtype: str, threads: int) -> None:
-        self.loaded = _load_torch_model(dtype, threads, full_model=True)
+    def __init__(self, dtype: str, threads: int, model: str | None = None) -> None:
+        self.loaded = _load_torch_model(dtype, threads, full_model=True, model=model)
         self.model, self.tok = self.loaded.model, self.loaded.tokenizer
         self.eos = set(self.loaded.eos_token_ids)
         self.dtype = str(self.loaded.dtype).removeprefix("torch.")
@@ -648,8 +650,8 @@ class _HFSystem(_System):
 
 
 class XgrammarHF(_HFSystem):
-    def __init__(self, dtype: str, threads: int) -> None:
-        super().__init__(dtype, threads)
+    def __init__(self, dtype: str, threads: int, model: str | None = None) -> None:
+        super().__init__(dtype, threads, model)
         import xgrammar as xgr
 
         self.xgr = xgr
@@ -670,8 +672,8 @@ class XgrammarHF(_HFSystem):
 
 
 class OutlinesHF(_HFSystem):
-    def __init__(self, dtype: str, threads: int) -> None:
-        super().__init__(dtype, threads)
+    def __init__(self, dtype: str, threads: int, model: str | None = None) -> None:
+        super().__init__(dtype, threads, model)
         try:
             import outlines
         except ImportError as e:
@@ -771,10 +773,10 @@ class LlamaCpp(_System):
 
 
 class Ours(_System):
-    def __init__(self, dtype: str, threads: int, kwargs: dict) -> None:
+    def __init__(self, dtype: str, threads: int, kwargs: dict, model: str | None = None) -> None:
         from constrained_spec import Generator
 
-        self.gen = Generator(_load_torch_model(dtype, threads), **kwargs)
+        self.gen = Generator(_load_torch_model(dtype, threads, model=model), **kwargs)
         self.eos = set()
         self.dtype = str(self.gen.model.dtype).removeprefix("torch.")
         describe = getattr(self.gen.model, "describe_kernels", None)
@@ -819,12 +821,12 @@ class Ours(_System):
 def _make_system(spec: dict) -> _System:
     name, threads, dtype = spec["name"], spec["threads"], spec["dtype"]
     if name == "transformers+xgrammar":
-        return XgrammarHF(dtype, threads)
+        return XgrammarHF(dtype, threads, spec.get("model"))
     if name == "transformers+outlines":
-        return OutlinesHF(dtype, threads)
+        return OutlinesHF(dtype, threads, spec.get("model"))
     if name == "llama.cpp":
         return LlamaCpp(spec["gguf"], threads, spec.get("isa", "native"), spec.get("llama_cpp_path"))
-    return Ours(dtype, threads, spec["kwargs"])
+    return Ours(dtype, threads, spec["kwargs"], spec.get("model"))
 
 
 def _request(system: _System, cache: dict, msg: dict) -> dict:
@@ -957,15 +959,17 @@ class Worker:
 
 
 # --- the parent ------------------------------------------------------------------------------
-def prompt_builder() -> Callable[[dict], dict]:
-    """A task -> its chat messages (our schema system message) and their token ids."""
+def prompt_builder(model: str | None = None) -> Callable[[dict], dict]:
+    """A task -> its chat messages (our schema system message) and their token ids (with the
+    tokenizer of ``model``, a --gguf file, or of the embedded model)."""
     from transformers import AutoTokenizer
 
-    from constrained_spec.models import _converted_default_dir
+    from constrained_spec.models import _converted_default_dir, load_model
     from constrained_spec.prompts import build_messages, encode_prompt
     from constrained_spec.schemas import normalize_schema
 
-    tok = AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
+    tok = load_model(model, quiet=True).tokenizer if model else \
+        AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
 
     def build(t: dict) -> dict:
         messages = build_messages(t["prompt"], normalize_schema(_speculation().task_schema(t)))
@@ -1132,6 +1136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", type=Path, default=None,
                     help="JSONL tasks in the format of benchmarks/data/tasks.jsonl (the default)")
     ap.add_argument("--limit", type=int, default=None, help="the first N tasks only")
+    ap.add_argument("--gguf", type=Path, default=None, metavar="FILE",
+                    help="run this GGUF instead of the embedded model (ours and llama.cpp on the "
+                         "same file; the transformers peers load it through transformers)")
     ap.add_argument("--task-ids", default=None, help="comma-separated task ids to run")
     ap.add_argument("--repeats", type=int, default=1, help="requests per task and system")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads in every system")
@@ -1190,12 +1197,14 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s for s in systems if s in chosen]
     from constrained_spec.models import fetch_default_gguf
 
-    gguf = str(fetch_default_gguf(quiet=True))  # resolved here: the llama.cpp worker imports no torch
+    # resolved here: the llama.cpp worker imports no torch
+    gguf = str(args.gguf.resolve()) if args.gguf else str(fetch_default_gguf(quiet=True))
+    model = gguf if args.gguf else None
     specs = [dict(name=s, threads=args.threads, dtype=args.dtype, kwargs=args.variants.get(s),
-                  gguf=gguf, isa=args.isa,
+                  gguf=gguf, isa=args.isa, model=model,
                   llama_cpp_path=str(args.llama_cpp_path.resolve()) if args.llama_cpp_path else None)
              for s in systems]
-    build = prompt_builder()
+    build = prompt_builder(model)
     prompts = build_prompts(tasks, build)
     long = None
     if args.long_repeats:
