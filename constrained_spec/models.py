@@ -357,9 +357,11 @@ def load_model(
     A GGUF file (the embedded model's too) that the lean runner runs is converted ONCE into our
     cache, keyed by its content hash (`load_gguf_lean`): 4-bit tensors (Q4_0, Q4_1, Q4_K) stay
     4-bit, the rest is kept in bf16, and no dense float32 copy of the model is ever built; the
-    returned ``model`` is then a transformers model whose 4-bit linears are on the meta device
-    (the runner holds them). ``full_model=True`` loads a complete transformers model instead
-    (for callers that run transformers' own forward or train on its weights).
+    returned ``model`` is then the runner's light view of it (`skeleton.SkeletonForCausalLM`:
+    config, generation config, weights under transformers' names, no forward, no transformers
+    modeling code imported) whose 4-bit linears are on the meta device (the runner holds them).
+    ``full_model=True`` loads a complete transformers model instead (for callers that run
+    transformers' own forward or train on its weights).
     """
     if isinstance(model, LoadedModel):
         return model
