@@ -7,7 +7,10 @@ and cache the result as a safetensors checkpoint, so every later load is a plain
 ``from_pretrained`` of a local folder.
 
 Everything a caller gets back is a :class:`LoadedModel`: the transformers model, its tokenizer,
-the grammar layer's tokenizer data and a runner (see ``runner.py``) that owns the KV cache.
+the grammar layer's tokenizer data and a runner (see ``runner.py``) that owns the KV cache. A
+GGUF opened for the lean runner holds no transformers model but its light view
+(``skeleton.py``: config, weights, RoPE), so its process never imports transformers' modeling
+code.
 """
 
 from __future__ import annotations
@@ -245,7 +248,7 @@ class LoadedModel:
     """A target model ready for decoding: weights, tokenizer, grammar tokenizer data, runner."""
 
     name: str
-    model: Any  # transformers PreTrainedModel
+    model: Any  # transformers PreTrainedModel, or a GGUF's `skeleton.SkeletonForCausalLM`
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
@@ -354,9 +357,11 @@ def load_model(
     A GGUF file (the embedded model's too) that the lean runner runs is converted ONCE into our
     cache, keyed by its content hash (`load_gguf_lean`): 4-bit tensors (Q4_0, Q4_1, Q4_K) stay
     4-bit, the rest is kept in bf16, and no dense float32 copy of the model is ever built; the
-    returned ``model`` is then a transformers model whose 4-bit linears are on the meta device
-    (the runner holds them). ``full_model=True`` loads a complete transformers model instead
-    (for callers that run transformers' own forward or train on its weights).
+    returned ``model`` is then the runner's light view of it (`skeleton.SkeletonForCausalLM`:
+    config, generation config, weights under transformers' names, no forward, no transformers
+    modeling code imported) whose 4-bit linears are on the meta device (the runner holds them).
+    ``full_model=True`` loads a complete transformers model instead (for callers that run
+    transformers' own forward or train on its weights).
     """
     if isinstance(model, LoadedModel):
         return model
@@ -499,7 +504,7 @@ def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = Fals
         marker.write_text(str(e))
         return None
     loaded = _open_lean(folder, name=str(gguf), dtype_choice=dtype_choice, quiet=quiet)
-    loaded.int8_plan = int8_worth_it(gguf)
+    loaded.int8_plan = bool(_source_facts(gguf, folder)["int8_worth_it"])
     release_free_memory()
     logger.info("loaded %s in %.1fs (converted checkpoint %s)", gguf.name, time.perf_counter() - t0,
                 folder.name)
@@ -524,8 +529,37 @@ def int8_worth_it(gguf: Path) -> bool:
         g = read_gguf(gguf)
     except ModelLoadError:
         return False
+    return _int8_worth(g)
+
+
+def _int8_worth(g: Any) -> bool:
+    """`int8_worth_it` of a file read by `gguf_weights.read_gguf`."""
     return any(len(t.shape) == 2 and t.ggml_type in _INT8_WORTH and ".layers." in name
                for name, t in g.tensors.items())
+
+
+# facts about the GGUF a folder was converted from, kept in the folder: reading the file again
+# parses all its metadata (the tokenizer's ~100k strings) and builds transformers' model on the
+# meta device (its modeling code imported): seconds and ~200 MB on every load
+_SOURCE = "source.json"
+
+
+def _source_facts(gguf: Path, folder: Path) -> dict[str, Any]:
+    """``{"int8_worth_it": bool}`` for ``gguf``, from its converted ``folder`` (a folder
+    converted before the file was kept gets it from the GGUF once, then keeps it)."""
+    path = folder / _SOURCE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    facts = {"int8_worth_it": int8_worth_it(gguf)}
+    tmp = path.with_name(f".{_SOURCE}.{os.getpid()}.tmp")
+    try:  # the same content whoever writes it: the last rename wins
+        tmp.write_text(json.dumps(facts))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: read the file again next time
+        tmp.unlink(missing_ok=True)
+    return facts
 
 
 def release_free_memory() -> None:
@@ -588,6 +622,7 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
             bar.update(1)
     bar.close()
     save_file(out, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
+    (tmp / _SOURCE).write_text(json.dumps({"int8_worth_it": _int8_worth(g)}))
     config = g.config
     config.dtype = "bfloat16"
     config.save_pretrained(tmp)
@@ -596,30 +631,53 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
 
 
 def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> LoadedModel:
-    """A LoadedModel over a converted folder: dense tensors memory-mapped into a transformers
-    model built on the meta device, the 4-bit groups handed to the runner."""
+    """A LoadedModel over a converted folder: dense tensors memory-mapped into the lean
+    runner's view of the model (`skeleton.skeleton_model`: no transformers modeling code is
+    imported), the 4-bit groups handed to the runner."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from .weights import Int4Groups
 
     config = AutoConfig.from_pretrained(str(folder))
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config)
     stored = load_file(str(folder / "weights.safetensors"))  # memory-mapped
     dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS)}
+    model = _lean_model(config, dense)
+    fused = _fused_parts(model)
+    groups = {key: Int4Groups(*(stored[key + s] for s in _GROUP_PARTS))
+              for key in fused if key + ".nibbles" in stored}
+    # a weight in neither form would reach the runner as a meta tensor
+    absent = {n for n, p in model.named_parameters() if p.is_meta}
+    absent -= {p for key in groups for p in fused[key]}
+    if absent:
+        raise ModelLoadError(f"the converted checkpoint {folder} lacks {len(absent)} weights "
+                             f"({sorted(absent)[:4]}); delete that folder to convert the file again")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(name=name, model=model, tokenizer=tok, device=torch.device("cpu"),
+                       dtype=torch.bfloat16, vocab_size=_logits_width(model), path=folder,
+                       _int4=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
+                       quiet=quiet)
+
+
+def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
+    """The lean runner's view of the model: `skeleton.skeleton_model` for the families it lays
+    out, else a transformers model built on the meta device (which imports its modeling code)."""
+    from .runner import lean_runner_supports
+    from .skeleton import SKELETON_FAMILIES, skeleton_model
+
+    if getattr(config, "model_type", None) in SKELETON_FAMILIES:
+        model = skeleton_model(config, dense)
+        if lean_runner_supports(model):
+            return model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
     hf.load_state_dict(dense, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         hf.tie_weights()
     _materialize_buffers(hf, config)
-    groups = {key: Int4Groups(*(stored[key + s] for s in _GROUP_PARTS))
-              for key in _fused_parts(hf) if key + ".nibbles" in stored}
-    hf.eval()
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    return LoadedModel(name=name, model=hf, tokenizer=tok, device=torch.device("cpu"),
-                       dtype=torch.bfloat16, vocab_size=_logits_width(hf), path=folder,
-                       _int4=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
-                       quiet=quiet)
+    return hf.eval()
 
 
 def _materialize_buffers(hf: Any, config: Any) -> None:
