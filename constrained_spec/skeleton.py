@@ -55,7 +55,7 @@ def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     if mt not in SKELETON_FAMILIES:
         raise ModelLoadError(f"no light model layout for model_type {mt!r} (known: "
                              f"{', '.join(SKELETON_FAMILIES)}); load it with transformers")
-    D, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     H = config.num_attention_heads
     KV = getattr(config, "num_key_value_heads", None) or H
     hd = _head_dim(config)
@@ -66,11 +66,11 @@ def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         if mt == "phi3":  # fused q/k/v and gate/up, no biases
             linears = {"self_attn.qkv_proj": ((H + 2 * KV) * hd, D), "self_attn.o_proj": (D, H * hd),
-                       "mlp.gate_up_proj": (2 * I, D), "mlp.down_proj": (D, I)}
+                       "mlp.gate_up_proj": (2 * F, D), "mlp.down_proj": (D, F)}
         else:
             linears = {"self_attn.q_proj": (H * hd, D), "self_attn.k_proj": (KV * hd, D),
                        "self_attn.v_proj": (KV * hd, D), "self_attn.o_proj": (D, H * hd),
-                       "mlp.gate_proj": (I, D), "mlp.up_proj": (I, D), "mlp.down_proj": (D, I)}
+                       "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
         for name, shape in linears.items():
             shapes[p + name + ".weight"] = shape
             biased = (mlp_bias if name.startswith("mlp.") else
