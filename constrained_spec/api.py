@@ -566,7 +566,8 @@ class Generator(Generic[T]):
 
 
 def _token_callback(index: int, on_tokens: Callable[[int, list[int]], None] | None,
-                    on_progress: Callable[[int], None] | None) -> Callable[[list[int]], None] | None:
+                    on_progress: Callable[[int], None] | None
+                    ) -> Callable[[list[int]], None] | None:
     """The engine request's ``on_tokens`` for item ``index`` of a batch (None: neither)."""
     if on_tokens is None and on_progress is None:
         return None

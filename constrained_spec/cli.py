@@ -92,9 +92,9 @@ as JSON strings. With --stream the text is written to stdout as tokens are accep
 
 A small model that loops or runs out of --max-tokens is retried by default: up to 2 more
 generations (sampled, seeded), and the first valid output is printed; an output that completes
-on the first attempt is exactly the one without retries. --max-retries 0 turns retries off;
-with --stream they are off unless asked for (and --max-retries N > 0 with --stream is an
-error: a failed attempt's text would already be on stdout). --no-repeat-ngram-size,
+on the first attempt is exactly the one without retries. --max-retries 0 turns retries off.
+With --stream there are none (a failed attempt's text would already be on stdout), and
+--max-retries N > 0 with --stream is an error. --no-repeat-ngram-size,
 --repetition-penalty, --max-string-length and --max-items change what is generated (see the
 README, "Output quality on small models").
 
