@@ -6,10 +6,11 @@ Every completed output is validated (jsonschema + Pydantic) before it is returne
 out of ``max_tokens`` first raises :class:`IncompleteOutputError` with the partial text.
 
 Output-quality levers for small models (benchmarks/RESULTS.md, "Output quality levers"): the
-JSON layout and the prompt keep the model's own distribution and are on by default; the
-repetition guard (``no_repeat_ngram_size``, ``repetition_penalty``), bounded strings / arrays
-(``max_string_length``, ``max_items``) and sampling retries (``max_retries``) change what is
-generated and are off unless asked for.
+JSON layout, the prompt and sampling retries (``max_retries``, :data:`DEFAULT_MAX_RETRIES`)
+are on by default: the first two keep the model's own distribution, and retries change only
+outputs whose first attempt failed. The repetition guard (``no_repeat_ngram_size``,
+``repetition_penalty``) and bounded strings / arrays (``max_string_length``, ``max_items``)
+change outputs that would have completed too, and are off unless asked for.
 """
 
 from __future__ import annotations
@@ -71,8 +72,19 @@ class GenerationResult(Generic[T]):
     finish_reason: str
     stats: SpecStats = field(default_factory=SpecStats)
     attempts: int = 1  # generations run for this value (see ``max_retries``)
+    #: the errors of the attempts that failed before the one returned (``max_retries``), in
+    #: order: what each ended in (a loop, max_tokens, failed validation) and its partial text
+    failed_attempts: list[ConstrainedSpecError] = field(default_factory=list)
 
 
+#: Retries after a failed first attempt when a call does not set ``max_retries`` and its output
+#: is not streamed. Measured on the embedded model (benchmarks/RESULTS.md, "Output quality
+#: levers"): greedy alone completes 16 of 20 JSON tasks, one retry 19, two retries all 20, and
+#: no output greedy got right changes (a retry runs only after a failed attempt). Two, not more:
+#: each retry is one more whole generation for a request that failed, and the repetition-loop
+#: detector (loops.py) already ends a looping attempt early, so two retries bound the cost of a
+#: hopeless request at three attempts.
+DEFAULT_MAX_RETRIES = 2
 #: Temperature of the retries after a failed first attempt (``max_retries``), unless the
 #: request already samples at its own temperature. Moderate: far enough from greedy to leave
 #: its loop, close enough to keep the model's likely tokens.
@@ -126,30 +138,50 @@ def _check_schema_mode(value: Any) -> SchemaMode:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """The one rule of ``max_retries``, for :meth:`Generator.batch` and for servers that run
-    their own engine loop: which finished attempts run again, and with which options.
+    """The one rule of ``max_retries``, for :meth:`Generator.batch`, the command line and
+    servers that run their own engine loop: how many retries a call gets, which finished
+    attempts run again, and with which options.
 
     An attempt failed when it ended in anything but a valid output that a new attempt may
-    cure: an :class:`IncompleteOutputError` (``max_tokens`` ran out, or the engine ended the
-    output early for any other reason) or an :class:`OutputValidationError`. Bad input, a
-    cancelled request and an engine failure are not retried. Attempt 0 runs with the call's
-    options; retry k (>= 1) samples (at ``temperature`` when the call was greedy) with seed
-    ``seed + k`` (seed None: :data:`DEFAULT_RETRY_SEED` + k).
+    cure: an :class:`IncompleteOutputError` (``max_tokens`` ran out, a
+    :class:`RepetitionLoopError`, or the engine ended the output early for any other reason)
+    or an :class:`OutputValidationError`. Bad input, a cancelled request and an engine failure
+    are not retried. Attempt 0 runs with the call's options; retry k (>= 1) samples (at
+    ``temperature`` when the call was greedy) with seed ``seed + k`` (seed None:
+    :data:`DEFAULT_RETRY_SEED` + k).
 
     Parameters
     ----------
     max_retries:
-        Retries after the first attempt (0: off).
+        Retries after the first attempt (0: off); default :data:`DEFAULT_MAX_RETRIES`.
     temperature:
         Temperature of the retries of a greedy call, in (0, 100].
     """
 
-    max_retries: int = 0
+    max_retries: int = DEFAULT_MAX_RETRIES
     temperature: float = DEFAULT_RETRY_TEMPERATURE
 
     def __post_init__(self) -> None:
         _check_count(self.max_retries, "max_retries", minimum=0, allow_none=False)
         object.__setattr__(self, "temperature", _check_retry_temperature(self.temperature))
+
+    @classmethod
+    def resolve(cls, max_retries: int | None, temperature: float = DEFAULT_RETRY_TEMPERATURE,
+                *, streaming: bool = False) -> RetryPolicy:
+        """The policy of a call that asked for ``max_retries`` (None: not set).
+
+        Not set: :data:`DEFAULT_MAX_RETRIES`, or no retries when the output is streamed (the
+        tokens of a failed attempt would already be out, so the default cannot apply there).
+        Set: that many; a number > 0 together with streaming is a :class:`ConfigError`.
+        """
+        if max_retries is None:
+            return cls(0 if streaming else DEFAULT_MAX_RETRIES, temperature)
+        policy = cls(max_retries, temperature)
+        if streaming and policy.max_retries:
+            raise ConfigError("cannot be combined with streaming: the tokens of a failed attempt "
+                              "would already be streamed; leave max_retries unset (no retries "
+                              "while streaming) or set it to 0", option="max_retries")
+        return policy
 
     @staticmethod
     def failed(result: Any) -> bool:
@@ -295,12 +327,16 @@ class Generator(Generic[T]):
         array of the schema that has none (``None``: off). Final validation is still against
         your schema; what was added is on ``report.added_bounds``.
     max_retries:
-        Opt-in: after an :class:`IncompleteOutputError` or :class:`OutputValidationError`,
-        generate again up to this many times (0: off) and return the first valid output. The
-        first attempt uses your sampling settings (greedy by default); retry k samples at
-        ``retry_temperature`` (your temperature if you sample) with seed ``seed + k`` (seed
-        None: ``k``). ``attempts`` and the summed stats are on the result (or on the last
-        error when all fail). Not combinable with ``on_tokens`` streaming.
+        After an :class:`IncompleteOutputError` (``max_tokens`` ran out, or a
+        :class:`RepetitionLoopError`) or an :class:`OutputValidationError`, generate again up
+        to this many times and return the first valid output. ``None`` (the default):
+        :data:`DEFAULT_MAX_RETRIES` (2), or none when the output is streamed (``on_tokens``);
+        ``0``: plain single-attempt decoding. The first attempt uses your sampling settings
+        (greedy by default), so an output that completes on it is exactly the one without
+        retries; retry k samples at ``retry_temperature`` (your temperature if you sample)
+        with seed ``seed + k`` (seed None: ``k``). ``attempts``, the failed attempts' errors
+        and the stats summed over every attempt are on the result (or on the last error when
+        all fail). A number > 0 cannot be combined with ``on_tokens`` streaming.
     retry_temperature:
         Temperature of the retries when the request is greedy (default
         :data:`DEFAULT_RETRY_TEMPERATURE`).
@@ -314,7 +350,7 @@ class Generator(Generic[T]):
                  tokenizer: Any = None, max_batch_size: int = 64,
                  repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
                  max_string_length: int | None = None, max_items: int | None = None,
-                 max_retries: int = 0,
+                 max_retries: int | None = None,
                  retry_temperature: float = DEFAULT_RETRY_TEMPERATURE) -> None:
         if backend not in ("xgrammar", "outlines"):
             raise ConfigError(f"unknown grammar backend {backend!r}; use 'xgrammar' or 'outlines'",
@@ -327,7 +363,10 @@ class Generator(Generic[T]):
         self.max_string_length = _check_count(max_string_length, "max_string_length", minimum=1,
                                               allow_none=True)
         self.max_items = _check_count(max_items, "max_items", minimum=1, allow_none=True)
-        self.retry = RetryPolicy(max_retries, retry_temperature)
+        RetryPolicy.resolve(max_retries, retry_temperature)  # bad values fail here
+        #: retries per call (None: :data:`DEFAULT_MAX_RETRIES`, none when streaming)
+        self.max_retries: int | None = max_retries
+        self.retry_temperature = float(retry_temperature)
         self.speculative = resolve_speculative(speculative)
         self.backend = backend
         self.schema_mode = schema_mode
@@ -347,14 +386,6 @@ class Generator(Generic[T]):
         self.model = load_model(model, tokenizer)
         self.drafter = shared_drafter(self.model, self.speculative)
         self.compiled = self._compile(self.spec)
-
-    @property
-    def max_retries(self) -> int:
-        return self.retry.max_retries
-
-    @property
-    def retry_temperature(self) -> float:
-        return self.retry.temperature
 
     def _prepare_spec(self, schema: Any, mode: SchemaMode) -> tuple[SchemaSpec | None, Any]:
         """The spec of ``schema`` and its pre-flight report under ``mode`` (None, None for free
@@ -401,27 +432,31 @@ class Generator(Generic[T]):
     def batch(self, prompts: Sequence[str | Messages], *, return_result: bool = False,
               return_exceptions: bool = True, schemas: Sequence[Any] | None = None,
               on_tokens: Callable[[int, list[int]], None] | None = None,
+              on_progress: Callable[[int], None] | None = None,
               **overrides: Any) -> list[Any]:
         """Run ``prompts`` as one batch; per item a value / result, or the error it raised.
 
         ``schemas`` gives each prompt its own schema (compiled and cached per schema);
-        ``on_tokens(index, token_ids)`` streams tokens as they are accepted. With
+        ``on_tokens(index, token_ids)`` streams tokens as they are accepted (and so turns the
+        default retries off). ``on_progress(n)`` is told of every ``n`` tokens accepted, those
+        of failed attempts included: a progress count that leaves retries on. With
         ``max_retries``, the items that failed run again as one batch per retry.
         """
-        policy = RetryPolicy(overrides.pop("max_retries", self.retry.max_retries),
-                             overrides.pop("retry_temperature", self.retry.temperature))
-        if policy.max_retries and on_tokens is not None:
-            raise ConfigError("cannot be combined with on_tokens streaming: the tokens of a failed "
-                              "attempt would already be streamed", option="max_retries")
+        policy = RetryPolicy.resolve(overrides.pop("max_retries", self.max_retries),
+                                     overrides.pop("retry_temperature", self.retry_temperature),
+                                     streaming=on_tokens is not None)
         results: list[Any] = [None] * len(prompts)
         stats: list[SpecStats | None] = [None] * len(prompts)
+        failed: list[list[Any]] = [[] for _ in prompts]  # each item's failed attempts so far
         attempts = policy.attempts(range(len(prompts)))
         for attempt, todo in attempts:
             options = policy.options(overrides, attempt, self.sampling)
             requests: list[tuple[int, Request, SchemaSpec | None]] = []
             for i in todo:
+                if attempt:
+                    failed[i].append(results[i])
                 try:
-                    cb = (lambda toks, i=i: on_tokens(i, toks)) if on_tokens else None
+                    cb = _token_callback(i, on_tokens, on_progress)
                     schema = schemas[i] if schemas is not None else _SAME
                     req, spec = self.make_request(prompts[i], schema=schema, on_tokens=cb, **options)
                     requests.append((i, req, spec))
@@ -432,9 +467,8 @@ class Generator(Generic[T]):
                 results[i] = self.finalize(req, spec, return_result)
                 stats[i] = req.stats if stats[i] is None else stats[i].merge(req.stats)
                 attempts.record(i, results[i])
-        if policy.max_retries:
-            for item, st in zip(results, stats):
-                _record_attempts(item, st)
+        for item, st, earlier in zip(results, stats, failed):
+            _record_attempts(item, st, earlier)
         if not return_exceptions:
             for item in results:
                 if isinstance(item, BaseException):
@@ -531,16 +565,33 @@ class Generator(Generic[T]):
         return err
 
 
-def _record_attempts(item: Any, stats: SpecStats | None) -> None:
-    """Put the summed stats of every attempt, and their number, on a result or error."""
+def _token_callback(index: int, on_tokens: Callable[[int, list[int]], None] | None,
+                    on_progress: Callable[[int], None] | None
+                    ) -> Callable[[list[int]], None] | None:
+    """The engine request's ``on_tokens`` for item ``index`` of a batch (None: neither)."""
+    if on_tokens is None and on_progress is None:
+        return None
+
+    def callback(toks: list[int]) -> None:
+        if on_tokens is not None:
+            on_tokens(index, toks)
+        if on_progress is not None:
+            on_progress(len(toks))
+    return callback
+
+
+def _record_attempts(item: Any, stats: SpecStats | None, earlier: list[Any]) -> None:
+    """Put the summed stats of every attempt, their number and the errors of the ``earlier``
+    (failed) attempts on a result or error."""
     if stats is None:
         return
     if isinstance(item, GenerationResult):
-        item.stats, item.attempts = stats, stats.attempts
+        item.stats, item.attempts, item.failed_attempts = stats, stats.attempts, list(earlier)
     elif isinstance(item, ConstrainedSpecError):
         if hasattr(item, "stats"):
             item.stats = stats
         item.attempts = stats.attempts  # type: ignore[attr-defined]
+        item.failed_attempts = list(earlier)  # type: ignore[attr-defined]
 
 
 @overload

@@ -63,7 +63,8 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
     EXIT_INTERNAL: ("internal error", "unexpected internal error (a bug: please report it)"),
     EXIT_USAGE: ("error", "bad arguments or option values"),
     EXIT_SCHEMA: ("schema error", "bad schema: malformed, or a keyword the backend cannot enforce"),
-    EXIT_INCOMPLETE: ("incomplete output", "--max-tokens ran out first (partial text on stderr)"),
+    EXIT_INCOMPLETE: ("incomplete output", "--max-tokens ran out or the output looped, on every "
+                                           "attempt (partial text on stderr)"),
     EXIT_MODEL: ("model error", "the model could not be fetched or loaded"),
     EXIT_VALIDATION: ("invalid output", "the finished output failed final validation"),
     EXIT_BATCH_PARTIAL: ("batch", "--batch: some lines failed (see their error records)"),
@@ -89,10 +90,13 @@ per input line, in order: the value, or {{"error": {{"type", "message", "line"}}
 Outputs that are not JSON by themselves (--regex, --choice, --grammar, no schema) are printed
 as JSON strings. With --stream the text is written to stdout as tokens are accepted.
 
-A small model that loops or runs out of --max-tokens: --max-retries 2 generates again (sampled,
-seeded) and prints the first valid output; --no-repeat-ngram-size, --repetition-penalty,
---max-string-length and --max-items change what is generated (see the README, "Output quality
-on small models").
+A small model that loops or runs out of --max-tokens is retried by default: up to 2 more
+generations (sampled, seeded), and the first valid output is printed; an output that completes
+on the first attempt is exactly the one without retries. --max-retries 0 turns retries off.
+With --stream there are none (a failed attempt's text would already be on stdout), and
+--max-retries N > 0 with --stream is an error. --no-repeat-ngram-size,
+--repetition-penalty, --max-string-length and --max-items change what is generated (see the
+README, "Output quality on small models").
 
 {EPILOG_EXIT_CODES}"""
 
@@ -205,15 +209,17 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_lever_arguments(parser: argparse.ArgumentParser) -> None:
-    from .api import DEFAULT_RETRY_TEMPERATURE
+    from .api import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_TEMPERATURE
 
     defaults = SamplingParams()
     levers = parser.add_argument_group(
-        "output quality", "opt-in levers for a small model that loops until --max-tokens runs out")
-    levers.add_argument("--max-retries", type=int, default=0, metavar="N",
-                        help="after an incomplete or invalid output, generate again up to N times "
-                             "and print the first valid one; not with --stream "
-                             "(default: %(default)s)")
+        "output quality", "levers for a small model that loops until --max-tokens runs out "
+                          "(retries on by default, the others opt-in)")
+    levers.add_argument("--max-retries", type=int, default=None, metavar="N",
+                        help="after an incomplete, looping or invalid output, generate again up "
+                             "to N times and print the first valid one; 0 = off (default: "
+                             f"{DEFAULT_MAX_RETRIES}, or 0 with --stream, where N > 0 is an "
+                             "error)")
     levers.add_argument("--retry-temperature", type=float, default=DEFAULT_RETRY_TEMPERATURE,
                         metavar="F", help="temperature of the retries when --temperature is 0 "
                                           "(retry k has seed --seed + k; default: %(default)s)")
@@ -526,8 +532,9 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     SamplingParams(**options)
     for name in ("max_string_length", "max_items"):
         options[name] = _check_count(getattr(args, name), name, minimum=1, allow_none=True)
+    # None: the library's default (retries on, off while streaming)
     options["max_retries"] = _check_count(args.max_retries, "max_retries", minimum=0,
-                                          allow_none=False)
+                                          allow_none=True)
     options["retry_temperature"] = _check_retry_temperature(args.retry_temperature)
     return options
 
@@ -653,8 +660,10 @@ def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     schema = schema_from_args(args)
     options = generator_options_from_args(args)
     if args.stream and options["max_retries"]:
+        # only an explicit N > 0: the default retries are simply off while streaming
         raise ConfigError("cannot be combined with --stream: the text of a failed attempt would "
-                          "already be on stdout", option="--max-retries")
+                          "already be on stdout; drop --max-retries (no retries while "
+                          "streaming) or drop --stream", option="--max-retries")
     speculative = speculative_from_args(args)
     prompt = _read_prompt(args)
     _preflight(schema, args, layout)
@@ -814,7 +823,7 @@ def error_record(exc: BaseException, line: int) -> dict[str, Any]:
     """The JSON record written for a failed ``--batch`` line."""
     error: dict[str, Any] = {"type": type(exc).__name__, "message": _one_line(str(exc)), "line": line}
     attempts = getattr(exc, "attempts", 1)
-    if attempts > 1:  # --max-retries: every attempt failed
+    if attempts > 1:  # retried (--max-retries): every attempt failed
         error["attempts"] = attempts
     if isinstance(exc, (IncompleteOutputError, GenerationError)) and exc.partial_text is not None:
         error["partial_text"] = exc.partial_text
@@ -855,15 +864,13 @@ def _cmd_batch(args: argparse.Namespace, out: TextIO) -> int:
                    if any(it.has_schema for it in runnable) else None)
         from tqdm.auto import tqdm
 
-        # the engine reports accepted tokens, not finished requests: the bar counts tokens.
-        # Retries take no on_tokens callback (a failed attempt's tokens would already be
-        # out), so with --max-retries there is no bar.
-        bar_on = not args.quiet and not options["max_retries"]
+        # the engine reports accepted tokens, not finished requests: the bar counts tokens
+        # (those of retried attempts too). on_progress, not on_tokens: it leaves retries on.
         with tqdm(desc=f"{len(runnable)} prompts", unit="tok", file=sys.stderr,
-                  disable=not bar_on, leave=False) as bar:
+                  disable=args.quiet, leave=False) as bar:
             results = gen.batch([it.prompt for it in runnable], schemas=schemas,
                                 return_result=True,
-                                on_tokens=(lambda i, ids: bar.update(len(ids))) if bar_on else None)
+                                on_progress=None if args.quiet else bar.update)
     for it, result in zip(runnable, results):
         if isinstance(result, BaseException):
             it.error = result

@@ -4,7 +4,9 @@
   IncompleteOutputError: never an invalid output.
 - Greedy (temperature 0) outputs are token-identical with speculation off (one request at a
   time) and on, for each drafter, with the tasks (mixed schemas) batched. Run in float32: in
-  bf16 a different batch shape alone (no speculation involved) can flip a near-tie.
+  bf16 a different batch shape alone (no speculation involved) can flip a near-tie. Single
+  attempts (``max_retries=0``): a retry samples, and a sampled output keeps its distribution
+  under speculation, not its tokens.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def check_valid(task: dict, value) -> None:
 
 def run_all(embedded, speculative, batch: bool):
     tasks = load_tasks()
-    gen = Generator(embedded, speculative=speculative)
+    gen = Generator(embedded, speculative=speculative, max_retries=0)
     if batch:
         # max_tokens differs per task: group by it, each group one batch of mixed schemas
         out = {}

@@ -21,8 +21,10 @@ where the output ends); ``json_schema.strict`` true refuses any keyword the gram
 enforce, absent refuses only unsupported ones, false only warns (and the output is then
 returned even if it fails final validation). ``frequency_penalty`` / ``presence_penalty``
 (additive, OpenAI's) are refused: ``repetition_penalty`` is the multiplicative one of vLLM and
-transformers (here on the output's tokens only, not the prompt's). ``max_retries`` is refused
-with ``stream``: a failed attempt's text would already be sent.
+transformers (here on the output's tokens only, not the prompt's). A choice whose output
+failed is retried as in the library (``max_retries``, two by default), except in a streamed
+request, which is never retried: a failed attempt's text would already be sent (an explicit
+``max_retries`` > 0 with ``stream`` is refused).
 
 Untrusted schemas: a ``$ref`` that does not resolve inside the schema is refused with a 400
 naming its JSON pointer, whatever ``strict`` says; nothing a schema names is ever fetched or

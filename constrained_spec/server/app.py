@@ -106,11 +106,15 @@ class Server:
         # on large outputs, and the event loop must keep answering (/health) meanwhile
         self.finish = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-server-finish")
         self.created = int(time.time())
+        #: retry attempts run (``max_retries``): the ``retries`` metric
+        self.retries = 0
 
     @staticmethod
     def retry_policy(body: ChatCompletionRequest) -> RetryPolicy:
-        """The library's retry rule for a request's ``max_retries`` (at its default temperature)."""
-        return RetryPolicy(body.max_retries or 0)
+        """The library's retry rule for a request's ``max_retries`` (at its default temperature):
+        absent, the library's default (:data:`~constrained_spec.api.DEFAULT_MAX_RETRIES`), none
+        for a streamed request (``parse_body`` has refused an explicit count with ``stream``)."""
+        return RetryPolicy.resolve(body.max_retries, streaming=body.stream)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.tokenizer.decode(list(ids))

@@ -40,6 +40,9 @@ def metrics_registry(server: Server) -> Any:
             for (route, status), n in sorted(server.config.http_responses.items()):
                 h.add_metric([route, str(status)], n)
             yield h
+            yield CounterMetricFamily(p + "retries", "Retry attempts run after a failed attempt "
+                                      "(max_retries; each is one more engine request)",
+                                      value=server.retries)
             yield CounterMetricFamily(p + "prompt_tokens", "Prompt tokens of finished requests",
                                       value=s["prompt_tokens"])
             yield CounterMetricFamily(p + "generation_tokens", "Generated (accepted) tokens",

@@ -28,7 +28,7 @@ from constrained_spec.serving import QueueFullError
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 #: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a
-#: batch slot, and two retries already complete every benchmark task (README).
+#: batch slot, and two retries (the default) already complete every benchmark task (README).
 MAX_RETRIES = 4
 
 
@@ -106,7 +106,8 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    # vLLM-style extra parameters: the library's opt-in levers (off when absent). Strict types
+    # vLLM-style extra parameters: the library's levers, as in the library when absent (the
+    # repetition guard off; max_retries the library's default, none with stream). Strict types
     # (no "2" or true for a number); their ranges are SamplingParams', checked by make_request.
     repetition_penalty: float | None = Field(default=None, strict=True)
     no_repeat_ngram_size: int | None = Field(default=None, strict=True)
@@ -159,7 +160,8 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
                            code="unknown_parameter")
     if body.stream and body.max_retries:
         raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
-                       "attempt would already be sent", param="max_retries",
+                       "attempt would already be sent; leave max_retries out (a streamed "
+                       "request is never retried) or set it to 0", param="max_retries",
                        code="unsupported_parameter")
     return body
 

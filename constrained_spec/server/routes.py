@@ -3,15 +3,16 @@ metrics on, ``GET /metrics``; and the error handlers that answer in OpenAI's env
 
 ``POST /v1/chat/completions`` reads ``response_format`` (json_schema / json_object / text),
 ``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, and as
-vLLM-style extra parameters ``top_k`` and the library's opt-in output-quality levers
+vLLM-style extra parameters ``top_k`` and the library's output-quality levers
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``max_retries``; any other parameter is
 refused with a 400 naming it, except bookkeeping ones such as ``user`` or ``metadata``
 (``protocol.parse_body``).
 
 A completion's choices are submitted to the engine loop at once; a streamed one is answered
-as its tokens arrive (``streaming``), any other once every choice has finished. With
-``max_retries``, a choice that failed is run again under the library's
-:class:`~constrained_spec.api.RetryPolicy` (not with ``stream``: its text would be sent).
+as its tokens arrive (``streaming``), any other once every choice has finished. A choice that
+failed is run again under the library's :class:`~constrained_spec.api.RetryPolicy`: by
+default up to twice, ``max_retries`` says otherwise (0: never); a streamed choice is never run
+again (its text would already be sent).
 """
 
 from __future__ import annotations
@@ -158,15 +159,16 @@ async def run_attempts(server: Server, body: ChatCompletionRequest,
                        choices: Sequence[Choice]) -> list[Outcome]:
     """Run the choices (their first attempt already submitted) to their outcomes.
 
-    With ``max_retries``, a choice whose attempt failed (:class:`RetryPolicy` decides) runs
-    again as a new request until one attempt succeeds or the retries run out; its outcome is
-    its last attempt's."""
+    A choice whose attempt failed (:class:`RetryPolicy` decides; ``max_retries``, by default
+    the library's) runs again as a new request until one attempt succeeds or the retries run
+    out; its outcome is its last attempt's."""
     by_index = {c.index: c for c in choices}
     outcomes: dict[int, Outcome] = {}
     attempts = server.retry_policy(body).attempts(by_index)
     for attempt, todo in attempts:
         running = [by_index[i] for i in todo]
         if attempt:
+            server.retries += len(todo)
             build = functools.partial(server.build_requests, body, attempt=attempt, indices=todo)
             built = await asyncio.get_running_loop().run_in_executor(server.prep, build)
             try:

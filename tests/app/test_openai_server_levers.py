@@ -2,8 +2,9 @@
 
 A bigram Llama (``cs_testlib.bigram_llama``) writes ``{"a": "abab...`` until ``max_tokens``
 runs out under greedy decoding. The vLLM-style extra parameters ``repetition_penalty`` and
-``no_repeat_ngram_size`` break the loop, ``max_retries`` returns a valid retry (not with
-``stream``); bad values are 400s naming the parameter, with the library's limits; OpenAI's
+``no_repeat_ngram_size`` break the loop, retries (on by default, ``max_retries`` to change
+them) return a valid retry (never with ``stream``, where an explicit count is refused); bad
+values are 400s naming the parameter, with the library's limits; OpenAI's
 additive penalties stay refused, pointing to ``repetition_penalty``.
 """
 
@@ -71,9 +72,21 @@ def error(r: httpx.Response, status: int = 400) -> dict:
     return r.json()["error"]
 
 
-def test_without_a_lever_the_loop_runs_out_of_max_tokens(url):
-    text, finish = choice(complete(url))
+def test_without_retries_or_a_lever_the_loop_runs_out_of_max_tokens(url):
+    text, finish = choice(complete(url, max_retries=0))
     assert finish == "length" and text.startswith('{"a": "ababab')
+
+
+def test_retries_are_on_by_default_and_off_for_a_streamed_request(served, url):
+    server, _ = served
+    before = server.retries
+    text, finish = choice(complete(url))
+    assert finish == "stop" and set(json.loads(text)) == {"a"}
+    assert server.retries > before  # the greedy attempt looped: retried
+    before = server.retries
+    r = complete(url, stream=True)
+    assert r.status_code == 200, r.text
+    assert '"finish_reason":"length"' in r.text and server.retries == before
 
 
 @pytest.mark.parametrize("lever, value", [
@@ -147,4 +160,5 @@ def test_openais_additive_penalties_stay_refused_and_point_to_repetition_penalty
     err = error(complete(url, **{name: 0.5}))
     assert err["param"] == name and err["code"] == "unsupported_parameter"
     assert "use repetition_penalty" in err["message"]
-    assert choice(complete(url, **{name: 0}))[1] == "length"  # a client's default 0 is accepted
+    # a client's default 0 is accepted, and changes nothing: the single attempt still loops
+    assert choice(complete(url, **{name: 0}, max_retries=0))[1] == "length"

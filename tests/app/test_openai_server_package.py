@@ -3,7 +3,7 @@
 - one Generator and one drafter serve requests of every schema mode (the drafter is built
   once, and is the engine loop's);
 - ``max_retries`` follows the library's one retry policy: a choice that ended for a reason
-  the library does not know is a failed attempt and runs again;
+  the library does not know is a failed attempt and runs again (by default too);
 - ``constrained-spec serve`` takes the flags the former example script took, refuses bad
   limits before loading a model, and without the ``app`` extra names it.
 """
@@ -68,8 +68,12 @@ def test_a_choice_that_ended_for_an_unknown_reason_is_retried(tiny_loaded, monke
         assert r.json()["choices"][0]["message"]["content"] in ('"red"', '"green"')
         assert reasons == ["loop", "stop"]
         reasons.clear()
-        r = post(url, response_format=COLOURS)  # no retries: the incomplete output is returned
+        r = post(url, response_format=COLOURS, max_retries=0)  # the incomplete output is returned
         assert r.json()["choices"][0]["finish_reason"] == "loop"
+        reasons.clear()
+        r = post(url, response_format=COLOURS)  # retried by default
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        assert reasons == ["loop", "stop"] and server.retries == 2
 
 
 def test_serve_takes_the_flags_of_the_former_example_script():

@@ -1,4 +1,5 @@
-"""The opt-in output-quality levers and the JSON layout on the command line.
+"""The output-quality levers (retries on by default, the others opt-in) and the JSON layout on
+the command line.
 
 Flags -> Generator options (the library's defaults, its checks and messages, exit 2 before a
 model is loaded); then ``main`` in process on a bigram Llama that loops by construction
@@ -141,10 +142,21 @@ def cli(looping, monkeypatch, capsys):
     return run
 
 
-def test_without_a_lever_the_loop_runs_out_of_max_tokens(cli):
-    code, out, err = cli("x")
+def test_without_retries_or_a_lever_the_loop_runs_out_of_max_tokens(cli):
+    code, out, err = cli("x", "--max-retries", "0", "--stats")
     assert (code, out) == (4, "")
-    assert "ababab" in err
+    assert "ababab" in err and "attempts failed" not in err
+    assert stats_of(err)["attempts"] == 1
+
+
+def test_retries_are_on_by_default_and_off_by_default_with_stream(cli):
+    code, out, err = cli("x", "--stats")
+    assert code == 0, err
+    assert set(json.loads(out)) == {"a"}
+    assert stats_of(err)["attempts"] >= 2  # the greedy first attempt loops, a retry completes
+    code, out, err = cli("x", "--stream", "--stats")
+    assert code == 4  # one attempt: its text is already on stdout
+    assert out.startswith('{"a": "ababab') and stats_of(err)["attempts"] == 1
 
 
 @pytest.mark.parametrize("lever, value", [
@@ -189,7 +201,7 @@ def test_indent_makes_the_model_write_indented_json_printed_on_one_line_unless_p
 def test_batch_lines_honour_the_levers(cli, tmp_path):
     batch = tmp_path / "prompts.jsonl"
     batch.write_text('"x"\n{"prompt": "y"}\n')
-    code, out, _ = cli("--batch", str(batch))
+    code, out, _ = cli("--batch", str(batch), "--max-retries", "0")
     assert code == 7
     assert [json.loads(line)["error"]["type"] for line in out.splitlines()] == [
         "IncompleteOutputError"] * 2
@@ -201,3 +213,6 @@ def test_batch_lines_honour_the_levers(cli, tmp_path):
     assert code == 7
     assert [json.loads(line)["error"]["attempts"] for line in out.splitlines()] == [2, 2]
     assert stats_of(err)["attempts"] == 4
+    code, out, err = cli("--batch", str(batch))  # retries on by default
+    assert code == 0, err
+    assert all(set(json.loads(line)) == {"a"} for line in out.splitlines())

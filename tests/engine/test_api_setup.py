@@ -5,7 +5,8 @@
 - ``report`` stays the Generator's own schema's when a call brings its own schema, and the
   pre-flight mode can be set per call;
 - :class:`RetryPolicy`: any finish other than stop, error or cancelled is an incomplete output
-  and a failed attempt (a future finish reason included), run again with seed + k.
+  and a failed attempt (a future finish reason included), run again with seed + k; a call
+  that does not set ``max_retries`` gets two retries, none while streaming.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def test_batch_retries_an_attempt_that_ended_for_an_unknown_reason(tiny_loaded, 
     assert runs == [[10], [11]]  # retry 1: seed + 1
     runs.clear()
     with pytest.raises(IncompleteOutputError, match="loop"):
-        gen("Pick a colour.")  # retries off: the incomplete output is raised
+        gen("Pick a colour.", max_retries=0)  # retries off: the incomplete output is raised
 
 
 def test_retry_policy_options_sample_greedy_calls_and_step_the_seed():
@@ -140,6 +141,19 @@ def test_retry_policy_options_sample_greedy_calls_and_step_the_seed():
         RetryPolicy(-1)
     with pytest.raises(ConfigError, match="retry_temperature"):
         RetryPolicy(1, temperature=0.0)
+
+
+def test_retry_policy_resolve_defaults_to_two_retries_and_none_while_streaming():
+    assert api.DEFAULT_MAX_RETRIES == 2 and RetryPolicy().max_retries == 2
+    assert RetryPolicy.resolve(None).max_retries == api.DEFAULT_MAX_RETRIES
+    assert RetryPolicy.resolve(None, streaming=True).max_retries == 0
+    assert RetryPolicy.resolve(0, streaming=True).max_retries == 0
+    assert RetryPolicy.resolve(3, 0.5) == RetryPolicy(3, 0.5)
+    with pytest.raises(ConfigError, match="streaming") as info:
+        RetryPolicy.resolve(1, streaming=True)
+    assert info.value.option == "max_retries"
+    with pytest.raises(ConfigError, match="max_retries"):
+        RetryPolicy.resolve(-1)
 
 
 def test_attempts_rerun_only_the_failed_items_and_stop_when_retries_run_out():

@@ -241,8 +241,9 @@ def test_generator_with_a_draft_model_matches_no_speculation(tiny_loaded, extra)
                                                "age": {"type": "integer"}},
               "required": ["name", "age"]}
     prompts = ["Ada Lovelace, 36", "Alan Turing, 41"]
-    off = Generator(tiny_loaded, schema=schema, speculative=False, max_tokens=60)
-    on = Generator(tiny_loaded, schema=schema, max_tokens=60,
+    # single attempts: a retry samples, and sampling keeps the distribution, not the tokens
+    off = Generator(tiny_loaded, schema=schema, speculative=False, max_tokens=60, max_retries=0)
+    on = Generator(tiny_loaded, schema=schema, max_tokens=60, max_retries=0,
                    speculative=SpeculativeConfig(method="draft_model", model=(draft, tok)))
     assert isinstance(on.drafter, DraftModelDrafter)
     a = off.batch(prompts, return_result=True)

@@ -513,11 +513,12 @@ def test_a_random_head_through_the_public_api_matches_no_speculation(loaded):
                                                "age": {"type": "integer"}},
               "required": ["name", "age"]}
     prompts = ["Ada Lovelace, 36", "Alan Turing, 41"]
-    off = Generator(loaded, schema=schema, speculative=False, max_tokens=40)
+    # single attempts: a retry samples, and sampling keeps the distribution, not the tokens
+    off = Generator(loaded, schema=schema, speculative=False, max_tokens=40, max_retries=0)
     a = off.batch(prompts, return_result=True)
     for kind in KINDS:
         head = random_head(kind, loaded.model, seed=9, draft_vocab=100)
-        on = Generator(loaded, schema=schema, max_tokens=40,
+        on = Generator(loaded, schema=schema, max_tokens=40, max_retries=0,
                        speculative=SpeculativeConfig(method=kind, model=head,
                                                      num_speculative_tokens=3))
         assert isinstance(on.drafter, FeatureDrafter)

@@ -287,18 +287,19 @@ def test_public_eagle3_checkpoint_matches_a_reference_implementation(target, tmp
 
 def test_public_eagle3_checkpoint_generates_as_without_speculation(target, tmp_path):
     write_eagle3(tmp_path, target.vocab_size, 100, seed=2)
-    off = Generator(target, schema=SCHEMA, speculative=False, max_tokens=40)
+    # single attempts: a retry samples, and sampling keeps the distribution, not the tokens
+    off = Generator(target, schema=SCHEMA, speculative=False, max_tokens=40, max_retries=0)
     a = off.batch(PROMPTS, return_result=True)
     for k in (1, 4):
-        on = Generator(target, schema=SCHEMA, max_tokens=40,
+        on = Generator(target, schema=SCHEMA, max_tokens=40, max_retries=0,
                        speculative=SpeculativeConfig(method="eagle3", model=str(tmp_path),
                                                      num_speculative_tokens=k))
         assert isinstance(on.drafter, FeatureDrafter)
         b = on.batch(PROMPTS, return_result=True)
         assert assert_same_outputs(a, b) > 0
         assert len(on.drafter.cache._free) == on.drafter.cache._next
-    free = Generator(target, speculative=False, max_tokens=20)  # free text too
-    spec = Generator(target, max_tokens=20, speculative=SpeculativeConfig(
+    free = Generator(target, speculative=False, max_tokens=20, max_retries=0)  # free text too
+    spec = Generator(target, max_tokens=20, max_retries=0, speculative=SpeculativeConfig(
         method="eagle3", model=str(tmp_path), num_speculative_tokens=3))
     assert_same_outputs(free.batch(PROMPTS, return_result=True),
                         spec.batch(PROMPTS, return_result=True))
@@ -467,10 +468,11 @@ def test_mtp_layer_beside_the_target_matches_a_reference_implementation(mtp_targ
 
 def test_mtp_layer_beside_the_target_generates_as_without_speculation(mtp_target):
     target, _ = mtp_target
-    off = Generator(target, schema=SCHEMA, speculative=False, max_tokens=40)
+    # single attempts: a retry samples, and sampling keeps the distribution, not the tokens
+    off = Generator(target, schema=SCHEMA, speculative=False, max_tokens=40, max_retries=0)
     a = off.batch(PROMPTS, return_result=True)
     for k in (1, 5):
-        on = Generator(target, schema=SCHEMA, max_tokens=40,
+        on = Generator(target, schema=SCHEMA, max_tokens=40, max_retries=0,
                        speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=k))
         assert isinstance(on.drafter, FeatureDrafter) and on.drafter.name == "mtp"
         b = on.batch(PROMPTS, return_result=True)

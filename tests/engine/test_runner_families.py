@@ -377,9 +377,11 @@ def test_greedy_output_with_an_mtp_head_drafting_equals_no_speculation(name):
     model = tiny_family(name, vocab=len(tok) + 2, seed=2)
     loaded = _loaded(model, tok)
     assert isinstance(loaded.runner, LeanRunner)
-    off = Generator(loaded, schema=SCHEMA, speculative=False, max_tokens=40)
-    on = Generator(loaded, schema=SCHEMA, max_tokens=40, speculative=SpeculativeConfig(
-        method="mtp", model=_mtp_head(model), num_speculative_tokens=3))
+    # single attempts: a retry samples, and sampling keeps the distribution, not the tokens
+    off = Generator(loaded, schema=SCHEMA, speculative=False, max_tokens=40, max_retries=0)
+    on = Generator(loaded, schema=SCHEMA, max_tokens=40, max_retries=0,
+                   speculative=SpeculativeConfig(method="mtp", model=_mtp_head(model),
+                                                 num_speculative_tokens=3))
     a = off.batch(PROMPTS, return_result=True)
     b = on.batch(PROMPTS, return_result=True)
     drafted = 0

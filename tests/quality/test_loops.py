@@ -187,7 +187,7 @@ def looping():
 
 def test_a_loop_surfaces_as_an_incomplete_output_error_that_says_where(looping):
     with pytest.raises(RepetitionLoopError) as info:
-        generate(looping, "x", schema=STRING_SCHEMA, max_tokens=500)
+        generate(looping, "x", schema=STRING_SCHEMA, max_tokens=500, max_retries=0)
     err = info.value
     assert isinstance(err, IncompleteOutputError)
     assert err.period == 2 and err.repeated_text in ("ab", "ba")

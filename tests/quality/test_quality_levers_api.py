@@ -3,8 +3,9 @@
 A bigram Llama (``cs_testlib.bigram_llama``) over a byte-level BPE: the next token depends on
 the last one alone, so greedy decoding inside a JSON string can be made to loop forever.
 
-- retries (``max_retries``): the first valid attempt is returned, ``attempts`` counts them,
-  retries are seeded (reproducible), all-failed raises the last error with the attempts;
+- retries (``max_retries``): on by default, the first valid attempt is returned, ``attempts``
+  counts them, retries are seeded (reproducible), all-failed raises the last error with the
+  attempts; ``max_retries=0`` is a single attempt (the tests of single-attempt behaviour set it);
 - bounds (``max_string_length``, ``max_items``): added to the grammar where the schema has none,
   reported, overridable per call, final validation still against the user's schema;
 - the repetition guard through ``Generator`` / ``generate`` keywords;
@@ -50,7 +51,7 @@ def one_letter():
 
 def test_greedy_loops_until_max_tokens(looping):
     with pytest.raises(IncompleteOutputError) as info:
-        generate(looping, "x", schema=STRING_SCHEMA, max_tokens=30)
+        generate(looping, "x", schema=STRING_SCHEMA, max_tokens=30, max_retries=0)
     assert "ababab" in info.value.partial_text
     assert info.value.attempts == 1
 
@@ -63,8 +64,8 @@ def test_retries_return_the_first_valid_attempt_and_count_attempts(looping):
     # attempt k (k >= 1) samples at the retry temperature with seed k: the earlier ones failed
     for k in range(1, res.attempts - 1):
         with pytest.raises(IncompleteOutputError):
-            gen("x", temperature=0.7, seed=k)
-    assert gen("x", temperature=0.7, seed=res.attempts - 1) == res.value
+            gen("x", temperature=0.7, seed=k, max_retries=0)
+    assert gen("x", temperature=0.7, seed=res.attempts - 1, max_retries=0) == res.value
     again = gen("x", max_retries=4, return_result=True)  # seeded: reproducible
     assert (again.value, again.attempts) == (res.value, res.attempts)
 
@@ -91,12 +92,12 @@ def test_retries_cure_a_failed_validation(one_letter):
 
     gen = Generator(one_letter, schema=OnlyB, max_tokens=20)
     with pytest.raises(OutputValidationError):
-        gen("x")
+        gen("x", max_retries=0)
     res = gen("x", max_retries=8, return_result=True)
     assert res.value == OnlyB(a="b") and res.attempts >= 2
 
 
-def test_retries_off_by_default_and_in_batches(looping):
+def test_a_call_s_max_retries_overrides_the_generator_s_in_batches(looping):
     gen = Generator(looping, schema=STRING_SCHEMA, max_tokens=30, max_retries=4)
     out = gen.batch(["x", "y"], return_result=True, max_retries=0)
     assert all(isinstance(r, IncompleteOutputError) and r.attempts == 1 for r in out)
@@ -110,7 +111,7 @@ def test_repetition_guard_through_the_api_completes_the_output(looping):
     gen = Generator(looping, schema=STRING_SCHEMA, max_tokens=30)
     assert gen("x", no_repeat_ngram_size=3) == {"a": "abab"}  # per call
     with pytest.raises(IncompleteOutputError):
-        gen("x")
+        gen("x", max_retries=0)
 
 
 def test_max_string_length_bounds_the_loop_and_validates_against_the_user_schema(looping):
@@ -131,7 +132,7 @@ def test_max_items_bounds_an_endless_array():
     schema = {"type": "array", "items": {"type": "string", "enum": ["a"]}, "minItems": 1}
     gen = Generator(model, schema=schema, max_tokens=40, layout=JsonLayout(separators=(",", ":")))
     with pytest.raises(IncompleteOutputError):
-        gen("x")
+        gen("x", max_retries=0)
     assert gen("x", max_items=3) == ["a", "a", "a"]
 
 
