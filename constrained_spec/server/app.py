@@ -154,8 +154,9 @@ class Server:
             return Outcome(choice.text.text, "stop", completion_tokens=tokens)
         result = self.generator.finalize(req, choice.spec, return_result=True)
         if isinstance(result, IncompleteOutputError):
-            # "length", or another way the engine ended the output early (a failed attempt)
-            return Outcome(result.partial_text, req.finish_reason or "length",
+            # "length", or another way the engine ended the output early (a detected loop):
+            # OpenAI's finish reasons have one word for a cut output, "length"
+            return Outcome(result.partial_text, "length",
                            completion_tokens=tokens, result=result)
         if isinstance(result, OutputValidationError) and choice.mode == "lenient":
             # strict false: best effort, as OpenAI's non-strict mode (logged, not refused)
