@@ -19,11 +19,10 @@ class Person(BaseModel):
 
 text = sys.argv[1] if len(sys.argv) > 1 else (
     "Ada Lovelace is a 36 year old mathematician living in London.")
-# max_retries=2: the 135M embedded model sometimes loops under greedy decoding until max_tokens
-# runs out; a retry samples again (seeded) and returns the first valid object. Outputs greedy
-# gets right are unchanged (benchmarks/RESULTS.md, "Output quality levers").
-result = generate(None, f"Extract the person: {text}", schema=Person, max_retries=2,
-                  return_result=True)
+# Retries are on by default: the 135M embedded model sometimes loops under greedy decoding; a
+# detected loop stops the attempt and a retry samples again (seeded) and returns the first valid
+# object. Outputs greedy gets right are unchanged (benchmarks/RESULTS.md, "Output quality levers").
+result = generate(None, f"Extract the person: {text}", schema=Person, return_result=True)
 print(result.value.model_dump_json())
 s = result.stats
 print(f"{s.emitted_tokens} tokens in {s.target_forwards} target forwards "
