@@ -12,7 +12,7 @@ import gzip
 import json
 
 import pytest
-from cs_testlib import BENCH_DIR, byte_level_bpe
+from cs_testlib import JSONSCHEMABENCH_SAMPLE, byte_level_bpe
 
 from constrained_spec import Generator, PromptTooLongError
 from constrained_spec.prompts import (
@@ -140,11 +140,8 @@ def test_a_users_own_system_message_is_left_alone(tok):
 
 
 def largest_bench_schemas(n: int) -> list[dict]:
-    folder = BENCH_DIR / "jsonschemabench"
-    if not folder.exists():
-        pytest.skip(f"JSONSchemaBench not found at {folder} (shared/bench is absent)")
-    rows = []
-    for path in sorted(folder.glob("*.jsonl.gz")):
+    rows = []  # the sample kept in the repository (benchmarks/data/jsonschemabench)
+    for path in sorted(JSONSCHEMABENCH_SAMPLE.glob("*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
             rows += [json.loads(line)["schema"] for line in f]
     return sorted(rows, key=lambda s: -len(json.dumps(s)))[:n]
