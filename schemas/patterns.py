@@ -19,6 +19,8 @@ __all__ = ["ANY_CHAR", "LINE_CHAR", "REGEX_FEATURES", "python_dots", "python_reg
            "regex_escape", "regex_features", "scan_regex", "search_pattern", "strip_edge_anchors",
            "top_level_alternatives", "xgrammar_pattern"]
 
+# single-character tokens of the scanner (anything else is a literal "char")
+_SINGLE = {")": "close", "|": "alt", "^": "bol", "$": "eol", ".": "dot"}
 
 
 def scan_regex(pattern: str) -> list[tuple[str, str]]:
@@ -71,23 +73,8 @@ def scan_regex(pattern: str) -> list[tuple[str, str]]:
                 j = k
             out.append(("open", pattern[i:j]))
             i = j
-        elif c == ")":
-            out.append(("close", c))
-            i += 1
-        elif c == "|":
-            out.append(("alt", c))
-            i += 1
-        elif c == "^":
-            out.append(("bol", c))
-            i += 1
-        elif c == "$":
-            out.append(("eol", c))
-            i += 1
-        elif c == ".":
-            out.append(("dot", c))
-            i += 1
-        else:
-            out.append(("char", c))
+        else:  # one character: a metacharacter's kind, else a literal
+            out.append((_SINGLE.get(c, "char"), c))
             i += 1
     return out
 
