@@ -733,7 +733,7 @@ class LlamaCpp(_System):
         self.machine = {"llama_cpp": getattr(llama_cpp, "__version__", "?"),
                         "features": llama_features(info)}
         self.eos = {int(self.llm.token_eos())}
-        self.dtype = "Q4_1 (the GGUF)"
+        self.dtype = f"{Path(gguf).name} as is"
 
     def prepare(self, task: dict) -> Any:
         from llama_cpp.llama_grammar import LlamaGrammar
