@@ -11,7 +11,7 @@ import torch
 from cs_testlib import byte_level_bpe
 
 gguf = pytest.importorskip("gguf")
-from test_gguf_weights import T, finish, llama_cpp_permute, quantize  # noqa: E402
+from test_gguf_weights import T, finish, llama_cpp_permute, llama_writer, quantize  # noqa: E402
 
 from constrained_spec import models  # noqa: E402
 from constrained_spec.models import load_model  # noqa: E402
@@ -30,18 +30,8 @@ def write_tiny_llama(path):
     tok = byte_level_bpe()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
-    w.add_block_count(len(TYPES))
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV)
-    w.add_rope_dimension_count(HIDDEN // HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(len(vocab))
+    w = llama_writer(path, layers=len(TYPES), context=256, hidden=HIDDEN, ffn=FFN, heads=HEADS,
+                     kv_heads=KV, vocab=len(vocab))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list([t for t, _ in vocab])

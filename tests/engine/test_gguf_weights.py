@@ -158,23 +158,32 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+def llama_writer(path: Path, *, layers: int, context: int, hidden: int, ffn: int, heads: int,
+                 kv_heads: int, vocab: int) -> gguf.GGUFWriter:
+    """A GGUF writer for a tiny llama-arch model with its hyperparameters written (RoPE over
+    the whole head, base 10000, RMS eps 1e-5); the caller adds tokenizer and tensors."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(layers)
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    return w
+
+
 def write_llama(path: Path, *, tied: bool = False, extra: dict | None = None,
                 replace: dict | None = None, seed: int = 0) -> dict:
     """A tiny llama-arch GGUF; returns the HF-order float weights it was made from.
     ``extra``: more tensors to store; ``replace``: arrays stored instead of these norms."""
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
-    w.add_block_count(len(LAYER_TYPES))
-    w.add_context_length(128)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
+    w = llama_writer(path, layers=len(LAYER_TYPES), context=128, hidden=HIDDEN, ffn=FFN,
+                     heads=HEADS, kv_heads=KV_HEADS, vocab=VOCAB)
     hf: dict[str, np.ndarray] = {}
 
     def add(name: str, shape: tuple[int, int], type_name: str, n_head: int = 0) -> None:
