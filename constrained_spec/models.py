@@ -634,13 +634,15 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     """A LoadedModel over a converted folder: dense tensors memory-mapped into the lean
     runner's view of the model (`skeleton.skeleton_model`: no transformers modeling code is
     imported), the 4-bit groups handed to the runner."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from .skeleton import light_config
     from .weights import Int4Groups
 
-    config = AutoConfig.from_pretrained(str(folder))
-    stored = load_file(str(folder / "weights.safetensors"))  # memory-mapped
+    config = light_config(folder)
+    # read into the process's own memory, not mapped: a mapping's pages stay in the RSS once
+    # touched, and packing the 4-bit groups touches every one of them (~110 MB more)
+    stored = _read_safetensors(folder / "weights.safetensors")
     dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS)}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
@@ -652,11 +654,21 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     if absent:
         raise ModelLoadError(f"the converted checkpoint {folder} lacks {len(absent)} weights "
                              f"({sorted(absent)[:4]}); delete that folder to convert the file again")
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    # handed the config, AutoTokenizer does not load transformers' config class again
+    tok = AutoTokenizer.from_pretrained(str(folder), config=config)
     return LoadedModel(name=name, model=model, tokenizer=tok, device=torch.device("cpu"),
                        dtype=torch.bfloat16, vocab_size=_logits_width(model), path=folder,
                        _int4=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
                        quiet=quiet)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), backend="pread")
+    except TypeError:  # a safetensors without the pread backend
+        return load_file(str(path))
 
 
 def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
@@ -669,8 +681,13 @@ def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
         model = skeleton_model(config, dense)
         if lean_runner_supports(model):
             return model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .skeleton import LightConfig
+
+    if isinstance(config, LightConfig):  # transformers' model needs its own config class
+        values = config.to_dict()
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
     hf.load_state_dict(dense, strict=False, assign=True)

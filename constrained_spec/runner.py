@@ -213,8 +213,12 @@ def _linears(layer: Any) -> dict[str, list[Any]]:
     return {"qkv": qkv, "o": [a.o_proj], "gate_up": gate_up, "down": [m.down_proj]}
 
 
+def _fused_weight(lins: Sequence[Any]) -> torch.Tensor:
+    return lins[0].weight if len(lins) == 1 else torch.cat([lin.weight for lin in lins])
+
+
 def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
-    return {name: torch.cat([lin.weight for lin in lins]) for name, lins in _linears(layer).items()}
+    return {name: _fused_weight(lins) for name, lins in _linears(layer).items()}
 
 
 def _layer_biases(layer: Any) -> dict[str, torch.Tensor | None]:
@@ -321,12 +325,13 @@ class LeanRunner(Runner):
             if fam.qk_norm:  # one weight row per q and k head: one norm call over [B, T, H + KV, hd]
                 L["qk_norm"] = norm(torch.cat([a.q_norm.weight.expand(H, hd), a.k_norm.weight.expand(KV, hd)]))
             biases = _layer_biases(layer)
-            for name, weight in _layer_weights(layer).items():
+            for name, lins in _linears(layer).items():
                 groups = (int4 or {}).get(f"{i}.{name}") if device.type == "cpu" else None
-                # exact 4-bit weights keep their groups; the rest stay dense in the runner's
-                # dtype (bf16 by default: half the bytes)
+                # exact 4-bit weights keep their groups (their dense parts are meta tensors: a
+                # torch.cat of those would import torch._dynamo, triton and sympy, ~100 MB);
+                # the rest stay dense in the runner's dtype (bf16 by default: half the bytes)
                 L[name] = Linear(int4=groups, bias=biases[name]) if groups is not None else \
-                    Linear(dense=w(weight), bias=biases[name])
+                    Linear(dense=w(_fused_weight(lins)), bias=biases[name])
                 self.int4_linears += groups is not None
             self.layers.append(L)
         self.vocab_size = int(self.lm_head.shape[0])

@@ -8,7 +8,11 @@ resident memory) for a process that never runs it. `skeleton_model` builds the s
 graph from a config and a state dict -- the same module and parameter names and shapes as the
 family's transformers model, ``model.model.{embed_tokens, layers, norm, rotary_emb}``,
 ``lm_head`` / ``get_output_embeddings()``, ``config``, ``generation_config`` -- with only the
-light parts of transformers (its configs and ``modeling_rope_utils``).
+light parts of transformers (``modeling_rope_utils``, ``GenerationConfig``). Its config is a
+`LightConfig`: the attributes of the family's transformers config, as that class resolved
+them once (`light_config` keeps them in the converted folder), without importing the class --
+a transformers config module imports ``transformers.activations`` and through it
+torch.distributed and sympy (~55 MB of resident memory).
 
 `RotaryEmbedding` computes what the family's transformers rotary module computes, bit for bit
 (tests compare the runner's logits on both): the frequencies come from transformers' own
@@ -28,7 +32,10 @@ as groups instead (``models._open_lean`` checks that every one is).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +49,66 @@ _GEMMA = ("gemma2", "gemma3_text")
 _QK_NORM = ("qwen3", "gemma3_text")
 # attention biases: on q/k/v/o when config.attention_bias (qwen2: always on q/k/v, never on o)
 _ATTENTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3_text")
+
+
+# the resolved attributes of a converted folder's transformers config (`light_config`)
+LIGHT_CONFIG = "light_config.json"
+
+
+class LightConfig:
+    """A transformers config's attributes (its ``to_dict()``, defaults resolved) as plain
+    attributes, with the few methods the skeleton's readers call: ``to_dict``,
+    ``get_text_config`` and what ``modeling_rope_utils`` calls (``standardize_rope_params``: the
+    values are standardized already; ``per_layer_config``: none, as transformers raises)."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None) -> LightConfig:
+        return self
+
+    def standardize_rope_params(self) -> None:
+        return None
+
+    @property
+    def per_layer_config(self) -> Any:
+        raise ValueError(f"{self.__dict__.get('model_type')} has no per-layer config")
+
+    def __repr__(self) -> str:
+        return f"LightConfig(model_type={self.__dict__.get('model_type')!r})"
+
+
+def light_config(folder: Path) -> Any:
+    """The config of the checkpoint in ``folder``: a `LightConfig` from ``light_config.json``
+    when it was written by this transformers version, else transformers' own (whose resolved
+    attributes are then written there for the next load; a read-only folder just loads it
+    again next time)."""
+    import transformers
+
+    path = Path(folder) / LIGHT_CONFIG
+    try:
+        values = json.loads(path.read_text())
+        if values.get("transformers_version") == transformers.__version__ and \
+                values.get("model_type") in SKELETON_FAMILIES:
+            return LightConfig(values)
+    except (OSError, ValueError, AttributeError):
+        pass
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder))
+    if getattr(config, "model_type", None) in SKELETON_FAMILIES:
+        values = config.to_dict()
+        values["transformers_version"] = transformers.__version__
+        tmp = path.with_name(f".{LIGHT_CONFIG}.{os.getpid()}.tmp")
+        try:  # the same content whoever writes it: the last rename wins
+            tmp.write_text(json.dumps(values))
+            os.replace(tmp, path)
+        except (OSError, TypeError, ValueError):  # read-only, or a value JSON cannot hold
+            tmp.unlink(missing_ok=True)
+    return config
 
 
 def _head_dim(config: Any) -> int:

@@ -9,12 +9,18 @@ For every family the lean runner covers (the tiny random models of test_runner_f
   LeanRunner built from the transformers model, for a prefill and incremental appends, in
   float32 and bfloat16;
 - a GGUF opened for the lean runner (already converted) never imports
-  ``transformers.modeling_utils`` (checked in a fresh interpreter).
+  ``transformers.modeling_utils``, a transformers config class (through which
+  ``transformers.activations``, torch.distributed and sympy come), nor torch._dynamo / triton
+  (checked in a fresh interpreter): each costs resident memory the runner never uses.
+
+The skeletons here are built, as `models._open_lean` builds them, over a `LightConfig` of the
+transformers config's resolved attributes.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -25,15 +31,21 @@ from test_runner_families import FAMILIES, PHI3_ORIGINAL, model_of
 
 from constrained_spec.errors import ModelLoadError
 from constrained_spec.runner import LEAN_FAMILIES, LeanRunner
-from constrained_spec.skeleton import SKELETON_FAMILIES, parameter_shapes, skeleton_model
+from constrained_spec.skeleton import (
+    SKELETON_FAMILIES,
+    LightConfig,
+    light_config,
+    parameter_shapes,
+    skeleton_model,
+)
 
 CPU = torch.device("cpu")
 
 
 def skeleton_of(model):
-    """The skeleton over ``model``'s weights, from a copy of its config (nothing shared but the
-    tensors)."""
-    return skeleton_model(copy.deepcopy(model.config), model.state_dict())
+    """The skeleton over ``model``'s weights, from a `LightConfig` of its config's resolved
+    attributes (nothing shared but the tensors)."""
+    return skeleton_model(LightConfig(copy.deepcopy(model.config.to_dict())), model.state_dict())
 
 
 def test_every_lean_family_has_a_skeleton_layout():
@@ -144,9 +156,38 @@ def test_a_lean_gguf_load_does_not_import_transformers_modeling_code(tmp_path):
         "r = m.runner; s = r.new_slot(); r.forward([s], [[5, 6, 7]], [1]); "
         "assert type(r).__name__ == 'LeanRunner', type(r); "
         "assert m.eos_token_ids == (0,), m.eos_token_ids; "
-        "bad = [k for k in ('transformers.modeling_utils', 'transformers.models.llama.modeling_llama') "
-        "if k in sys.modules]; "
+        "bad = [k for k in ('transformers.modeling_utils', 'transformers.models.llama.modeling_llama', "
+        "'transformers.models.llama.configuration_llama', 'transformers.activations', 'sympy', "
+        "'torch._dynamo', 'triton') if k in sys.modules]; "
+        "assert type(m.model.config).__name__ == 'LightConfig', type(m.model.config); "
         "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_light_config_is_written_once_and_read_back_with_the_same_attributes(tmp_path):
+    model = model_of("qwen3")
+    model.config.save_pretrained(tmp_path)
+    first = light_config(tmp_path)  # transformers' class, its attributes kept beside it
+    assert not isinstance(first, LightConfig)
+    second = light_config(tmp_path)
+    assert isinstance(second, LightConfig)
+    expected = {**first.to_dict(), "transformers_version": second.transformers_version}
+    assert second.to_dict() == json.loads(json.dumps(expected))  # JSON's str keys (id2label)
+    assert second.get_text_config() is second
+    with pytest.raises(ValueError):
+        second.per_layer_config  # noqa: B018 -- modeling_rope_utils catches exactly this
+
+
+def test_light_config_from_another_transformers_version_is_not_trusted(tmp_path):
+    model = model_of("llama3")
+    model.config.save_pretrained(tmp_path)
+    light_config(tmp_path)
+    path = tmp_path / "light_config.json"
+    stale = json.loads(path.read_text())
+    stale.update(transformers_version="0.0.0", num_hidden_layers=1000)
+    path.write_text(json.dumps(stale))
+    assert not isinstance(light_config(tmp_path), LightConfig)  # read by transformers again
+    assert isinstance(light_config(tmp_path), LightConfig)
+    assert light_config(tmp_path).num_hidden_layers == model.config.num_hidden_layers
