@@ -102,9 +102,10 @@ KEYWORD_SUPPORT: dict[str, dict[str, Support]] = {
     # maxProperties: 0 before conversion).
     "additionalProperties":  {"xgrammar": "enforced", "outlines": "partial"},
     "unevaluatedProperties": {"xgrammar": "enforced", "outlines": "narrowed"},
-    # patternProperties: xgrammar matches key patterns as whole strings (narrowed); outlines
-    # ignores them.
-    "patternProperties": {"xgrammar": "narrowed", "outlines": "ignored"},
+    # patternProperties: xgrammar matches key patterns as whole strings; they are rewritten to
+    # JSON Schema's search semantics first (backends.py), as `pattern` is (a key pattern with an
+    # inner anchor has no such rewrite: reported by its regex feature); outlines ignores them.
+    "patternProperties": {"xgrammar": "enforced", "outlines": "ignored"},
     "propertyNames":     {"xgrammar": "enforced", "outlines": "ignored"},
     # outlines: without properties only "at least one" (minProperties >= 1) and "none"
     # (maxProperties 0) are enforced; with properties both are ignored.
