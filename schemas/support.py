@@ -92,10 +92,18 @@ KEYWORD_SUPPORT: dict[str, dict[str, Support]] = {
     "minContains":      {"xgrammar": "ignored", "outlines": "ignored"},
     "maxContains":      {"xgrammar": "ignored", "outlines": "ignored"},
     # --- objects ----------------------------------------------------------------------------
-    # properties: generated in declared order (narrowed), strict mode forbids undeclared keys.
+    # properties: generated in declared order (narrowed); strict mode (the library's default)
+    # generates only declared keys where additionalProperties is absent, although JSON Schema
+    # allows any others (narrowed: an LM asked for an object gets the fields the schema names;
+    # write "additionalProperties": {} to allow more). Not reported per object: it is the
+    # library's documented reading of every object schema. An object that declares nothing
+    # (no properties / patternProperties / additionalProperties) allows any keys.
     "properties":       {"xgrammar": "enforced", "outlines": "enforced"},
-    # required: a required name that is not a declared property is never generated (ignored,
-    # both); outlines also ignores required without properties.
+    # required: xgrammar: a required name that is not a declared property is declared by the
+    # rewrite with the schema that applies to it (backends.declarable_required), unless
+    # additionalProperties: false forbids it or several key patterns match it (then never
+    # generated: ignored). outlines: never generated (ignored); required without properties
+    # is ignored too.
     "required":         {"xgrammar": "partial", "outlines": "partial"},
     # additionalProperties: false narrows. outlines: a schema is enforced only without
     # properties; additionalProperties: false without properties raises (rewritten to
