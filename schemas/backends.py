@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Literal
@@ -144,6 +145,33 @@ def _exact_formats(node: dict, precedence_keys: tuple[str, ...], formats: tuple[
         node["pattern"] = FORMAT_PATTERNS[fmt]
 
 
+def declarable_required(node: dict) -> dict[str, Any]:
+    """The names `node` requires without declaring them under ``properties``, each with the
+    schema JSON Schema applies to it anyway: its one matching ``patternProperties`` schema,
+    else ``additionalProperties`` (``{}`` when absent or true). Left out: a name that several
+    key patterns match (their conjunction has no single schema) or that
+    ``additionalProperties: false`` forbids (the schema cannot be satisfied)."""
+    required = node.get("required")
+    props = node.get("properties")
+    if not isinstance(required, list) or (props is not None and not isinstance(props, dict)):
+        return {}
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    out: dict[str, Any] = {}
+    for name in required:
+        if not isinstance(name, str) or name in (props or {}) or name in out:
+            continue
+        try:
+            hits = [sub for pat, sub in patterns.items() if re.search(pat, name)]
+        except re.error:
+            continue
+        extra = node.get("additionalProperties", {})
+        if len(hits) == 1:
+            out[name] = copy.deepcopy(hits[0])
+        elif not hits and extra is not False:
+            out[name] = {} if extra is True else copy.deepcopy(extra)
+    return out
+
+
 def _draft4_bounds(node: dict) -> None:
     """Draft 4's boolean exclusiveMinimum / exclusiveMaximum (a flag on minimum / maximum) ->
     the numeric form of later drafts, which is all either backend reads."""
@@ -184,16 +212,24 @@ def _xgrammar_rewrite(node: Any) -> Any:
             k in node for k in ("properties", "additionalProperties", "patternProperties",
                                 "unevaluatedProperties", "propertyNames")):
         node["additionalProperties"] = {}
+    if "object" in types or not types and any(
+            k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):
+        # (an untyped node with these keywords is an object to xgrammar and to pre-flight)
+        # strict mode never generates a required name that is not declared (the output would
+        # always miss it): declare it with the schema that applies to it anyway (exact)
+        for name, sub in declarable_required(node).items():
+            node.setdefault("properties", {})[name] = sub
     _exact_formats(node, ("pattern",), ("date", "date-time", "ipv4", "hostname"))
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         rewritten = search_pattern(pattern, any_text=".*")
         node["pattern"] = xgrammar_pattern(rewritten if rewritten is not None else pattern)
     if isinstance(node.get("patternProperties"), dict):
-        # keys are matched whole (narrowed, see support.py), with Python's "." and (?s) as in
-        # `pattern`
-        node["patternProperties"] = {xgrammar_pattern(python_regex(k)): v
-                                     for k, v in node["patternProperties"].items()}
+        # xgrammar matches key patterns whole; JSON Schema searches them, as `pattern` (a key
+        # with an inner anchor has no such rewrite: pre-flight reports it, see support.py)
+        node["patternProperties"] = {
+            xgrammar_pattern(search_pattern(k, any_text=".*") or python_regex(k)): v
+            for k, v in node["patternProperties"].items()}
     if "integer" in types:
         # xgrammar raises on integer bounds past 64 bits; clamping them only narrows.
         for key, bound in (("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):

@@ -32,6 +32,7 @@ from .backends import (
     INT64_MIN,
     all_of_values,
     convert_json_schema,
+    declarable_required,
 )
 from .patterns import REGEX_FEATURES, python_regex, regex_features, scan_regex
 from .pointers import resolve_local_ref
@@ -644,6 +645,18 @@ class _XGrammarWalker(_Walker):
             self.add_all(_regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
                                        "xgrammar", context=context))
 
+    def required_undeclared(self, node: dict, path: list[Any]) -> None:
+        # the rewrite declares a required name with the schema that applies to it
+        # (`backends.declarable_required`): only the others are never generated
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        declared = declarable_required(node)
+        missing = [r for r in node.get("required") or [] if r not in props and r not in declared]
+        if missing:
+            self.add("required", to_pointer(path + ["required"]), "ignored",
+                     f"required {', '.join(map(repr, missing))} is never generated: not declared "
+                     "in 'properties', and forbidden by additionalProperties: false or matched "
+                     "by several patternProperties; declare it under 'properties'")
+
     def pattern_bypass(self, node: dict, path: list[Any]) -> None:
         """xgrammar lets a declared property's name through a patternProperties key pattern too
         (its value then follows the pattern's schema, or the key comes twice)."""
@@ -653,7 +666,7 @@ class _XGrammarWalker(_Walker):
         for name, sub in props.items():
             for pattern, psub in patterns.items():
                 try:
-                    hit = re.fullmatch(pattern, name) is not None  # xgrammar matches key patterns whole
+                    hit = re.search(pattern, name) is not None  # searched, as JSON Schema does
                 except re.error:
                     hit = True
                 if hit and sub is not False and psub != sub:

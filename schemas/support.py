@@ -92,19 +92,28 @@ KEYWORD_SUPPORT: dict[str, dict[str, Support]] = {
     "minContains":      {"xgrammar": "ignored", "outlines": "ignored"},
     "maxContains":      {"xgrammar": "ignored", "outlines": "ignored"},
     # --- objects ----------------------------------------------------------------------------
-    # properties: generated in declared order (narrowed), strict mode forbids undeclared keys.
+    # properties: generated in declared order (narrowed); strict mode (the library's default)
+    # generates only declared keys where additionalProperties is absent, although JSON Schema
+    # allows any others (narrowed: an LM asked for an object gets the fields the schema names;
+    # write "additionalProperties": {} to allow more). Not reported per object: it is the
+    # library's documented reading of every object schema. An object that declares nothing
+    # (no properties / patternProperties / additionalProperties) allows any keys.
     "properties":       {"xgrammar": "enforced", "outlines": "enforced"},
-    # required: a required name that is not a declared property is never generated (ignored,
-    # both); outlines also ignores required without properties.
+    # required: xgrammar: a required name that is not a declared property is declared by the
+    # rewrite with the schema that applies to it (backends.declarable_required), unless
+    # additionalProperties: false forbids it or several key patterns match it (then never
+    # generated: ignored). outlines: never generated (ignored); required without properties
+    # is ignored too.
     "required":         {"xgrammar": "partial", "outlines": "partial"},
     # additionalProperties: false narrows. outlines: a schema is enforced only without
     # properties; additionalProperties: false without properties raises (rewritten to
     # maxProperties: 0 before conversion).
     "additionalProperties":  {"xgrammar": "enforced", "outlines": "partial"},
     "unevaluatedProperties": {"xgrammar": "enforced", "outlines": "narrowed"},
-    # patternProperties: xgrammar matches key patterns as whole strings (narrowed); outlines
-    # ignores them.
-    "patternProperties": {"xgrammar": "narrowed", "outlines": "ignored"},
+    # patternProperties: xgrammar matches key patterns as whole strings; they are rewritten to
+    # JSON Schema's search semantics first (backends.py), as `pattern` is (a key pattern with an
+    # inner anchor has no such rewrite: reported by its regex feature); outlines ignores them.
+    "patternProperties": {"xgrammar": "enforced", "outlines": "ignored"},
     "propertyNames":     {"xgrammar": "enforced", "outlines": "ignored"},
     # outlines: without properties only "at least one" (minProperties >= 1) and "none"
     # (maxProperties 0) are enforced; with properties both are ignored.

@@ -90,3 +90,15 @@ def test_instances_are_written_in_declared_property_order(coverage_mod):
     text = coverage_mod.instance_text(schema, validator, {"a": {"x": 1, "y": 2.0}, "b": 1, "z": 0})
     assert text == '{"b": 1, "a": {"y": 2, "x": 1}, "z": 0}'
     assert json.loads(text) == {"a": {"x": 1, "y": 2}, "b": 1, "z": 0}
+
+
+def test_valid_rejections_are_attributed_to_strict_mode_only_for_undeclared_properties(coverage_mod):
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["r"],
+              "patternProperties": {"^x-": {"type": "integer"}}}
+    tests = [{"valid": True, "data": {"a": "s", "r": 1, "b": 2}},   # b: undeclared
+             {"valid": True, "data": {"a": "s", "r": 1, "x-y": 2}},  # declared by its key pattern
+             {"valid": True, "data": {"a": "s\n", "r": 1}}]         # declared everywhere
+    prep = coverage_mod.Prepared(schema, tests)
+    assert [prep.undeclared_property(i) for i in range(3)] == [True, False, False]
+    counts = coverage_mod.classify(prep, [False, False, True], [])
+    assert (counts["valid_rejected"], counts["valid_rejected_strict"]) == (2, 1)

@@ -166,3 +166,38 @@ def test_all_of_with_a_fixed_set_of_values_becomes_their_exact_enum(ascii_tok):
         True, True, False, False, False]
     unsatisfiable = {"allOf": [{"enum": [1]}, {"not": {"enum": [1]}}]}
     assert "allOf" in {i.keyword for i in preflight(normalize_schema(unsatisfiable)).ignored}
+
+
+def test_pattern_properties_keys_are_searched_as_json_schema_does(ascii_tok):
+    """Github_easy o14471 / o21729 / o37070: "[a-zA-Z]+", "\\w" and "^mode" matched keys whole,
+    refusing "Error1", "alias1" and "mode1", which the schema allows."""
+    m = matcher({"type": "object", "patternProperties": {"^mode": {"type": "integer"}},
+                 "additionalProperties": False}, ascii_tok)
+    assert m.accepts_text('{"mode1": 1}') and m.accepts_text('{"mode": 1}')
+    assert not m.accepts_text('{"xmode": 1}')  # anchored at the start: still excluded
+    assert not m.accepts_text('{"mode1": "x"}')
+
+
+def test_a_declared_property_a_searched_key_pattern_matches_is_declared(ascii_tok):
+    report = preflight(normalize_schema({"type": "object", "properties": {"name": {"type": "string"}},
+                                         "patternProperties": {"am": {"type": "integer"}}}))
+    assert ("patternProperties", "/properties/name") in {(i.keyword, i.pointer) for i in report.ignored}
+
+
+def test_a_required_name_not_declared_is_generated_with_the_schema_that_applies(ascii_tok):
+    """Github_trivial o2058: required "text" missing from properties was never generated, so
+    every output missed it (and the valid instances were refused)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["text"]}
+    m = matcher(schema, ascii_tok)
+    assert m.accepts_text('{"name": "a", "text": [1]}') and not m.accepts_text('{"name": "a"}')
+    assert not preflight(normalize_schema(schema)).issues
+    typed = {**schema, "additionalProperties": {"type": "integer"}}
+    m = matcher(typed, ascii_tok)
+    assert m.accepts_text('{"text": 3}') and not m.accepts_text('{"text": "3"}')
+    keyed = {**schema, "patternProperties": {"^te": {"type": "boolean"}}}
+    assert matcher(keyed, ascii_tok).accepts_text('{"text": true}')
+    untyped = {"properties": {"a": {}}, "required": ["a", "<caret>"]}  # Github_trivial o90933
+    assert not matcher(untyped, ascii_tok).accepts_text('{"a": 1}')
+    assert matcher(untyped, ascii_tok).accepts_text('{"a": 1, "<caret>": 2}')
+    closed = {**schema, "additionalProperties": False}  # unsatisfiable: still declared
+    assert [i.pointer for i in preflight(normalize_schema(closed)).ignored] == ["/required"]
