@@ -338,6 +338,10 @@ class LoadedModel:
                 runner.set_plan(choose_plan(runner, dtype=self.dtype_choice, cache=self.plan_cache,
                                             int8=self.int8_plan,
                                             quiet=self.quiet))
+                from .skeleton import SkeletonForCausalLM, release_copied_weights
+
+                if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
+                    release_copied_weights(self.model, _tensors_held(runner))
                 release_free_memory()
             self._runner = runner
         return self._runner
@@ -621,6 +625,26 @@ def _source_facts(gguf: Path, folder: Path) -> dict[str, Any]:
     except OSError:  # a read-only cache: read the file again next time
         tmp.unlink(missing_ok=True)
     return facts
+
+
+def _tensors_held(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
+    """The tensors ``obj`` (a runner) holds, through its attributes and the dicts, lists and
+    tuples and this package's objects (`weights.Linear`, `weights.Int4Groups`) among them."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif type(obj).__module__.startswith("constrained_spec") and hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return []
+    return [t for item in items for t in _tensors_held(item, seen)]
 
 
 def release_free_memory() -> None:

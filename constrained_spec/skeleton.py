@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +246,28 @@ def skeleton_model(config: Any, state: Mapping[str, torch.Tensor]) -> SkeletonFo
     inner = SkeletonModel(embed, layers, holder("model.norm"), RotaryEmbedding(config))
     head = embed if getattr(config, "tie_word_embeddings", False) else holder("lm_head")
     return SkeletonForCausalLM(config, inner, head, _generation_config(config))
+
+
+def release_copied_weights(model: SkeletonForCausalLM, kept: Iterable[torch.Tensor]) -> int:
+    """Turn every decoder-layer weight and bias of ``model`` whose storage none of ``kept``
+    shares into a meta tensor of its shape, and return the bytes released. Call it with the
+    tensors a runner built from ``model`` holds: the parts it fused into one matrix (q/k/v,
+    gate/up) or cast to another dtype are copies there, and holding both doubles those layers
+    (~470 MB on a 0.5B model with dense matrices). Embeddings, the LM head and the final norm
+    stay (drafters and head training read them)."""
+    ptrs = {t.untyped_storage().data_ptr() for t in kept if not t.is_meta}
+    released = 0
+    for holder in model.model.layers.modules():
+        if not isinstance(holder, WeightHolder):
+            continue
+        for name in ("weight", "bias"):
+            p = getattr(holder, name)
+            if p is None or p.is_meta or p.untyped_storage().data_ptr() in ptrs:
+                continue
+            released += p.numel() * p.element_size()
+            setattr(holder, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                               requires_grad=False))
+    return released
 
 
 def _generation_config(config: Any) -> Any:
