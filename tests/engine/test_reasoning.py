@@ -230,3 +230,189 @@ def test_reasoning_option_resolves():
         resolve_reasoning("yes", plain)
     with pytest.raises(ConfigError, match="reasoning"):
         ReasoningMarkers("", "</r>")
+
+
+# -- the engine on a scripted model ----------------------------------------------------------
+def script(marker: str = "one") -> torch.Tensor:
+    """Bigram logits whose greedy path from ``<think>`` is ``m e } n``, the end marker (one
+    token, or four with ``marker="multi"``), then ``{"a": 7}``. The model prefers a stop
+    token after ``}`` (masked while thinking) and a newline after the marker (masked by the
+    grammar): what it is allowed to write differs on each side of the marker."""
+    end = ["</think>"] if marker == "one" else ["</", "th", "ink", ">"]
+    path = ["<think>", "m", "e", "}", "n", *end, "{", '"a', '": ', "7", "}"]
+    table = torch.full((V, V), -10.0)
+    for a, b in zip(path, path[1:]):
+        table[ID[a], ID[b]] = 5.0
+    table[ID["}"], EOS] = 6.0  # "}" -> stop, second choice "n"
+    table[ID["}"], ID["n"]] = 4.0
+    table[ID[end[-1]], ID["\n"]] = 6.0  # marker -> newline, second choice "{"
+    table[ID[end[-1]], ID["{"]] = 4.0
+    return table
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    return {m: bigram_llama(script(m)) for m in ("one", "multi")}
+
+
+class RecordingEngine(Engine):
+    """An Engine that keeps every verified window: (drafts, their K + 1 mask rows)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.windows: list[tuple[list[int], torch.Tensor]] = []
+
+    def _score(self, batch):
+        for b, (s, n) in enumerate(zip(batch.states, batch.num_rows)):
+            self.windows.append((list(s.tokens), batch.bitmask[b, :n].clone()))
+        return super()._score(batch)
+
+
+SPECS = {"off": None, "forced": SpeculativeConfig(method=None),
+         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=5)}
+
+
+def generate_ids(model, tok, compiled, prompts, spec="off", *, marker="one", budget=None,
+                 phase="thinking", params=None):
+    """Run ``prompts`` (token lists) through an engine; returns (requests, engine)."""
+    config = SPECS[spec]
+    drafter = NgramDrafter(4, 1) if config is not None and config.method == "ngram" else None
+    runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+    eng = RecordingEngine(runner, speculative=config, drafter=drafter)
+    t = tables(tok, multi=marker == "multi")
+    reqs = [Request(list(p), ReasoningMatcher(t, compiled.new_matcher, max_reasoning_tokens=budget,
+                                              phase=phase),
+                    params or SamplingParams(max_tokens=40), (EOS,)) for p in prompts]
+    eng.run(reqs)
+    return reqs, eng
+
+
+def answer_is_grammatical(compiled, req) -> bool:
+    """Every answer token is one the grammar allows, and the answer completes it."""
+    m = compiled.new_matcher()
+    return all(m.accept(t) for t in req.output_ids[req.matcher.answer_start:]) and m.is_completed()
+
+
+@pytest.mark.parametrize("marker", ["one", "multi"])
+def test_thinking_is_free_and_the_answer_is_constrained(scripted, tok, compiled, marker):
+    (req,), _ = generate_ids(scripted[marker], tok, compiled, [ids(["x", "<think>"])],
+                             marker=marker)
+    end = ["</think>"] if marker == "one" else ["</", "th", "ink", ">"]
+    assert req.finish_reason == "stop"
+    assert req.output_ids == ids(["m", "e", "}", "n", *end, "{", '"a', '": ', "7", "}"])
+    assert req.matcher.answer_start == 4 + len(end)
+    assert answer_is_grammatical(compiled, req)
+
+
+def crossing(eng, marker_ids: list[int]) -> list[tuple[int, list[int], torch.Tensor]]:
+    """The windows in which a draft completes the end marker and more drafts follow it:
+    (index of the marker's last draft, drafts, mask rows)."""
+    out = []
+    for drafts, rows in eng.windows:
+        n = len(marker_ids)
+        for i in range(n - 1, len(drafts) - 1):
+            if drafts[i - n + 1:i + 1] == marker_ids:
+                out.append((i, drafts, rows))
+    return out
+
+
+def row_allows(row: torch.Tensor, token: int) -> bool:
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+@pytest.mark.parametrize("marker", ["one", "multi"])
+def test_marker_inside_an_ngram_window_masks_only_the_drafts_after_it(scripted, tok, compiled,
+                                                                     marker):
+    """The prompt holds the thinking's continuation and a newline after the marker: the n-gram
+    drafter copies across the marker; in that one window the rows up to the marker are free
+    (they allow the newline and "}"), the rows after it are the grammar's, the copied newline
+    is refused and the forced drafter goes on with the answer."""
+    end = ["</think>"] if marker == "one" else ["</", "th", "ink", ">"]
+    prompt = ids(["e", "}", "n", *end, "\n", "x", "<think>"])
+    (off,), _ = generate_ids(scripted[marker], tok, compiled, [prompt], marker=marker)
+    (on,), eng = generate_ids(scripted[marker], tok, compiled, [prompt], "ngram", marker=marker)
+    assert on.output_ids == off.output_ids
+    assert answer_is_grammatical(compiled, on)
+    windows = crossing(eng, ids(end))
+    assert windows, eng.windows
+    i, drafts, rows = windows[0]
+    assert drafts[i + 1] == ID["{"] and ID["\n"] not in drafts[i + 1:]
+    assert all(row_allows(rows[j], ID["\n"]) and row_allows(rows[j], ID["}"])
+               for j in range(i + 1))
+    start = torch.empty((1, rows.shape[1]), dtype=torch.int32)
+    compiled.new_matcher().fill_bitmask(start, 0)
+    assert torch.equal(rows[i + 1], start[0])
+    assert on.stats.accepted_tokens >= len(drafts) - 1
+
+
+@pytest.mark.parametrize("marker", ["one", "multi"])
+def test_budget_forced_marker_and_the_grammar_after_it_are_drafted_in_one_window(
+        scripted, tok, compiled, marker):
+    end = ["</think>"] if marker == "one" else ["</", "th", "ink", ">"]
+    prompt = ids(["x", "<think>"])
+    (off,), _ = generate_ids(scripted[marker], tok, compiled, [prompt], marker=marker, budget=2)
+    (on,), eng = generate_ids(scripted[marker], tok, compiled, [prompt], "forced",
+                              marker=marker, budget=2)
+    assert off.output_ids == on.output_ids == ids(["m", "e", *end, "{", '"a', '": ', "7", "}"])
+    assert on.matcher.reasoning_tokens == 2 and answer_is_grammatical(compiled, on)
+    windows = crossing(eng, ids(end))
+    assert windows and windows[0][1][:len(end) + 1] == ids([*end, "{"])
+    assert on.stats.forced_tokens >= len(end) + 1
+
+
+def test_opening_marker_is_forced_when_the_prompt_does_not_open_the_block(scripted, tok,
+                                                                          compiled):
+    (req,), _ = generate_ids(scripted["one"], tok, compiled, [ids(["x"])], "forced",
+                             phase="opening")
+    assert req.output_ids[:2] == ids(["<think>", "m"]) and answer_is_grammatical(compiled, req)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 4, 12])
+def test_greedy_output_is_identical_with_speculation_on_and_off(tok, compiled, budget):
+    """A random model thinks its own way (a budget ends it: it may never close on its own);
+    with and without speculation the output is the same token for token, and every answer is
+    grammatical."""
+    model = tiny_llama(vocab_size=V, seed=3)
+    prompts = [ids(p) for p in (["a", "b", "<think>"], ["x", "d", "xyz", "a", "<think>"],
+                                ["m", "e", "n", "</", "th", "ink", ">", "<think>"])]
+    runs = {spec: generate_ids(model, tok, compiled, prompts, spec, marker="multi",
+                               budget=budget)[0] for spec in SPECS}
+    for spec in ("forced", "ngram"):
+        assert [r.output_ids for r in runs[spec]] == [r.output_ids for r in runs["off"]], spec
+    for r in runs["ngram"]:
+        assert r.finish_reason == "stop" and answer_is_grammatical(compiled, r)
+        assert r.matcher.reasoning_tokens <= budget
+
+
+class _Compiled:
+    """What `exact_distribution` needs of a compiled spec: a reasoning matcher per walk."""
+
+    def __init__(self, make):
+        self.new_matcher = make
+
+
+def test_speculative_sampling_preserves_the_distribution_across_the_marker(tok):
+    """Thinking (two tokens at most, top-3 sampling, the model may close early), the forced
+    marker and a one-digit answer: sequences sampled with speculation off and on both fit the
+    exact distribution (chi-square, significance 0.001, fixed seeds)."""
+    digit = compile_spec(normalize_schema(Regex("[0-9]")), tok)
+    model = tiny_llama(vocab_size=V, seed=5)
+    t = tables(tok)
+    make = lambda: ReasoningMatcher(t, digit.new_matcher, max_reasoning_tokens=2,  # noqa: E731
+                                    phase="thinking")
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=8)
+    prompt = ids(["n", "e", "n", "m", "<think>"])  # the n-gram drafter copies "m" after "n"
+    exact = exact_distribution(model, _Compiled(make), params, V, prompt)
+    assert abs(sum(exact.values()) - 1.0) < 1e-4 and len(exact) > 10
+    n = 800
+    counts = {}
+    for spec in ("off", "ngram"):
+        reqs, _ = generate_ids(model, tok, digit, [prompt] * n, spec, budget=2, params=params)
+        assert all(r.finish_reason == "stop" for r in reqs)
+        counts[spec] = Counter(tuple(t for t in r.output_ids if t != EOS) for r in reqs)
+        if spec == "ngram":  # it really drafted, and verification both accepted and rejected
+            drafted = sum(r.stats.drafted_tokens for r in reqs)
+            accepted = sum(r.stats.accepted_tokens for r in reqs)
+            assert drafted > n // 2 and 0 < accepted < drafted
+    assert gof(counts["off"], exact, n) > 1e-3
+    assert gof(counts["ngram"], exact, n) > 1e-3
