@@ -67,8 +67,8 @@ KNOWN_MARKERS = (ReasoningMarkers("<think>", "</think>"),
 
 
 def detect_reasoning(tokenizer: Any) -> ReasoningMarkers | None:
-    """The markers a tokenizer's chat template uses, or None (no template, or no known pair:
-    the template must name the end marker)."""
+    """The markers a tokenizer's chat template uses, or None (no template, or it names neither
+    marker of any known pair)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates (tool use, RAG, ...)
         template = "\n".join(str(t) for t in template.values())
@@ -76,7 +76,7 @@ def detect_reasoning(tokenizer: Any) -> ReasoningMarkers | None:
         return None
     # the longest end marker first: "</seed:think>" must not be taken for "</think>"'s pair
     for markers in sorted(KNOWN_MARKERS, key=lambda m: -len(m.end)):
-        if markers.end in template:
+        if markers.end in template or markers.start in template:
             return markers
     return None
 

@@ -404,7 +404,7 @@ def test_speculative_sampling_preserves_the_distribution_across_the_marker(tok):
     prompt = ids(["n", "e", "n", "m", "<think>"])  # the n-gram drafter copies "m" after "n"
     exact = exact_distribution(model, _Compiled(make), params, V, prompt)
     assert abs(sum(exact.values()) - 1.0) < 1e-4 and len(exact) > 10
-    n = 800
+    n = 500
     counts = {}
     for spec in ("off", "ngram"):
         reqs, _ = generate_ids(model, tok, digit, [prompt] * n, spec, budget=2, params=params)
@@ -416,3 +416,108 @@ def test_speculative_sampling_preserves_the_distribution_across_the_marker(tok):
             assert drafted > n // 2 and 0 < accepted < drafted
     assert gof(counts["off"], exact, n) > 1e-3
     assert gof(counts["ngram"], exact, n) > 1e-3
+
+
+# -- the public API --------------------------------------------------------------------------
+OPEN = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<think>\n{% endif %}")
+CLOSED = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<think>\n\n</think>\n\n{% endif %}")
+
+
+def think_loaded(template: str, edges: dict[tuple[str, str], float] | None = None):
+    """A LoadedModel over a byte-level BPE with ``<think>`` / ``</think>`` tokens and a chat
+    template: a tiny random Llama, or (``edges``) a bigram model {(token, next): logit}."""
+    from constrained_spec.models import load_model
+
+    tok = byte_level_bpe()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = template
+    size = len(tok) + 2
+    if edges is None:
+        model = tiny_llama(vocab_size=size, seed=1, max_positions=2048)
+    else:
+        table = torch.full((size, size), -10.0)
+        for (a, b), w in edges.items():
+            table[tok.convert_tokens_to_ids(a), tok.convert_tokens_to_ids(b)] = w
+        model = bigram_llama(table)
+    for cfg in (model.config, model.generation_config):
+        cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
+    return load_model((model, tok))
+
+
+@pytest.fixture(scope="module")
+def open_loaded():
+    """A tiny random model whose template opens the block (``<think>\n``)."""
+    return think_loaded(OPEN)
+
+
+# thinks "abab..." (a loop) after the template's "<think>\n"; after "</think>": "c", then stop
+LOOPING = {("Ċ", "a"): 5.0, ("a", "b"): 5.0, ("b", "a"): 5.0, ("</think>", "c"): 5.0,
+           ("c", "<|endoftext|>"): 5.0}
+
+
+def test_generator_detects_the_markers_and_returns_the_reasoning_apart(open_loaded):
+    from constrained_spec import Generator
+
+    loaded = open_loaded
+    gen = Generator(loaded, schema=["yes", "no"], max_reasoning_tokens=5, max_tokens=40)
+    assert gen.reasoning == ReasoningMarkers()
+    result = gen("Is it?", return_result=True)
+    assert result.value in ("yes", "no") and result.text == result.value
+    assert isinstance(result.reasoning, str) and "think>" not in result.reasoning
+    end = loaded.tokenizer.convert_tokens_to_ids("</think>")
+    # the template opened the block: 5 thinking tokens, the forced marker, then the answer
+    assert result.token_ids.index(end) == 5
+    off = Generator(loaded, schema=["yes", "no"], reasoning=False, max_tokens=40)
+    assert off.reasoning is None
+    plain = off("Is it?", return_result=True)
+    assert plain.reasoning is None and end not in plain.token_ids
+
+
+def test_a_prompt_that_closed_the_block_is_answered_at_once():
+    from constrained_spec import Generator
+
+    loaded = think_loaded(CLOSED)
+    result = Generator(loaded, schema=["yes", "no"], max_tokens=20)("Is it?", return_result=True)
+    assert result.reasoning == "" and result.value in ("yes", "no")
+    assert result.token_ids == loaded.tokenizer.encode(result.text, add_special_tokens=False)
+
+
+def test_budget_ends_a_looping_reasoning_and_the_free_answer_follows():
+    from constrained_spec import generate
+
+    loaded = think_loaded(OPEN, LOOPING)
+    result = generate(loaded, "go", max_reasoning_tokens=6, max_tokens=20, return_result=True)
+    assert result.reasoning == "ababab" and result.value == result.text == "c"
+    # per call: a budget of 0 is no thinking at all
+    result = generate(loaded, "go", max_reasoning_tokens=0, max_tokens=20, return_result=True)
+    assert result.reasoning == "" and result.value == "c"
+
+
+def test_a_reasoning_loop_without_budget_is_a_repetition_loop_with_the_whole_output():
+    from constrained_spec import Generator
+    from constrained_spec.errors import RepetitionLoopError
+
+    gen = Generator(think_loaded(OPEN, LOOPING), max_tokens=300, max_retries=1)
+    with pytest.raises(RepetitionLoopError) as info:
+        gen("go")
+    err = info.value
+    assert err.attempts == 2 and err.partial_text.startswith("abababab")
+    assert len(err.token_ids) < 300  # stopped early, not at max_tokens
+
+
+def test_reasoning_options_are_checked(open_loaded):
+    from constrained_spec import Generator
+
+    with pytest.raises(ConfigError, match="max_reasoning_tokens"):
+        Generator(open_loaded, max_reasoning_tokens=-1)
+    gen = Generator(open_loaded, schema=["yes"])
+    with pytest.raises(ConfigError, match="reasoning"):
+        gen.make_request("x", reasoning="maybe")
+    req, _ = gen.make_request("x", reasoning=False)
+    assert not isinstance(req.matcher, ReasoningMatcher)
+
+
+def test_split_reasoning_without_a_reasoning_matcher_is_the_whole_text():
+    assert split_reasoning(None, [1, 2], None, "text") == (None, "text")
