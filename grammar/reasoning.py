@@ -204,6 +204,10 @@ class ReasoningMatcher(Matcher):
     """
 
     __slots__ = ("_t", "vocab_size", "_new_inner", "_budget", "_s", "_inner", "_history")
+    _s: _State
+    _inner: Matcher | None
+    # (state before the token, whether the inner matcher took it, rest), newest first
+    _history: tuple | None
 
     def __init__(self, tables: ReasoningTables, new_inner: Callable[[], Matcher] | None, *,
                  max_reasoning_tokens: int | None = None, phase: str = OPENING,
@@ -219,9 +223,8 @@ class ReasoningMatcher(Matcher):
             self._s, self._inner, self._history = _copy
             return
         self._s = _State(phase, 0, 0, 0, 0, 0 if phase == ANSWER else -1, False)
-        self._inner: Matcher | None = None
-        # history: (state before the token, whether the inner matcher took it, rest), newest first
-        self._history: tuple | None = None
+        self._inner = None
+        self._history = None
         if phase == ANSWER:
             self._inner = new_inner() if new_inner is not None else None
         elif phase == THINKING:

@@ -16,7 +16,7 @@ import torch
 from cs_testlib import CHARS, bigram_llama, byte_level_bpe, exact_distribution, gof, tiny_llama
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
-from constrained_spec.drafters import Drafter, NgramDrafter
+from constrained_spec.drafters import NgramDrafter
 from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import ConfigError
 from constrained_spec.grammar import TokenizerData, compile_spec
