@@ -100,6 +100,7 @@ class ReasoningTables:
         self._fail = _kmp_table(self.end_text)
         self._rows: dict[int, torch.Tensor] = {}
         self._answer_row: torch.Tensor | None = None
+        self._scanned: tuple[list[int], dict[int, list[tuple[int, bytes]]]] | None = None
 
     # -- the KMP automaton ----------------------------------------------------------------
     def advance(self, state: int, data: bytes) -> tuple[int, bool]:
@@ -145,23 +146,38 @@ class ReasoningTables:
         the tail of the marker that a partial match before it (``state`` or one of its KMP
         borders) needs, and is longer than that tail. Exact: KMP's border chain of ``state``
         is the set of every marker prefix the text before the token ends with."""
-        marker, m = self.end_text, len(self.end_text)
-        if not m:
+        marker = self.end_text
+        if not marker:
             return []
-        tails = []
+        inside, by_first = self._scan()
+        out = set(inside)
         k = state
         while k:
-            tails.append(marker[k:])
+            tail = marker[k:]
+            if tail:  # k == len(marker): the match is complete, nothing left to run past
+                out.update(t for t, b in by_first.get(tail[0], ())
+                           if len(b) > len(tail) and b.startswith(tail))
             k = self._fail[k]
-        out = []
-        for t, b in enumerate(self.tok.decoded):
-            if len(b) < 2 or t in self.end_ids:
-                continue
-            i = b.find(marker)
-            if 0 <= i and i + m < len(b) or any(
-                    len(b) > len(tail) and b.startswith(tail) for tail in tails):
-                out.append(t)
-        return out
+        return sorted(out)
+
+    def _scan(self) -> tuple[list[int], dict[int, list[tuple[int, bytes]]]]:
+        """One pass over the vocabulary (cached): the tokens holding the whole marker before
+        their last byte, and the multi-byte tokens by first byte (those a tail can start)."""
+        if self._scanned is None:
+            marker, m = self.end_text, len(self.end_text)
+            heads = set(marker)
+            inside: list[int] = []
+            by_first: dict[int, list[tuple[int, bytes]]] = {}
+            for t, b in enumerate(self.tok.decoded):
+                if len(b) < 2 or t in self.end_ids:
+                    continue
+                i = b.find(marker)
+                if 0 <= i and i + m < len(b):
+                    inside.append(t)
+                if b[0] in heads:
+                    by_first.setdefault(b[0], []).append((t, b))
+            self._scanned = (inside, by_first)
+        return self._scanned
 
     def answer_row(self) -> torch.Tensor:
         """The free-text answer row: ordinary tokens and stop tokens (int32 [words])."""

@@ -110,6 +110,46 @@ def test_token_running_past_the_marker_is_masked_in_thinking(tok, compiled):
     assert ID["k>{"] in allowed(m)
 
 
+@pytest.mark.parametrize("marker", [b"</think>", b"abab", b"aa"])
+def test_thinking_mask_forbids_exactly_the_tokens_that_run_past_the_marker(tok, compiled, marker):
+    """Random walks through thinking, self-overlapping markers included: at each step a token
+    is masked iff the text so far plus a strict prefix of it ends with the marker (and, when
+    the walk ends the reasoning, it ended exactly at the marker)."""
+    import random
+
+    t = ReasoningTables(tok, ids(["<think>"]), ids(["</think>"]), marker)
+    ordinary = [i for i in range(1, len(VOCAB)) if VOCAB[i] not in ("<think>", "</think>")]
+    def matched(x: bytes) -> int:  # the longest marker prefix x ends with
+        return max(L for L in range(len(marker) + 1) if x.endswith(marker[:L]))
+
+    rng = random.Random(0)
+    ended = masked = 0
+    for _ in range(30):
+        m = ReasoningMatcher(t, compiled.new_matcher, phase="thinking")
+        text = b""
+        for _ in range(20):
+            got = allowed(m)
+            for i in ordinary:
+                b = tok.decoded[i]
+                runs_past = any((text + b[:p]).endswith(marker) for p in range(1, len(b)))
+                assert (i not in got) == runs_past, (text, VOCAB[i])
+                masked += runs_past
+            # most steps extend the partial match, so that walks do reach the marker
+            near = [i for i in got if i in ordinary
+                    and matched(text + tok.decoded[i]) >= len(tok.decoded[i])]
+            i = rng.choice(near if near and rng.random() < 0.85 else
+                           [i for i in ordinary if i in got])
+            assert m.accept(i)
+            text += tok.decoded[i]
+            if m.phase != "thinking":
+                assert text.endswith(marker) and marker not in text[:-1]
+                ended += 1
+                break
+        else:
+            assert marker not in text
+    assert ended >= 5 and masked > 0
+
+
 def test_multi_token_marker_rest_is_proposed_once_started(tok, compiled):
     m = ReasoningMatcher(tables(tok, multi=True), compiled.new_matcher, phase="thinking")
     assert m.forced_tokens() == []
