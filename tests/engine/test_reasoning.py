@@ -30,7 +30,7 @@ from constrained_spec.reasoning import (
 from constrained_spec.runner import LlamaRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
-VOCAB = CHARS + ["<think>", "</think>", "</", "th", "ink", ">", "k>", "k>{", "\n", "i", "h", "k",
+VOCAB = CHARS + ["<think>", "</think>", "</", "th", "ink", ">", "k>", "k>{", "\n", "i", "h", "k", "bab", "aa",
                  "x"]
 ID = {t: i for i, t in enumerate(VOCAB)}
 V = len(VOCAB) + 2  # padded ids past the vocabulary are never allowed
