@@ -34,6 +34,12 @@ immutable linked list, so `fork` is O(1)): rolling the marker back drops the inn
 drafter then drafts them, and the grammar's own forced tokens after them, in one step) and, in
 ``thinking``, the rest of the canonical end marker once its first tokens were emitted: a
 point-mass draft like any other there (nothing is masked), which verification accepts or not.
+Like every position with forced tokens, that one is left alone by the opt-in repetition guard.
+
+No stop token while thinking (a decision, not a necessity): a request with a grammar must
+reach its answer, and without one an output that stopped inside its reasoning would have no
+answer to return; a model that wants to stop keeps thinking until the end marker (or the
+budget) comes instead.
 """
 
 from __future__ import annotations

@@ -80,7 +80,9 @@ def test_thinking_allows_every_text_token_but_no_stop_or_padded_id(tok, compiled
     assert not m.accept(EOS)
 
 
-def test_grammar_applies_right_after_a_one_token_marker(tok, compiled):
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_grammar_applies_right_after_a_one_token_marker(tok, backend):
+    compiled = compile_spec(normalize_schema(ANSWER), tok, backend=backend)
     m = ReasoningMatcher(tables(tok), compiled.new_matcher, phase="thinking")
     feed(m, ["}", "x", "</think>"])
     assert m.phase == "answer" and m.answer_start == 3 and m.reasoning_tokens == 3
