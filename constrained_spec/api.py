@@ -574,6 +574,8 @@ class Generator(Generic[T]):
                    "raise max_tokens" if req.finish_reason == "length" else
                    f"generation ended ({req.finish_reason}) before the output was complete; "
                    "max_retries generates again")
+            if reasoning is not None and req.matcher.answer_start is None:
+                why += " (still reasoning: set max_reasoning_tokens to leave room for the answer)"
             return IncompleteOutputError(f"{why} (partial output on .partial_text)",
                                          partial_text=text, token_ids=req.output_ids,
                                          stats=req.stats)

@@ -537,6 +537,16 @@ def test_budget_ends_a_looping_reasoning_and_the_free_answer_follows():
     assert result.reasoning == "" and result.value == "c"
 
 
+def test_max_tokens_spent_on_reasoning_says_so():
+    from constrained_spec import Generator
+    from constrained_spec.errors import IncompleteOutputError
+
+    gen = Generator(think_loaded(OPEN, LOOPING), max_tokens=20, max_retries=0)
+    with pytest.raises(IncompleteOutputError, match="still reasoning: set max_reasoning_tokens"):
+        gen("go")
+    assert gen("go", max_reasoning_tokens=4) == "c"
+
+
 def test_a_reasoning_loop_without_budget_is_a_repetition_loop_with_the_whole_output():
     from constrained_spec import Generator
     from constrained_spec.errors import RepetitionLoopError
