@@ -46,6 +46,13 @@ from .errors import (
 )
 from .models import LoadedModel, load_model
 from .prompts import Messages, check_text, encode_prompt
+from .reasoning import (
+    ReasoningOption,
+    check_reasoning_budget,
+    reasoning_matcher,
+    resolve_reasoning,
+    split_reasoning,
+)
 from .stats import SpecStats
 
 T = TypeVar("T")
@@ -75,6 +82,9 @@ class GenerationResult(Generic[T]):
     #: the errors of the attempts that failed before the one returned (``max_retries``), in
     #: order: what each ended in (a loop, max_tokens, failed validation) and its partial text
     failed_attempts: list[ConstrainedSpecError] = field(default_factory=list)
+    #: a reasoning model's thinking, markers stripped (``reasoning``); None when off. ``text``
+    #: and ``value`` are the answer after it; ``token_ids`` hold every output token
+    reasoning: str | None = None
 
 
 #: Retries after a failed first attempt when a call does not set ``max_retries`` and its output
@@ -95,6 +105,7 @@ DEFAULT_RETRY_SEED = 0
 # Generator options a call may override besides SamplingParams fields
 _SPEC_OPTIONS = ("max_string_length", "max_items")
 _CALL_OPTIONS = ("schema_mode", "max_retries", "retry_temperature")
+_REASONING_OPTIONS = ("reasoning", "max_reasoning_tokens")
 _SCHEMA_MODES = ("default", "strict", "lenient")
 
 
@@ -340,6 +351,14 @@ class Generator(Generic[T]):
     retry_temperature:
         Temperature of the retries when the request is greedy (default
         :data:`DEFAULT_RETRY_TEMPERATURE`).
+    reasoning:
+        For reasoning models (``reasoning.py``): ``"auto"`` (default: on when the chat
+        template names known markers such as ``<think>``/``</think>``), ``True``, ``False``
+        or a :class:`ReasoningMarkers`. On, the model thinks freely and the schema applies
+        after the end marker; the thinking is ``GenerationResult.reasoning``.
+    max_reasoning_tokens:
+        Thinking tokens before the end marker is forced (``None``: no budget). ``max_tokens``
+        counts the reasoning too.
     """
 
     def __init__(self, model: Any = None, *, schema: Any = None, max_tokens: int = 512,
@@ -351,7 +370,9 @@ class Generator(Generic[T]):
                  repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
                  max_string_length: int | None = None, max_items: int | None = None,
                  max_retries: int | None = None,
-                 retry_temperature: float = DEFAULT_RETRY_TEMPERATURE) -> None:
+                 retry_temperature: float = DEFAULT_RETRY_TEMPERATURE,
+                 reasoning: ReasoningOption = "auto",
+                 max_reasoning_tokens: int | None = None) -> None:
         if backend not in ("xgrammar", "outlines"):
             raise ConfigError(f"unknown grammar backend {backend!r}; use 'xgrammar' or 'outlines'",
                               option="backend")
@@ -383,7 +404,10 @@ class Generator(Generic[T]):
         self.grammar_spec, added = self._bound(self.spec, {})
         if self.report is not None:
             self.report.added_bounds = added
+        self.max_reasoning_tokens = check_reasoning_budget(max_reasoning_tokens)
         self.model = load_model(model, tokenizer)
+        #: the reasoning markers in use (None: off)
+        self.reasoning = resolve_reasoning(reasoning, self.model.tokenizer)
         self.drafter = shared_drafter(self.model, self.speculative)
         self.compiled = self._compile(self.spec)
 
@@ -486,13 +510,18 @@ class Generator(Generic[T]):
         normalised, checked (under ``schema_mode``, default the Generator's) and compiled here
         (compiles are cached). Raises :class:`ConstrainedSpecError` subclasses for bad input,
         before any compute. ``overrides``: any :class:`SamplingParams` field,
-        ``max_string_length``, ``max_items``.
+        ``max_string_length``, ``max_items``, ``reasoning``, ``max_reasoning_tokens``.
         """
         mode = self.schema_mode if schema_mode is None else _check_schema_mode(schema_mode)
         bounds = {k: overrides.pop(k) for k in _SPEC_OPTIONS if k in overrides}
+        markers = (resolve_reasoning(overrides.pop("reasoning"), self.model.tokenizer)
+                   if "reasoning" in overrides else self.reasoning)
+        budget = check_reasoning_budget(overrides.pop("max_reasoning_tokens",
+                                                      self.max_reasoning_tokens))
         unknown = sorted(set(overrides) - set(SamplingParams.__dataclass_fields__))
         if unknown:
-            known = sorted([*SamplingParams.__dataclass_fields__, *_SPEC_OPTIONS, *_CALL_OPTIONS])
+            known = sorted([*SamplingParams.__dataclass_fields__, *_SPEC_OPTIONS, *_CALL_OPTIONS,
+                            *_REASONING_OPTIONS])
             raise ConfigError(f"unknown option {unknown[0]!r}; a call can set {', '.join(known)}",
                               option=unknown[0])
         params = SamplingParams(**{**self.sampling.__dict__, **overrides})
@@ -508,7 +537,10 @@ class Generator(Generic[T]):
             spec, _ = self._prepare_spec(schema, mode)
             compiled = self._compile(spec, bounds)
         ids = _encode_with_check(self.model, prompt, spec, self.system_prompt, params.max_tokens)
-        matcher = compiled.new_matcher() if compiled is not None else None
+        if markers is not None:  # the grammar starts after the reasoning
+            matcher = reasoning_matcher(self.model, compiled, markers, ids, budget)
+        else:
+            matcher = compiled.new_matcher() if compiled is not None else None
         return Request(ids, matcher, params, self.model.eos_token_ids, on_tokens=on_tokens), spec
 
     def new_engine(self) -> Engine:
@@ -518,7 +550,9 @@ class Generator(Generic[T]):
 
     def finalize(self, req: Request, spec: SchemaSpec | None, return_result: bool = True) -> Any:
         """The value / :class:`GenerationResult` of a finished request, or the error it ended in."""
+        # with reasoning: errors carry the whole output, the value and ``text`` the answer only
         text = self.model.tokenizer.decode(req.output_ids)
+        reasoning, answer = split_reasoning(self.model.tokenizer, req.output_ids, req.matcher, text)
         if req.finish_reason == "loop" and req.loops is not None and req.loops.loop is not None:
             loop = req.loops.loop  # the output repeated one unit of tokens (loops.py)
             unit = self.model.tokenizer.decode(req.output_ids[loop.start:loop.start + loop.period])
@@ -540,18 +574,21 @@ class Generator(Generic[T]):
                    "raise max_tokens" if req.finish_reason == "length" else
                    f"generation ended ({req.finish_reason}) before the output was complete; "
                    "max_retries generates again")
+            if reasoning is not None and req.matcher.answer_start is None:
+                why += " (still reasoning: set max_reasoning_tokens to leave room for the answer)"
             return IncompleteOutputError(f"{why} (partial output on .partial_text)",
                                          partial_text=text, token_ids=req.output_ids,
                                          stats=req.stats)
         try:
-            value = parse_output(spec, text) if spec is not None else text
+            value = parse_output(spec, answer) if spec is not None else answer
         except ConstrainedSpecError as e:
             if hasattr(e, "stats"):
                 e.stats = req.stats
             return e
         if return_result:
-            return GenerationResult(value=value, text=text, token_ids=list(req.output_ids),
-                                    finish_reason=req.finish_reason, stats=req.stats)
+            return GenerationResult(value=value, text=answer, token_ids=list(req.output_ids),
+                                    finish_reason=req.finish_reason, stats=req.stats,
+                                    reasoning=reasoning)
         return value
 
     @staticmethod
