@@ -191,3 +191,27 @@ def test_light_config_from_another_transformers_version_is_not_trusted(tmp_path)
     assert not isinstance(light_config(tmp_path), LightConfig)  # read by transformers again
     assert isinstance(light_config(tmp_path), LightConfig)
     assert light_config(tmp_path).num_hidden_layers == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", ["qwen2", "phi3"])
+def test_releasing_the_weights_a_runner_copied_keeps_its_logits_and_frees_the_parts(name):
+    from constrained_spec.models import _tensors_held
+    from constrained_spec.skeleton import release_copied_weights
+
+    model = model_of(name)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 100, (9,), generator=g).tolist()]
+    want = _run(LeanRunner(skeleton_of(model), dtype=torch.bfloat16, device=CPU), seqs, [5, 7, 9])
+    sk = skeleton_of(model.to(torch.bfloat16))  # bf16 weights: the runner shares o / down
+    runner = LeanRunner(sk, dtype=torch.bfloat16, device=CPU)
+    released = release_copied_weights(sk, _tensors_held(runner))
+    layer = sk.model.layers[0]
+    if name == "phi3":  # stored fused: the runner shares every matrix, nothing is released
+        assert released == 0 and not layer.self_attn.qkv_proj.weight.is_meta
+    else:  # q/k/v and gate/up were concatenated: copies, released; o / down are shared
+        assert layer.self_attn.q_proj.weight.is_meta and layer.mlp.up_proj.weight.is_meta
+        assert not layer.self_attn.o_proj.weight.is_meta and not layer.mlp.down_proj.weight.is_meta
+        assert released > 0
+    assert not sk.model.embed_tokens.weight.is_meta and not sk.model.norm.weight.is_meta
+    for w, o in zip(want, _run(runner, seqs, [5, 7, 9])):
+        assert torch.equal(w, o)
