@@ -331,17 +331,17 @@ class LoadedModel:
         if self._runner is None:
             from .runner import make_runner
 
+            from .skeleton import SkeletonForCausalLM, release_copied_weights
+
             runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
+            if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
+                release_copied_weights(self.model, _tensors_held(runner))  # before the packs
             if hasattr(runner, "set_plan"):
                 from .plan import choose_plan
 
                 runner.set_plan(choose_plan(runner, dtype=self.dtype_choice, cache=self.plan_cache,
                                             int8=self.int8_plan,
                                             quiet=self.quiet))
-                from .skeleton import SkeletonForCausalLM, release_copied_weights
-
-                if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
-                    release_copied_weights(self.model, _tensors_held(runner))
                 release_free_memory()
             self._runner = runner
         return self._runner
