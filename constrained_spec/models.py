@@ -330,7 +330,6 @@ class LoadedModel:
     def runner(self) -> Any:
         if self._runner is None:
             from .runner import make_runner
-
             from .skeleton import SkeletonForCausalLM, release_copied_weights
 
             runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
@@ -437,18 +436,7 @@ def load_model(
     dev = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
     if model is not None and not isinstance(model, (str, os.PathLike)):
-        if tokenizer is None:
-            raise ModelLoadError("a loaded transformers model needs its tokenizer: pass (model, tokenizer)")
-        if not hasattr(model, "config") or not callable(model):
-            raise ModelLoadError(f"unsupported model object {type(model).__name__}: "
-                                 "pass a transformers causal LM, a path, or None")
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        mdtype = next(model.parameters()).dtype
-        # a model handed over in a dtype runs in that dtype (a fixed kernel plan)
-        return LoadedModel(name=str(name), model=model.eval(), tokenizer=tokenizer,
-                           device=next(model.parameters()).device, dtype=mdtype,
-                           vocab_size=_logits_width(model),
-                           dtype_choice=str(mdtype).removeprefix("torch."))
+        return _wrap_model_object(model, tokenizer)
     spec = "default" if model is None else str(model)
     if int4 is None:
         int4 = os.environ.get("CONSTRAINED_SPEC_INT4", "1") not in ("0", "false", "False", "")
@@ -467,25 +455,54 @@ def load_model(
                     lean.name, lean.is_default = DEFAULT_MODEL_NAME, True
                 _LOADED[key] = lean
                 return lean
+    loaded = _load_with_transformers(spec, tokenizer, dtype=dtype, env_dtype=env_dtype, dev=dev,
+                                     int4=int4, full_model=full_model, quiet=quiet)
+    _LOADED[key] = loaded
+    return loaded
+
+
+def _wrap_model_object(model: Any, tokenizer: Any) -> LoadedModel:
+    """A LoadedModel over a transformers model the caller loaded (it runs in its own dtype:
+    a fixed kernel plan)."""
+    if tokenizer is None:
+        raise ModelLoadError("a loaded transformers model needs its tokenizer: pass (model, tokenizer)")
+    if not hasattr(model, "config") or not callable(model):
+        raise ModelLoadError(f"unsupported model object {type(model).__name__}: "
+                             "pass a transformers causal LM, a path, or None")
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    mdtype = next(model.parameters()).dtype
+    return LoadedModel(name=str(name), model=model.eval(), tokenizer=tokenizer,
+                       device=next(model.parameters()).device, dtype=mdtype,
+                       vocab_size=_logits_width(model), dtype_choice=str(mdtype).removeprefix("torch."))
+
+
+def _local_model(spec: str) -> tuple[Path, str | None]:
+    """(folder, GGUF file name or None) of a local model path; ModelLoadError otherwise."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {spec!r} is not a local path: give a checkpoint folder, a .gguf file, "
+            "or None for the embedded default model (nothing is downloaded from a hub)")
+    if not path.is_file():
+        return path, None
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"model file {spec!r} is not a .gguf file")
+    return path.parent, path.name
+
+
+def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype: str,
+                            dev: torch.device, int4: bool, full_model: bool,
+                            quiet: bool) -> LoadedModel:
+    """``spec`` loaded by transformers in float32, then cast to the dtype that runs it (the
+    exact 4-bit groups taken first, while the weights are still float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .runner import int4_weights, lean_runner_supports
 
     is_default = spec == "default"
     t0 = time.perf_counter()
     try:
-        if is_default:
-            path = _converted_default_dir(quiet=quiet)
-            gguf_file = None
-        else:
-            path = Path(spec).expanduser()
-            if not path.exists():
-                raise ModelLoadError(
-                    f"model {spec!r} is not a local path: give a checkpoint folder, a .gguf file, "
-                    "or None for the embedded default model (nothing is downloaded from a hub)")
-            gguf_file = None
-            if path.is_file():
-                if path.suffix != ".gguf":
-                    raise ModelLoadError(f"model file {spec!r} is not a .gguf file")
-                gguf_file, path = path.name, path.parent
+        path, gguf_file = (_converted_default_dir(quiet=quiet), None) if is_default else _local_model(spec)
         kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         tok = tokenizer or AutoTokenizer.from_pretrained(str(path), **kw)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw)
@@ -495,8 +512,6 @@ def load_model(
         raise ModelLoadError(f"could not load model {spec!r}: {type(e).__name__}: {e}") from e
     hf.eval()
     packs = None
-    from .runner import int4_weights, lean_runner_supports
-
     if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
         packs = int4_weights(hf)  # from the float32 weights, before any cast
     if env_dtype == "auto" and dev.type == "cpu" and lean_runner_supports(hf) and not full_model:
@@ -509,12 +524,10 @@ def load_model(
         packs = None
     hf.to(device=dev, dtype=chosen)
     logger.info("loaded %s in %.1fs (%s on %s)", spec, time.perf_counter() - t0, chosen, dev)
-    loaded = LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
-                         device=dev, dtype=chosen, vocab_size=_logits_width(hf),
-                         is_default=is_default, path=path, _int4=packs, dtype_choice=env_dtype,
-                         plan_cache=path if is_default else _plan_cache_dir(spec), quiet=quiet)
-    _LOADED[key] = loaded
-    return loaded
+    return LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
+                       device=dev, dtype=chosen, vocab_size=_logits_width(hf),
+                       is_default=is_default, path=path, _int4=packs, dtype_choice=env_dtype,
+                       plan_cache=path if is_default else _plan_cache_dir(spec), quiet=quiet)
 
 
 # -- a GGUF converted once into the lean runner's form -------------------------------------
