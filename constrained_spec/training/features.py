@@ -219,15 +219,7 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
     if source == "runner" and loaded is None:
         raise ConfigError("source='runner' needs a LoadedModel (load_model); a bare transformers "
                           "model runs with source='hf'", option="source")
-    for name, value in (("chunk", chunk), ("rows", rows)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"must be a positive integer, got {value!r}", option=name)
-    if not corpus:
-        raise ConfigError("the corpus is empty; run generate_corpus first", option="corpus")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
-        raise ConfigError(f"must be an integer >= 2, got {max_len!r}", option="max_len")
-    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
-        raise ConfigError(f"must be a positive integer, got {batch_tokens!r}", option="batch_tokens")
+    _check_sizes(corpus, chunk=chunk, rows=rows, max_len=max_len, batch_tokens=batch_tokens)
     cfg = hf_model.config
     layers = _check_layers(layers, int(cfg.num_hidden_layers))
     hidden = int(cfg.hidden_size)
@@ -240,53 +232,12 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
                              "max_len": max_len, "source": source,
                              "chunk": chunk if source == "runner" else None,
                              "count": 0, "tokens": 0, "shards": []}
-    meta = _read_meta(out_dir) or fresh
-    meta.setdefault("source", "hf")  # written before sources existed
-    meta.setdefault("chunk", None)
-    n_layers = int(cfg.num_hidden_layers)
-    same = {key: meta.get(key) == fresh[key]
-            for key in ("format", "model", "hidden_size", "max_len", "source", "chunk")}
-    same["layers"] = [n_layers if i == -1 else i for i in meta.get("layers", [])] == [
-        n_layers if i == -1 else i for i in layers]
-    for key, ok in same.items():
-        if not ok:
-            raise ConfigError(f"{out_dir} holds features with {key}={meta.get(key)!r}, this run "
-                              f"has {fresh[key]!r}; use another out_dir", option="out_dir")
-    done: set[int] = set()
-    for shard in meta["shards"]:
-        for index, sid in zip(shard["indices"], shard["ids"]):
-            if index >= len(corpus) or _row_id(corpus, index) != sid:
-                raise ConfigError(f"{out_dir}: corpus row {index} was {sid!r} when its features "
-                                  "were stored; pass the same corpus, or use another out_dir",
-                                  option="corpus")
-            done.add(index)
+    meta, done = _resume(out_dir, fresh, corpus, int(cfg.num_hidden_layers))
 
     seqs = {i: (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_len]
             for i, row in enumerate(corpus) if i not in done}
     order = sorted(seqs, key=lambda i: -len(seqs[i]))  # longest first: a too-large batch fails early
-    buffer: dict[str, list[Any]] = {k: [] for k in ("index", "id", "input_ids", "features",
-                                                      "target_next", "loss_mask")}
-    buffered = 0
-
-    def flush() -> None:
-        nonlocal buffered
-        if not buffer["index"]:
-            return
-        name = f"shard_{len(meta['shards']):05d}.pt"
-        tmp = out_dir / (name + ".tmp")
-        torch.save(buffer, tmp)
-        os.replace(tmp, out_dir / name)
-        tokens = sum(len(t) for t in buffer["input_ids"])
-        meta["shards"].append({"file": name, "indices": list(buffer["index"]),
-                               "ids": list(buffer["id"]), "tokens": tokens})
-        meta["count"] += len(buffer["index"])
-        meta["tokens"] += tokens
-        _write_meta(out_dir, meta)
-        for values in buffer.values():
-            values.clear()
-        buffered = 0
-
-    _write_meta(out_dir, meta)
+    shards = _ShardWriter(out_dir, meta, shard_bytes)
     bar = tqdm(total=len(corpus), initial=len(done), desc="features", unit="seq",
                disable=not progress, file=sys.stderr)
     try:
@@ -307,25 +258,98 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
                 # clone: a slice would save (and load as) a view of the padded batch tensor
                 results = [(features[b, :len(seqs[i])].clone(), target_next[b, :len(seqs[i])].clone())
                            for b, i in enumerate(batch)]
-            size = sum(len(seqs[i]) for i in batch) * (len(layers) * hidden * 2 + 9)
-            if buffered and buffered + size > shard_bytes:
-                flush()  # shards stay under shard_bytes unless one batch alone is larger
+            shards.add_batch(sum(len(seqs[i]) for i in batch) * (len(layers) * hidden * 2 + 9))
             for i, (feats, nexts) in zip(batch, results):
-                n = len(seqs[i])
-                loss_mask = torch.zeros(n, dtype=torch.bool)
-                loss_mask[len(corpus[i]["prompt_ids"]):] = True
-                buffer["index"].append(i)
-                buffer["id"].append(_row_id(corpus, i))
-                buffer["input_ids"].append(torch.tensor(seqs[i], dtype=torch.int32))
-                buffer["features"].append(feats)
-                buffer["target_next"].append(nexts)
-                buffer["loss_mask"].append(loss_mask)
-            buffered += size
+                shards.add(i, _row_id(corpus, i), seqs[i], len(corpus[i]["prompt_ids"]), feats, nexts)
             bar.update(len(batch))
-        flush()
+        shards.flush()
     finally:
         bar.close()
     return out_dir
+
+
+def _check_sizes(corpus: list[dict[str, Any]], *, chunk: int, rows: int, max_len: int,
+                 batch_tokens: int) -> None:
+    """ConfigError naming the first bad size option (or an empty corpus)."""
+    for name, value, low in (("chunk", chunk, 1), ("rows", rows, 1), ("max_len", max_len, 2),
+                             ("batch_tokens", batch_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            want = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise ConfigError(f"must be {want}, got {value!r}", option=name)
+        if name == "rows" and not corpus:  # as before: sizes per forward first, then the corpus
+            raise ConfigError("the corpus is empty; run generate_corpus first", option="corpus")
+
+
+def _resume(out_dir: Path, fresh: dict[str, Any], corpus: list[dict[str, Any]],
+            n_layers: int) -> tuple[dict[str, Any], set[int]]:
+    """(meta, corpus rows done) of ``out_dir``: ``fresh`` when it holds nothing; ConfigError
+    when it holds features of another run (model, layers, max_len ...) or another corpus."""
+    meta = _read_meta(out_dir) or fresh
+    meta.setdefault("source", "hf")  # written before sources existed
+    meta.setdefault("chunk", None)
+    same = {key: meta.get(key) == fresh[key]
+            for key in ("format", "model", "hidden_size", "max_len", "source", "chunk")}
+    same["layers"] = [n_layers if i == -1 else i for i in meta.get("layers", [])] == [
+        n_layers if i == -1 else i for i in fresh["layers"]]
+    for key, ok in same.items():
+        if not ok:
+            raise ConfigError(f"{out_dir} holds features with {key}={meta.get(key)!r}, this run "
+                              f"has {fresh[key]!r}; use another out_dir", option="out_dir")
+    done: set[int] = set()
+    for shard in meta["shards"]:
+        for index, sid in zip(shard["indices"], shard["ids"]):
+            if index >= len(corpus) or _row_id(corpus, index) != sid:
+                raise ConfigError(f"{out_dir}: corpus row {index} was {sid!r} when its features "
+                                  "were stored; pass the same corpus, or use another out_dir",
+                                  option="corpus")
+            done.add(index)
+    return meta, done
+
+
+class _ShardWriter:
+    """Sequences buffered into shards of at most ``shard_bytes`` (unless one forward batch
+    alone is larger); each shard written to a temp file and renamed, then listed in meta.json."""
+
+    def __init__(self, out_dir: Path, meta: dict[str, Any], shard_bytes: int) -> None:
+        self.out_dir, self.meta, self.shard_bytes = out_dir, meta, shard_bytes
+        self.buffer: dict[str, list[Any]] = {k: [] for k in ("index", "id", "input_ids", "features",
+                                                             "target_next", "loss_mask")}
+        self.buffered = 0
+        _write_meta(out_dir, meta)
+
+    def add_batch(self, size: int) -> None:
+        """Make room for a forward batch of ``size`` bytes (a shard never splits a batch)."""
+        if self.buffered and self.buffered + size > self.shard_bytes:
+            self.flush()
+        self.buffered += size
+
+    def add(self, index: int, row_id: str, seq: list[int], prompt_len: int,
+            features: torch.Tensor, target_next: torch.Tensor) -> None:
+        loss_mask = torch.zeros(len(seq), dtype=torch.bool)
+        loss_mask[prompt_len:] = True
+        for key, value in (("index", index), ("id", row_id),
+                           ("input_ids", torch.tensor(seq, dtype=torch.int32)),
+                           ("features", features), ("target_next", target_next),
+                           ("loss_mask", loss_mask)):
+            self.buffer[key].append(value)
+
+    def flush(self) -> None:
+        buffer, meta = self.buffer, self.meta
+        if not buffer["index"]:
+            return
+        name = f"shard_{len(meta['shards']):05d}.pt"
+        tmp = self.out_dir / (name + ".tmp")
+        torch.save(buffer, tmp)
+        os.replace(tmp, self.out_dir / name)
+        tokens = sum(len(t) for t in buffer["input_ids"])
+        meta["shards"].append({"file": name, "indices": list(buffer["index"]),
+                               "ids": list(buffer["id"]), "tokens": tokens})
+        meta["count"] += len(buffer["index"])
+        meta["tokens"] += tokens
+        _write_meta(self.out_dir, meta)
+        for values in buffer.values():
+            values.clear()
+        self.buffered = 0
 
 
 class FeatureDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
