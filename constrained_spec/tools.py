@@ -227,39 +227,39 @@ def _summary(doc: str) -> str:
     return " ".join(head.split())
 
 
+_SECTIONS = ("Returns", "Return", "Raises", "Yields", "Examples", "Example", "Notes", "See Also",
+             "Attributes", "Warns", "References")
+
+
 def _param_docs(doc: str) -> dict[str, str]:
-    """Parameter descriptions from a NumPy-style (``name : type`` + indented text) or
-    Google-style (``Args:`` / ``name (type): text``) docstring."""
+    """Parameter descriptions from a NumPy-style (``name : type``, the text on the indented
+    lines below) or Google-style (``Args:``, then ``name (type): text``) docstring."""
     out: dict[str, str] = {}
-    lines = doc.splitlines()
-    section = None
-    current = None
-    for line in lines:
+    in_params, current, base = False, None, None
+    for line in doc.splitlines():
         stripped = line.strip()
-        if stripped in ("Parameters", "Args:", "Arguments:", "Parameters:"):
-            section, current = "params", None
-            continue
-        if section != "params":
-            continue
-        if set(stripped) == {"-"}:
-            continue
-        if not stripped:
-            continue
-        if not line.startswith((" ", "\t")) and stripped.endswith(":") or stripped in (
-                "Returns", "Raises", "Yields", "Examples", "Notes", "See Also"):
-            section = None
-            continue
-        m = re.match(r"^\s*(\*{0,2}\w+)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$", line)
         indent = len(line) - len(line.lstrip())
-        if m and (current is None or indent <= out.get("\0indent", indent)):
-            current = m.group(1)
-            out["\0indent"] = indent  # type: ignore[assignment]
-            rest = m.group(3)
-            # NumPy: "name : type" (the text follows on indented lines); Google: "name (t): text"
-            out[current] = rest if m.group(2) is not None else ""
+        if stripped in ("Parameters", "Parameters:", "Args:", "Arguments:"):
+            in_params, current, base = True, None, None
+            continue
+        if not in_params or not stripped or set(stripped) == {"-"}:
+            continue
+        if base is not None and indent < base or stripped.rstrip(":") in _SECTIONS:
+            in_params = False  # the next section
+            continue
+        numpy = re.match(r"^(\w+)\s+:\s*\S.*$|^(\w+)\s*:$", stripped)
+        google = re.match(r"^(\w+)\s*(?:\([^)]*\))?:\s*(.*)$", stripped)
+        if (base is None or indent == base) and (numpy or google):
+            base = indent
+            if numpy:
+                current = numpy.group(1) or numpy.group(2)
+                out[current] = ""
+            else:
+                assert google is not None
+                current = google.group(1)
+                out[current] = google.group(2)
         elif current is not None:
-            out[current] = (out[current] + " " + stripped).strip()
-    out.pop("\0indent", None)
+            out[current] = f"{out[current]} {stripped}".strip()
     return {k: v for k, v in out.items() if v}
 
 
