@@ -538,7 +538,7 @@ class Generator(Generic[T]):
         own_calls = self.tools is not None and self.tools.active  # self.spec is their grammar
         if calls and schema is not _SAME and schema is not None:
             self._toolset(toolset, "auto", False, schema)  # raises: a schema with calls
-        if calls:
+        if calls and toolset is not None:
             same = toolset is self.tools
             spec = self.spec if same else self._tool_spec(toolset)
             compiled = self.compiled if same else self._compile(spec)

@@ -39,7 +39,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .tools import ToolSet
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 #: Share of the model's context the default system message may take (e.g. 2,048 of 8,192
 #: tokens): a quarter leaves most of the context to the user's prompt and the output, and
@@ -304,9 +304,9 @@ def _message_content(content: Any, i: int) -> str:
 
 def build_messages(prompt: str | Messages, spec: SchemaSpec | None,
                    system_prompt: str | bool | None = None) -> Messages:
-    if isinstance(prompt, list):
+    if isinstance(prompt, list):  # an assistant turn that only called tools has no content
         prompt = [{**m, "content": ""} if isinstance(m, dict) and m.get("content") is None
-                  and ("tool_calls" in m or m.get("role") == "assistant") else m for m in prompt]
+                  and m.get("role") == "assistant" else m for m in prompt]
     if isinstance(prompt, str):
         check_text(prompt, "prompt", "the prompt")
         messages: Messages = [{"role": "user", "content": prompt}]
@@ -413,7 +413,7 @@ def _tool_history(tokenizer: Any, messages: Messages) -> Messages:
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if calls:
-            parsed = []
+            parsed: list[tuple[str, Any, Any]] = []
             for j, c in enumerate(calls):
                 fn = c.get("function", c) if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -62,6 +62,7 @@ __all__ = ["Tool", "ToolCall", "ToolSet", "ToolFormat", "FORMATS", "DEFAULT_FORM
            "normalize_tools", "detect_format", "StreamingToolParser"]
 
 ToolChoice = str  # "auto" | "required" | "none" | a tool's name
+_COMPACT = JsonLayout()  # the library's default layout (api.DEFAULT_LAYOUT)
 _MODES = ("auto", "required", "none")
 # OpenAI's rule for function names: also keeps names free of JSON escapes in the grammar
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -217,7 +218,7 @@ def _from_function(fn: Callable[..., Any], i: int) -> Tool:
                               "(its type becomes the schema)", option="tools")
         default = ... if p.default is p.empty else p.default
         fields[name] = (hints[name], Field(default, description=params_doc.get(name)))
-    model = create_model(fn.__name__, **fields)  # type: ignore[call-overload]
+    model = create_model(fn.__name__, **fields)
     return _make(fn.__name__, _summary(doc), model, i, function=fn)
 
 
@@ -286,8 +287,9 @@ class ToolFormat:
     def begin(self, name: str) -> str:
         return f'{self.call_begin}{name}", "{self.args_key}": '
 
-    def write(self, calls: Sequence[tuple[str, Any]], layout: JsonLayout = JsonLayout()) -> str:
+    def write(self, calls: Sequence[tuple[str, Any]], layout: JsonLayout | None = None) -> str:
         """``calls`` ((name, arguments) pairs) as the model writes them."""
+        layout = layout or _COMPACT
         text = self.separator.join(self.begin(n) + layout.dumps(a) + self.call_end for n, a in calls)
         return self.list_begin + text + self.list_end
 
@@ -379,7 +381,7 @@ class ToolSet:
 
     # -- grammar ------------------------------------------------------------------------------
     def spec(self, fmt: ToolFormat, backend: str = "xgrammar",
-             layout: JsonLayout = JsonLayout()) -> SchemaSpec:
+             layout: JsonLayout | None = None) -> SchemaSpec:
         """The grammar of this request's output in ``fmt``: a ``grammar`` spec whose ``target``
         is the parser of the output (``Generator.finalize`` returns the calls)."""
         if backend != "xgrammar":
@@ -390,6 +392,7 @@ class ToolSet:
 
         from constrained_spec.schemas import convert_json_schema
 
+        layout = layout or _COMPACT
         tags = []
         for tool in self.offered:
             args = convert_json_schema(dataclasses.replace(tool.spec, layout=layout, key=""),
@@ -451,7 +454,7 @@ class ToolParser:
 
     tools: ToolSet
     fmt: ToolFormat
-    layout: JsonLayout = JsonLayout()
+    layout: JsonLayout = _COMPACT
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         start = text.find(self.fmt.trigger) if self.tools.choice == "auto" else 0
