@@ -511,7 +511,7 @@ class Generator(Generic[T]):
     def make_request(self, prompt: str | Messages, *, schema: Any = _SAME,
                      schema_mode: SchemaMode | None = None,
                      on_tokens: Callable[[list[int]], None] | None = None,
-                     tools: ToolSet | None = _SAME,
+                     tools: Any = _SAME,
                      **overrides: Any) -> tuple[Request, SchemaSpec | None]:
         """A ready-to-run engine request for ``prompt`` and the spec to finalize it with.
 
@@ -520,10 +520,11 @@ class Generator(Generic[T]):
         (compiles are cached). Raises :class:`ConstrainedSpecError` subclasses for bad input,
         before any compute. ``overrides``: any :class:`SamplingParams` field,
         ``max_string_length``, ``max_items``. ``tools``: this request's
-        :class:`~constrained_spec.tools.ToolSet` (default the Generator's; None: no tools);
-        while calls are possible, its grammar replaces ``schema``.
+        :class:`~constrained_spec.tools.ToolSet` (or a list of tools, under ``"auto"``; default
+        the Generator's; None: no tools); while calls are possible, its grammar replaces
+        ``schema``.
         """
-        toolset = self.tools if tools is _SAME else tools
+        toolset = self.tools if tools is _SAME else self._toolset(tools, "auto", False, None)
         mode = self.schema_mode if schema_mode is None else _check_schema_mode(schema_mode)
         bounds = {k: overrides.pop(k) for k in _SPEC_OPTIONS if k in overrides}
         unknown = sorted(set(overrides) - set(SamplingParams.__dataclass_fields__))

@@ -40,6 +40,10 @@ and typed (the Pydantic instance, a dict of typed values for a function, the dic
 OpenAI tool). :class:`StreamingToolParser` does the same on a growing text, for OpenAI's
 streamed tool-call deltas. The outlines backend has no structural tags: tools there are a
 `SchemaError` naming the backend.
+
+Markers are written as text: a tokenizer that has a call marker as a special token (Mistral's
+``[TOOL_CALLS]``) gets it spelled in ordinary tokens, since xgrammar never allows special tokens
+in text (a ``TokenFormat`` begin would be the fix for such tokenizers).
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ import dataclasses
 import inspect
 import json
 import re
+import threading
 import typing
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +69,10 @@ __all__ = ["Tool", "ToolCall", "ToolSet", "ToolFormat", "FORMATS", "DEFAULT_FORM
 
 ToolChoice = str  # "auto" | "required" | "none" | a tool's name
 _COMPACT = JsonLayout()  # the library's default layout (api.DEFAULT_LAYOUT)
+# (ToolSet.key(), format, backend, layout) -> the tool-call spec, most recent last
+_SPECS: OrderedDict[tuple[Any, ...], SchemaSpec] = OrderedDict()
+_SPECS_LOCK = threading.Lock()
+_SPECS_SIZE = 64
 _MODES = ("auto", "required", "none")
 # OpenAI's rule for function names: also keeps names free of JSON escapes in the grammar
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -376,7 +386,8 @@ class ToolSet:
         return [self.by_name[self.choice]] if self.choice in self.by_name else self.tools
 
     def key(self) -> str:
-        parts = [t.spec.key + t.name for t in self.tools]
+        """Equal for tool sets that allow the same calls and read them back the same way."""
+        parts = [[t.name, t.description, t.spec.key, id(t.function)] for t in self.tools]
         return json.dumps([parts, self.choice, self.parallel])
 
     # -- grammar ------------------------------------------------------------------------------
@@ -387,12 +398,27 @@ class ToolSet:
         if backend != "xgrammar":
             raise SchemaError("tool calls need structural tags, which the outlines backend does "
                               "not have; use the xgrammar backend", backend=backend)
+        layout = layout or _COMPACT
+        # a server builds the same tool set's grammar for request after request
+        key = (self.key(), fmt, backend, layout)
+        with _SPECS_LOCK:
+            hit = _SPECS.get(key)
+            if hit is not None:
+                _SPECS.move_to_end(key)
+                return hit
+        spec = self._build_spec(fmt, backend, layout)
+        with _SPECS_LOCK:
+            _SPECS[key] = spec
+            while len(_SPECS) > _SPECS_SIZE:
+                _SPECS.popitem(last=False)
+        return spec
+
+    def _build_spec(self, fmt: ToolFormat, backend: str, layout: JsonLayout) -> SchemaSpec:
         import xgrammar
         from xgrammar import structural_tag as st
 
         from constrained_spec.schemas import convert_json_schema
 
-        layout = layout or _COMPACT
         tags = []
         for tool in self.offered:
             args = convert_json_schema(dataclasses.replace(tool.spec, layout=layout, key=""),

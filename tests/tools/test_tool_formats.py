@@ -150,3 +150,11 @@ def test_the_default_system_message_lists_the_tools_and_shows_the_call_form():
     assert len(ToolSet(TOOLS, "auto").describe(DEFAULT_FORMAT, 2)) < len(
         ToolSet(TOOLS, "auto").describe(DEFAULT_FORMAT, 1)) < len(
         ToolSet(TOOLS, "auto").describe(DEFAULT_FORMAT, 0))
+
+
+def test_the_grammar_of_equal_tool_sets_is_built_once():
+    a, b = ToolSet(TOOLS, "required"), ToolSet([dict(t) for t in TOOLS], "required")
+    fmt = FORMATS["hermes"]
+    assert a.spec(fmt) is b.spec(fmt)
+    assert ToolSet(TOOLS, "auto").spec(fmt) is not a.spec(fmt)
+    assert a.spec(FORMATS["llama3"]) is not a.spec(fmt)
