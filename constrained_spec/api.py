@@ -414,8 +414,13 @@ class Generator(Generic[T]):
                               "be a call: give schema=None, or tool_choice='none'", option="schema")
         return toolset
 
-    def _tool_spec(self, toolset: ToolSet) -> SchemaSpec:
-        return toolset.spec(self.tool_format, self.backend, self.layout)
+    def _tool_spec(self, toolset: ToolSet, bounds: dict[str, Any] | None = None) -> SchemaSpec:
+        """The grammar of ``toolset``'s calls for this model, with this Generator's bounds (or
+        those of ``bounds``) on the arguments."""
+        bounds = bounds or {}
+        return toolset.spec(self.tool_format, self.backend, self.layout,
+                            max_string_length=bounds.get("max_string_length", self.max_string_length),
+                            max_items=bounds.get("max_items", self.max_items))
 
     def _prepare_spec(self, schema: Any, mode: SchemaMode) -> tuple[SchemaSpec | None, Any]:
         """The spec of ``schema`` and its pre-flight report under ``mode`` (None, None for free
@@ -540,8 +545,8 @@ class Generator(Generic[T]):
         if calls and schema is not _SAME and schema is not None:
             self._toolset(toolset, "auto", False, schema)  # raises: a schema with calls
         if calls and toolset is not None:
-            same = toolset is self.tools
-            spec = self.spec if same else self._tool_spec(toolset)
+            same = toolset is self.tools and not bounds
+            spec = self.spec if same else self._tool_spec(toolset, bounds)
             compiled = self.compiled if same else self._compile(spec)
         elif schema is _SAME and own_calls:
             spec, compiled = None, None  # this call has no tools: free text

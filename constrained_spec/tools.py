@@ -69,7 +69,7 @@ __all__ = ["Tool", "ToolCall", "ToolSet", "ToolFormat", "FORMATS", "DEFAULT_FORM
 
 ToolChoice = str  # "auto" | "required" | "none" | a tool's name
 _COMPACT = JsonLayout()  # the library's default layout (api.DEFAULT_LAYOUT)
-# (ToolSet.key(), format, backend, layout) -> the tool-call spec, most recent last
+# (ToolSet.key(), format, backend, layout, bounds) -> the tool-call spec, most recent last
 _SPECS: OrderedDict[tuple[Any, ...], SchemaSpec] = OrderedDict()
 _SPECS_LOCK = threading.Lock()
 _SPECS_SIZE = 64
@@ -391,38 +391,44 @@ class ToolSet:
         return json.dumps([parts, self.choice, self.parallel])
 
     # -- grammar ------------------------------------------------------------------------------
-    def spec(self, fmt: ToolFormat, backend: str = "xgrammar",
-             layout: JsonLayout | None = None) -> SchemaSpec:
+    def spec(self, fmt: ToolFormat, backend: str = "xgrammar", layout: JsonLayout | None = None,
+             *, max_string_length: int | None = None, max_items: int | None = None) -> SchemaSpec:
         """The grammar of this request's output in ``fmt``: a ``grammar`` spec whose ``target``
-        is the parser of the output (``Generator.finalize`` returns the calls)."""
+        is the parser of the output (``Generator.finalize`` returns the calls).
+        ``max_string_length`` / ``max_items`` bound the arguments' strings and arrays in the
+        grammar (the library's opt-in bounds); the calls are still validated against the tools'
+        own schemas."""
         if backend != "xgrammar":
             raise SchemaError("tool calls need structural tags, which the outlines backend does "
                               "not have; use the xgrammar backend", backend=backend)
         layout = layout or _COMPACT
         # a server builds the same tool set's grammar for request after request
-        key = (self.key(), fmt, backend, layout)
+        bounds = (max_string_length, max_items)
+        key = (self.key(), fmt, backend, layout, bounds)
         with _SPECS_LOCK:
             hit = _SPECS.get(key)
             if hit is not None:
                 _SPECS.move_to_end(key)
                 return hit
-        spec = self._build_spec(fmt, backend, layout)
+        spec = self._build_spec(fmt, backend, layout, bounds)
         with _SPECS_LOCK:
             _SPECS[key] = spec
             while len(_SPECS) > _SPECS_SIZE:
                 _SPECS.popitem(last=False)
         return spec
 
-    def _build_spec(self, fmt: ToolFormat, backend: str, layout: JsonLayout) -> SchemaSpec:
+    def _build_spec(self, fmt: ToolFormat, backend: str, layout: JsonLayout,
+                    bounds: tuple[int | None, int | None]) -> SchemaSpec:
         import xgrammar
         from xgrammar import structural_tag as st
 
-        from constrained_spec.schemas import convert_json_schema
+        from constrained_spec.schemas import bound_schema, convert_json_schema
 
         tags = []
         for tool in self.offered:
-            args = convert_json_schema(dataclasses.replace(tool.spec, layout=layout, key=""),
-                                       "xgrammar")
+            args_spec, _ = bound_schema(dataclasses.replace(tool.spec, layout=layout, key=""),
+                                        max_string_length=bounds[0], max_items=bounds[1])
+            args = convert_json_schema(args_spec, "xgrammar")
             tags.append(st.TagFormat(begin=fmt.begin(tool.name),
                                      content=st.GrammarFormat(grammar=str(args)),
                                      end=fmt.call_end))

@@ -158,3 +158,13 @@ def test_the_grammar_of_equal_tool_sets_is_built_once():
     assert a.spec(fmt) is b.spec(fmt)
     assert ToolSet(TOOLS, "auto").spec(fmt) is not a.spec(fmt)
     assert a.spec(FORMATS["llama3"]) is not a.spec(fmt)
+
+
+def test_the_opt_in_bounds_apply_to_the_arguments_in_the_grammar():
+    toolset, fmt = ToolSet([SEARCH], "required"), FORMATS["hermes"]
+    long = fmt.write([("search", {"q": "x" * 30})])
+    assert accepts(toolset, fmt, long)
+    assert not _grammar_accepts(toolset.spec(fmt, max_string_length=8), long)
+    assert _grammar_accepts(toolset.spec(fmt, max_string_length=8), fmt.write([CATS]))
+    # the calls are still validated against the tool's own schema
+    assert toolset.parse(long, fmt)[1][0].arguments == {"q": "x" * 30}
