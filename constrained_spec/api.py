@@ -440,7 +440,7 @@ class Generator(Generic[T]):
         """Compile ``spec`` with the bounds of this Generator (or of ``options``)."""
         if spec is None:
             return None
-        if isinstance(spec.target, ToolParser):  # the tools' own grammar: no bounds to add
+        if isinstance(spec.target, ToolParser):  # tool calls: bounds are in its arguments already
             return compile_spec(spec, self.model.tokenizer_data, backend=self.backend)
         grammar_spec, _ = self._bound(spec, options or {})
         return compile_spec(grammar_spec, self.model.tokenizer_data, backend=self.backend)
