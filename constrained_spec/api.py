@@ -54,6 +54,7 @@ from .reasoning import (
     split_reasoning,
 )
 from .stats import SpecStats
+from .tools import ToolParser, ToolSet, detect_format
 
 T = TypeVar("T")
 
@@ -282,14 +283,15 @@ def shared_drafter(model: LoadedModel, speculative: SpeculativeConfig | None) ->
 
 
 def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None,
-                       system_prompt: Any, max_tokens: int) -> list[int]:
+                       system_prompt: Any, max_tokens: int, tools: ToolSet | None = None
+                       ) -> list[int]:
     """The prompt's ids, refused when they and ``max_tokens`` do not fit the context. The
     speculative lookahead takes no room here (the engine drafts no further than max_tokens),
     so speculation changes neither the prompt nor whether it is accepted."""
     limit = loaded.runner.max_context
     # the default schema description shortens itself to fit beside max_tokens (prompts.py)
     ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
-                        reserved=max_tokens + 1)
+                        reserved=max_tokens + 1, tools=tools)
     if len(ids) + max_tokens + 1 > limit:
         raise PromptTooLongError(
             f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
@@ -359,6 +361,13 @@ class Generator(Generic[T]):
     max_reasoning_tokens:
         Thinking tokens before the end marker is forced (``None``: no budget). ``max_tokens``
         counts the reasoning too.
+    tools, tool_choice, parallel_tool_calls:
+        Tool calling (``constrained_spec.tools``): ``tools`` are typed Python functions,
+        Pydantic models or OpenAI tool dicts; ``tool_choice`` is ``"auto"`` (the model answers
+        in text or calls), ``"required"``, ``"none"`` or a tool's name. The value is a
+        :class:`~constrained_spec.tools.ToolCall` (a list of them with ``parallel_tool_calls``),
+        or the text under ``"auto"``. Under ``"none"`` the ``schema`` applies as usual; with
+        calls possible, ``schema`` must be None.
     """
 
     def __init__(self, model: Any = None, *, schema: Any = None, max_tokens: int = 512,
@@ -372,7 +381,9 @@ class Generator(Generic[T]):
                  max_retries: int | None = None,
                  retry_temperature: float = DEFAULT_RETRY_TEMPERATURE,
                  reasoning: ReasoningOption = "auto",
-                 max_reasoning_tokens: int | None = None) -> None:
+                 max_reasoning_tokens: int | None = None,
+                 tools: Any = None, tool_choice: Any = "auto",
+                 parallel_tool_calls: bool = False) -> None:
         if backend not in ("xgrammar", "outlines"):
             raise ConfigError(f"unknown grammar backend {backend!r}; use 'xgrammar' or 'outlines'",
                               option="backend")
@@ -397,6 +408,7 @@ class Generator(Generic[T]):
         self.layout = layout or DEFAULT_LAYOUT
         self.max_batch_size = _check_count(max_batch_size, "max_batch_size", minimum=1,
                                            allow_none=False)
+        self.tools = self._toolset(tools, tool_choice, parallel_tool_calls, schema)
         # schema problems surface before any model is loaded
         self.spec, self.report = self._prepare_spec(schema, schema_mode)
         #: the spec the grammar is compiled from: ``spec`` plus any bounds (max_string_length,
@@ -409,7 +421,30 @@ class Generator(Generic[T]):
         #: the reasoning markers in use (None: off)
         self.reasoning = resolve_reasoning(reasoning, self.model.tokenizer)
         self.drafter = shared_drafter(self.model, self.speculative)
+        #: how this model writes tool calls (its chat template's family, or the default)
+        self.tool_format = detect_format(self.model.tokenizer)
+        if self.tools is not None and self.tools.active:
+            self.spec = self.grammar_spec = self._tool_spec(self.tools)
         self.compiled = self._compile(self.spec)
+
+    def _toolset(self, tools: Any, tool_choice: Any, parallel: bool, schema: Any) -> ToolSet | None:
+        """The ToolSet of ``tools`` (None: none), checked before any model is loaded."""
+        if tools is None or isinstance(tools, ToolSet):
+            toolset = tools
+        else:
+            toolset = ToolSet(tools, tool_choice, parallel)
+        if toolset is not None and toolset.active and schema is not None:
+            raise ConfigError("a schema applies to text answers, and with tools the answer may "
+                              "be a call: give schema=None, or tool_choice='none'", option="schema")
+        return toolset
+
+    def _tool_spec(self, toolset: ToolSet, bounds: dict[str, Any] | None = None) -> SchemaSpec:
+        """The grammar of ``toolset``'s calls for this model, with this Generator's bounds (or
+        those of ``bounds``) on the arguments."""
+        bounds = bounds or {}
+        return toolset.spec(self.tool_format, self.backend, self.layout,
+                            max_string_length=bounds.get("max_string_length", self.max_string_length),
+                            max_items=bounds.get("max_items", self.max_items))
 
     def _prepare_spec(self, schema: Any, mode: SchemaMode) -> tuple[SchemaSpec | None, Any]:
         """The spec of ``schema`` and its pre-flight report under ``mode`` (None, None for free
@@ -429,6 +464,8 @@ class Generator(Generic[T]):
         """Compile ``spec`` with the bounds of this Generator (or of ``options``)."""
         if spec is None:
             return None
+        if isinstance(spec.target, ToolParser):  # tool calls: bounds are in its arguments already
+            return compile_spec(spec, self.model.tokenizer_data, backend=self.backend)
         grammar_spec, _ = self._bound(spec, options or {})
         return compile_spec(grammar_spec, self.model.tokenizer_data, backend=self.backend)
 
@@ -503,6 +540,7 @@ class Generator(Generic[T]):
     def make_request(self, prompt: str | Messages, *, schema: Any = _SAME,
                      schema_mode: SchemaMode | None = None,
                      on_tokens: Callable[[list[int]], None] | None = None,
+                     tools: Any = _SAME,
                      **overrides: Any) -> tuple[Request, SchemaSpec | None]:
         """A ready-to-run engine request for ``prompt`` and the spec to finalize it with.
 
@@ -510,8 +548,12 @@ class Generator(Generic[T]):
         normalised, checked (under ``schema_mode``, default the Generator's) and compiled here
         (compiles are cached). Raises :class:`ConstrainedSpecError` subclasses for bad input,
         before any compute. ``overrides``: any :class:`SamplingParams` field,
-        ``max_string_length``, ``max_items``, ``reasoning``, ``max_reasoning_tokens``.
+        ``max_string_length``, ``max_items``, ``reasoning``, ``max_reasoning_tokens``. ``tools``:
+        this request's :class:`~constrained_spec.tools.ToolSet` (or a list of tools, under
+        ``"auto"``; default the Generator's; None: no tools); while calls are possible, its
+        grammar replaces ``schema``.
         """
+        toolset = self.tools if tools is _SAME else self._toolset(tools, "auto", False, None)
         mode = self.schema_mode if schema_mode is None else _check_schema_mode(schema_mode)
         bounds = {k: overrides.pop(k) for k in _SPEC_OPTIONS if k in overrides}
         markers = (resolve_reasoning(overrides.pop("reasoning"), self.model.tokenizer)
@@ -527,7 +569,17 @@ class Generator(Generic[T]):
         params = SamplingParams(**{**self.sampling.__dict__, **overrides})
         _check_count(bounds.get("max_string_length"), "max_string_length", minimum=1, allow_none=True)
         _check_count(bounds.get("max_items"), "max_items", minimum=1, allow_none=True)
-        if schema is _SAME:
+        calls = toolset is not None and toolset.active
+        own_calls = self.tools is not None and self.tools.active  # self.spec is their grammar
+        if calls and schema is not _SAME and schema is not None:
+            self._toolset(toolset, "auto", False, schema)  # raises: a schema with calls
+        if calls and toolset is not None:
+            same = toolset is self.tools and not bounds
+            spec = self.spec if same else self._tool_spec(toolset, bounds)
+            compiled = self.compiled if same else self._compile(spec)
+        elif schema is _SAME and own_calls:
+            spec, compiled = None, None  # this call has no tools: free text
+        elif schema is _SAME:
             spec, compiled = self.spec, self.compiled
             if spec is not None and mode != self.schema_mode:
                 check_schema(spec, self.backend, mode)
@@ -536,7 +588,8 @@ class Generator(Generic[T]):
         else:
             spec, _ = self._prepare_spec(schema, mode)
             compiled = self._compile(spec, bounds)
-        ids = _encode_with_check(self.model, prompt, spec, self.system_prompt, params.max_tokens)
+        ids = _encode_with_check(self.model, prompt, None if calls else spec, self.system_prompt,
+                                 params.max_tokens, toolset)
         if markers is not None:  # the grammar starts after the reasoning
             matcher = reasoning_matcher(self.model, compiled, markers, ids, budget)
         else:
@@ -580,7 +633,12 @@ class Generator(Generic[T]):
                                          partial_text=text, token_ids=req.output_ids,
                                          stats=req.stats)
         try:
-            value = parse_output(spec, answer) if spec is not None else answer
+            if spec is None:
+                value = answer
+            elif isinstance(spec.target, ToolParser):  # tool calls: split, validated per tool
+                value = spec.target.value(answer)
+            else:
+                value = parse_output(spec, answer)
         except ConstrainedSpecError as e:
             if hasattr(e, "stats"):
                 e.stats = req.stats
@@ -654,7 +712,9 @@ def generate(model: Any, prompt: Any, *, schema: Any = None, max_tokens: int = 5
 
     Returns the validated value: a Pydantic instance for a Pydantic model, a dict for a JSON
     Schema, the string for a regex or grammar, the chosen value for choices; or a
-    :class:`GenerationResult` with ``return_result=True``.
+    :class:`GenerationResult` with ``return_result=True``. With ``tools=[...]`` (and
+    ``tool_choice``, ``parallel_tool_calls``): a :class:`~constrained_spec.tools.ToolCall`, a
+    list of them, or the text (``tool_choice="auto"``).
     """
     gen: Generator[Any] = Generator(model, schema=schema, max_tokens=max_tokens,
                                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

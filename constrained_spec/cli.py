@@ -156,6 +156,20 @@ def _add_generate_parser(sub: Any) -> None:
     _add_speculation_arguments(model)
     _add_sampling_arguments(gen)
     _add_lever_arguments(gen)
+    tools = gen.add_argument_group(
+        "tool calls", "the model answers with calls to these tools, printed as "
+        '{"name": ..., "arguments": {...}} (a list with --parallel-tool-calls), or with text '
+        "(a JSON string) under --tool-choice auto")
+    tools.add_argument("--tool", action="append", metavar="FILE.json",
+                       help="an OpenAI tool ({\"type\": \"function\", \"function\": {name, "
+                            "description, parameters}}) or a list of them; repeatable")
+    tools.add_argument("--tools", action="append", metavar="MODULE:FUNCTION,...",
+                       help="typed Python functions or Pydantic models as tools (MODULE may be a "
+                            ".py file); repeatable")
+    tools.add_argument("--tool-choice", metavar="CHOICE", default=None,
+                       help="auto (default: text or calls), required, none, or a tool's name")
+    tools.add_argument("--parallel-tool-calls", action="store_true",
+                       help="allow several calls in one answer")
     output = gen.add_argument_group("input and output")
     output.add_argument("--batch", metavar="FILE.jsonl",
                         help="one prompt or {prompt, schema} per line ('-' = stdin); JSONL out, "
@@ -449,9 +463,21 @@ def _read_text(path: str, option: str) -> str:
 
 def load_pydantic(ref: str) -> type:
     """Import ``module:Class`` (``module`` may be a dotted name or a ``.py`` file)."""
+    obj = import_ref(ref, "--pydantic", "MODULE:CLASS")
+    from pydantic import BaseModel
+
+    if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
+        raise SchemaError(f"--pydantic: {ref} is not a Pydantic model class "
+                          f"(got {type(obj).__name__})")
+    return obj
+
+
+def import_ref(ref: str, option: str, form: str = "MODULE:NAME") -> Any:
+    """Import ``module:name`` (``module`` a dotted name or a ``.py`` file; the current
+    directory is importable); errors name ``option``."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"expected MODULE:CLASS, got {ref!r}", option="--pydantic")
+        raise ConfigError(f"expected {form}, got {ref!r}", option=option)
     try:
         if module_name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
@@ -467,18 +493,44 @@ def load_pydantic(ref: str) -> type:
             module = importlib.import_module(module_name)
     except Exception as e:  # the user's module may raise anything while it is imported
         raise ConfigError(f"cannot import {module_name!r}: {type(e).__name__}: {e}",
-                          option="--pydantic") from e
+                          option=option) from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"module {module_name!r} has no {attr!r}", option="--pydantic")
+            raise ConfigError(f"module {module_name!r} has no {attr!r}", option=option)
         obj = getattr(obj, part)
-    from pydantic import BaseModel
-
-    if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
-        raise SchemaError(f"--pydantic: {ref} is not a Pydantic model class "
-                          f"(got {type(obj).__name__})")
     return obj
+
+
+def tools_from_args(args: argparse.Namespace) -> Any:
+    """The ToolSet of ``--tool`` / ``--tools`` / ``--tool-choice`` / ``--parallel-tool-calls``
+    (None without tools), checked before any model is loaded."""
+    from .tools import ToolSet
+
+    tools: list[Any] = []
+    for path in args.tool or []:
+        text = _read_text(path, "--tool")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: malformed JSON: {e.msg} at line {e.lineno}",
+                              option="--tool") from e
+        tools.extend(value if isinstance(value, list) else [value])
+    for refs in args.tools or []:
+        tools.extend(import_ref(ref.strip(), "--tools", "MODULE:FUNCTION")
+                     for ref in refs.split(",") if ref.strip())
+    if not tools:
+        if args.tool_choice is not None or args.parallel_tool_calls:
+            raise ConfigError("needs tools (--tool FILE.json or --tools MODULE:FUNCTION)",
+                              option="--tool-choice" if args.tool_choice else
+                              "--parallel-tool-calls")
+        return None
+    try:
+        return ToolSet(tools, args.tool_choice or "auto", args.parallel_tool_calls)
+    except ConfigError as e:
+        raise ConfigError(str(e).removeprefix(f"{e.option}: "),
+                          option={"tools": "--tool", "tool_choice": "--tool-choice"}.get(
+                              e.option or "", e.option)) from e
 
 
 # ------------------------------------------------------------------------------------------------
@@ -655,6 +707,9 @@ def _transformers_quiet(quiet: bool) -> Iterator[None]:
 
 def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     if args.batch is not None:
+        if args.tool or args.tools:
+            raise ConfigError("tools apply to one prompt; --batch is not supported with them",
+                              option="--batch")
         return _cmd_batch(args, out)
     layout = layout_from_args(args)
     schema = schema_from_args(args)
@@ -665,6 +720,9 @@ def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
                           "already be on stdout; drop --max-retries (no retries while "
                           "streaming) or drop --stream", option="--max-retries")
     speculative = speculative_from_args(args)
+    tools = tools_from_args(args)
+    if tools is not None:
+        return _cmd_tools(args, out, tools, schema, options, speculative, layout)
     prompt = _read_prompt(args)
     _preflight(schema, args, layout)
     gen = _load_generator(args, schema, options, speculative, layout)
@@ -682,6 +740,38 @@ def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
         out.write(output_json(item.text, is_json=is_json, indent=indent,
                               written_indent=None if layout is None else layout.indent) + "\n")
         out.flush()
+    return EXIT_OK
+
+
+def _cmd_tools(args: argparse.Namespace, out: TextIO, tools: Any, schema: Any,
+               options: dict[str, Any], speculative: Any, layout: Any) -> int:
+    """``generate`` with tools: prints the call(s) as JSON, or the text as a JSON string."""
+    from .tools import ToolCall
+
+    if tools.active and schema is not None:
+        raise ConfigError("a schema applies to text answers, and with tools the answer may be a "
+                          "call: drop the schema, or give --tool-choice none", option="--tool")
+    if args.stream:
+        raise ConfigError("tool calls are printed once complete and validated; drop --stream",
+                          option="--stream")
+    prompt = _read_prompt(args)
+    _preflight(schema, args, layout)
+    gen = _load_generator(args, schema, {**options, "tools": tools}, speculative, layout)
+    [item] = gen.batch([prompt], return_result=True)
+    if args.stats:
+        _print_stats(getattr(item, "stats", None))
+    if isinstance(item, BaseException):
+        raise item
+    value = item.value
+    indent = (2 if args.indent is None else args.indent) if args.pretty else None
+    if isinstance(value, ToolCall):
+        text = json.dumps(value.to_json(), ensure_ascii=False, indent=indent)
+    elif isinstance(value, list) and all(isinstance(v, ToolCall) for v in value):
+        text = json.dumps([v.to_json() for v in value], ensure_ascii=False, indent=indent)
+    else:  # a text answer (auto), or the schema's value (tool choice none)
+        text = output_json(item.text, is_json=_is_json_schema(schema), indent=indent)
+    out.write(text + "\n")
+    out.flush()
     return EXIT_OK
 
 

@@ -15,6 +15,13 @@ grammar enforces anyway (patterns, formats, bounds, ``additionalProperties``, de
 then the outline without descriptions, then the field names alone, cut to fit. The grammar
 enforces the structure whatever the message says, so a schema is never refused for the length
 of its description: only a user prompt or ``max_tokens`` too long for the context is.
+
+Tools (``tools=``, a :class:`~constrained_spec.tools.ToolSet`): a chat template with a tool
+section renders them itself (``apply_chat_template(tools=...)``); for any other template the
+tools are described in our system message within the same budget (their full JSON, then names,
+descriptions and argument names, then names alone). Earlier tool calls (an assistant message's
+``tool_calls``) and tool results (``tool`` messages) in the history are passed to a template with
+a tool section as they are, and otherwise written as text in the default call format.
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from constrained_spec.schemas import SchemaSpec
 from constrained_spec.schemas.spec import lone_surrogate
 
 from .errors import ConfigError
 
-Messages = list[dict[str, str]]
+if TYPE_CHECKING:
+    from .tools import ToolSet
+
+Messages = list[dict[str, Any]]
 
 #: Share of the model's context the default system message may take (e.g. 2,048 of 8,192
 #: tokens): a quarter leaves most of the context to the user's prompt and the output, and
@@ -294,6 +304,9 @@ def _message_content(content: Any, i: int) -> str:
 
 def build_messages(prompt: str | Messages, spec: SchemaSpec | None,
                    system_prompt: str | bool | None = None) -> Messages:
+    if isinstance(prompt, list):  # an assistant turn that only called tools has no content
+        prompt = [{**m, "content": ""} if isinstance(m, dict) and m.get("content") is None
+                  and m.get("role") == "assistant" else m for m in prompt]
     if isinstance(prompt, str):
         check_text(prompt, "prompt", "the prompt")
         messages: Messages = [{"role": "user", "content": prompt}]
@@ -323,14 +336,19 @@ def build_messages(prompt: str | Messages, spec: SchemaSpec | None,
 
 def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | None,
                   system_prompt: str | bool | None = None, *, context: int | None = None,
-                  reserved: int = 0) -> list[int]:
+                  reserved: int = 0, tools: ToolSet | None = None) -> list[int]:
     """Token ids of the full model input, generation prompt included.
 
     With ``context`` (the model's context in tokens) and ``reserved`` (the tokens kept for the
     output: max_tokens and the speculative lookahead), the default system message fits a budget
     of ``SCHEMA_PROMPT_SHARE * context`` tokens and whatever the rest of the prompt and
-    ``reserved`` leave (module docstring); without them it is the full description.
+    ``reserved`` leave (module docstring); without them it is the full description. ``tools``
+    (active: ``tool_choice`` not "none") are described instead of ``spec``.
     """
+    if isinstance(prompt, list):
+        prompt = _tool_history(tokenizer, prompt)
+    if tools is not None and tools.active:
+        return _encode_with_tools(tokenizer, prompt, tools, system_prompt, context, reserved)
     messages = build_messages(prompt, spec, system_prompt)
     if isinstance(prompt, str) and not prompt.strip():
         raise ConfigError("the prompt is empty", option="prompt")
@@ -368,11 +386,94 @@ def _fitting_description(tokenizer: Any, spec: SchemaSpec, budget: int) -> str:
     return text
 
 
-def _encode_messages(tokenizer: Any, messages: Messages) -> list[int]:
+def _encode_messages(tokenizer: Any, messages: Messages,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         text = "\n\n".join(m["content"] for m in messages) + "\n"
         ids = tokenizer.encode(text)
     return list(ids)
+
+
+def _tool_history(tokenizer: Any, messages: Messages) -> Messages:
+    """Earlier tool calls and tool results in ``messages``, as the template takes them: as they
+    are for a template with a tool section (arguments given as JSON text parsed, as templates
+    write them with ``tojson``), else written as text in the default call format (results as a
+    user turn in ``<tool_response>`` tags)."""
+    if not any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+               for m in messages):
+        return messages
+    from .tools import detect_format
+
+    fmt = detect_format(tokenizer)
+    out: Messages = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            parsed: list[tuple[str, Any, Any]] = []
+            for j, c in enumerate(calls):
+                fn = c.get("function", c) if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ConfigError(f"message {i}, tool call {j}: expected {{'type': 'function', "
+                                      "'function': {'name', 'arguments'}}", option="prompt")
+                args = fn.get("arguments") or {}
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"message {i}, tool call {j}: arguments are not JSON: "
+                                          f"{e.msg}", option="prompt") from e
+                parsed.append((fn["name"], args, c))
+            if fmt.default:
+                text = fmt.write([(n, a) for n, a, _ in parsed])
+                content = m.get("content") or ""
+                out.append({"role": "assistant", "content": f"{content}\n{text}".strip()})
+            else:
+                out.append({**m, "content": m.get("content") or "", "tool_calls": [
+                    {**c, "type": "function", "function": {"name": n, "arguments": a}}
+                    for n, a, c in parsed]})
+        elif isinstance(m, dict) and m.get("role") == "tool" and fmt.default:
+            content = _message_content(m.get("content") or "", i)
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append(m)
+    return out
+
+
+def _encode_with_tools(tokenizer: Any, prompt: str | Messages, tools: ToolSet,
+                       system_prompt: str | bool | None, context: int | None,
+                       reserved: int) -> list[int]:
+    """The prompt with the tools: rendered by a template with a tool section, else described
+    in our system message (the most detailed description that fits the budget)."""
+    from .tools import detect_format
+
+    fmt = detect_format(tokenizer)
+    user = build_messages(prompt, None, False)
+    if not fmt.default:
+        messages = build_messages(prompt, None, system_prompt if isinstance(system_prompt, str)
+                                  else False)
+        return _encode_messages(tokenizer, messages, [t.openai() for t in tools.offered])
+    if system_prompt is not None or any(m["role"] == "system" for m in user):
+        # the user's system message stays theirs; the tools follow it in the same message
+        messages = build_messages(prompt, None, system_prompt if isinstance(system_prompt, str)
+                                  else False)
+        text = tools.describe(fmt)
+        if system_prompt is not False:
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+        return _encode_messages(tokenizer, messages)
+    if context is None:
+        return _encode_messages(tokenizer, [{"role": "system", "content": tools.describe(fmt)},
+                                            *user])
+    base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user])
+    budget = min(int(SCHEMA_PROMPT_SHARE * context), context - reserved - len(base))
+    for detail in (0, 1, 2):
+        text = tools.describe(fmt, detail)
+        if detail == 2 or len(tokenizer.encode(text, add_special_tokens=False)) <= budget:
+            break
+    return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user])

@@ -37,6 +37,7 @@ from constrained_spec.errors import (
     OutputValidationError,
 )
 from constrained_spec.serving import EngineLoop
+from constrained_spec.tools import ToolParser
 
 from .protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -46,6 +47,7 @@ from .protocol import (
     api_error,
     chat_prompt,
     schema_of,
+    toolset_of,
 )
 from .streaming import Choice, Outcome
 
@@ -124,6 +126,7 @@ class Server:
         """Engine requests for the ``n`` choices (runs on the prep thread); with ``attempt``
         >= 1, the retry of the choices ``indices`` (``max_retries``, :class:`RetryPolicy`)."""
         schema, mode = schema_of(body.response_format)
+        tools = toolset_of(body)
         prompt = chat_prompt(body.messages)
         overrides = _sampling_overrides(body)
         policy = self.retry_policy(body)
@@ -136,7 +139,7 @@ class Server:
             options = policy.options(options, attempt, self.generator.sampling)
             try:
                 req, spec = self.generator.make_request(prompt, schema=schema, schema_mode=mode,
-                                                        **options)
+                                                        tools=tools, **options)
             except ConstrainedSpecError as e:
                 raise api_error(e, schema_param=schema_param) from e
             out.append((req, spec, mode))
@@ -168,6 +171,11 @@ class Server:
             if req.error is not None:
                 logger.error("request %s failed: %r", req.id, req.error)
             return Outcome("", "error", api_error(result), tokens, result=result)
+        if isinstance(choice.spec.target if choice.spec is not None else None, ToolParser):
+            content, calls = choice.spec.target.split(result.text)
+            if calls:
+                return Outcome(content, "tool_calls", completion_tokens=tokens, result=result,
+                               tool_calls=calls)
         return Outcome(result.text, "stop", completion_tokens=tokens, result=result)
 
 

@@ -2,8 +2,10 @@
 and the mapping of library errors and request fields onto them.
 
 Nothing here runs a model: a request is parsed and checked (``parse_body``), its
-``response_format`` turned into a schema and a pre-flight mode (``schema_of``), its messages
-into the library's prompt (``chat_prompt``). Every refusal is an :class:`APIError`, answered in
+``response_format`` turned into a schema and a pre-flight mode (``schema_of``), its ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` into a :class:`~constrained_spec.tools.ToolSet`
+(``toolset_of``), its messages (tool calls and tool results included) into the library's
+prompt (``chat_prompt``). Every refusal is an :class:`APIError`, answered in
 OpenAI's envelope ``{"error": {message, type, param, code}}`` with an HTTP status.
 """
 
@@ -25,6 +27,7 @@ from constrained_spec.errors import (
     SchemaError,
 )
 from constrained_spec.serving import QueueFullError
+from constrained_spec.tools import ToolSet
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 #: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a
@@ -81,8 +84,10 @@ def api_error(exc: BaseException, *, schema_param: str | None = "response_format
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(BaseModel):
@@ -112,21 +117,25 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, strict=True)
     no_repeat_ngram_size: int | None = Field(default=None, strict=True)
     max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES, strict=True)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = Field(default=None, strict=True)
 
 
 # request fields that would change the answer and that this server does not implement:
 # refused rather than silently ignored (a falsy value is accepted: clients send defaults)
-_UNSUPPORTED = ("tools", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+_UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                 "audio", "frequency_penalty", "presence_penalty", "prediction", "min_p",
                 "reasoning_effort", "web_search_options")
 # request fields that do not change the answer: accepted and ignored
-_IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
-            "prompt_cache_key")
+_IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 # OpenAI's penalties subtract from the logits by count; the guard here divides (as vLLM's and
 # transformers' repetition_penalty) or bans repeated n-grams: a different setting, not a rename
-_INSTEAD = dict.fromkeys(("frequency_penalty", "presence_penalty"),
-                         "; use repetition_penalty (> 1 penalises the tokens already in the "
-                         "output, 1.1 to 1.3 is typical) or no_repeat_ngram_size instead")
+_INSTEAD = {**dict.fromkeys(("frequency_penalty", "presence_penalty"),
+                            "; use repetition_penalty (> 1 penalises the tokens already in the "
+                            "output, 1.1 to 1.3 is typical) or no_repeat_ngram_size instead"),
+            **dict.fromkeys(("functions", "function_call"),
+                            " (OpenAI's deprecated form); use tools and tool_choice")}
 
 
 def parse_body(raw: bytes) -> ChatCompletionRequest:
@@ -149,7 +158,7 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
             if value:
                 raise APIError(400, f"{name} is not supported by this server"
                                f"{_INSTEAD.get(name, '')}", param=name, code="unsupported_parameter")
-        elif name in ("tool_choice", "modalities"):
+        elif name == "modalities":
             if value not in (None, "none", [], ["text"]):  # what the server does anyway
                 raise APIError(400, f"{name} {value!r:.40} is not supported by this server",
                                param=name, code="unsupported_parameter")
@@ -158,6 +167,9 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
             raise APIError(400, f"unknown parameter {name!r:.60}: this server does not implement "
                            "it; remove it from the request", param=name[:60],
                            code="unknown_parameter")
+    if body.tool_choice not in (None, "none") and not body.tools:
+        raise APIError(400, "tool_choice needs tools: give the tools the model may call",
+                       param="tool_choice", code="invalid_value")
     if body.stream and body.max_retries:
         raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
                        "attempt would already be sent; leave max_retries out (a streamed "
@@ -195,8 +207,31 @@ def schema_of(response_format: dict[str, Any] | None) -> tuple[Any, SchemaMode]:
                    "'json_object' or 'text'", param="response_format.type")
 
 
-def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages -> the library's ``[{role, content}]`` (text content parts joined)."""
+def toolset_of(body: ChatCompletionRequest) -> ToolSet | None:
+    """The request's tools, ``tool_choice`` (default "auto") and ``parallel_tool_calls``
+    (default true, as OpenAI's) as a ToolSet; None without tools. A ``response_format`` schema
+    together with tools that may be called is refused: the answer may be a call."""
+    if not body.tools:
+        return None
+    parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
+    choice = "auto" if body.tool_choice is None else body.tool_choice
+    try:
+        toolset = ToolSet(body.tools, choice, parallel)
+    except SchemaError as e:
+        raise APIError(400, f"bad tool: {e}", param="tools", code="invalid_schema") from e
+    except ConfigError as e:
+        raise APIError(400, str(e), param=e.option or "tools", code="invalid_value") from e
+    kind = (body.response_format or {}).get("type")
+    if toolset.active and kind in ("json_schema", "json_object"):
+        raise APIError(400, f"response_format {kind} cannot be combined with tools the model may "
+                       "call (tool_choice 'none' keeps the tools out)", param="response_format",
+                       code="unsupported_parameter")
+    return toolset
+
+
+def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the library's ``[{role, content}]`` (text content parts joined; an
+    assistant turn's ``tool_calls`` and a tool turn's ``tool_call_id`` kept)."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -209,7 +244,12 @@ def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
                 parts.append(part["text"])
             content = "".join(parts)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 

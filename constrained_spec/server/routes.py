@@ -2,7 +2,9 @@
 metrics on, ``GET /metrics``; and the error handlers that answer in OpenAI's envelope.
 
 ``POST /v1/chat/completions`` reads ``response_format`` (json_schema / json_object / text),
-``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, and as
+``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, ``tools``,
+``tool_choice``, ``parallel_tool_calls`` (calls come back as ``message.tool_calls`` with
+``finish_reason`` "tool_calls", streamed as OpenAI's tool-call deltas), and as
 vLLM-style extra parameters ``top_k`` and the library's output-quality levers
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``max_retries``; any other parameter is
 refused with a 400 naming it, except bookkeeping ones such as ``user`` or ``metadata``
@@ -148,7 +150,7 @@ async def _complete(server: Server, request: Request, body: ChatCompletionReques
     return JSONResponse({
         "id": completion_id, "object": "chat.completion", "created": created, "model": body.model,
         "system_fingerprint": None,
-        "choices": [{"index": c.index, "message": {"role": "assistant", "content": o.text, "refusal": None},
+        "choices": [{"index": c.index, "message": o.message(),
                      "logprobs": None, "finish_reason": o.finish_reason}
                     for c, o in zip(choices, outcomes)],
         "usage": usage(choices, outcomes),

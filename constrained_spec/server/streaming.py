@@ -21,6 +21,7 @@ from fastapi import Request
 
 from constrained_spec.api import SchemaMode
 from constrained_spec.serving import Ticket
+from constrained_spec.tools import StreamingToolParser, ToolParser
 
 from .protocol import APIError, api_error, envelope
 
@@ -104,6 +105,17 @@ class Choice:
     def request(self) -> Any:
         return self.ticket.request
 
+    def tool_stream(self) -> StreamingToolParser | None:
+        """The parser of this choice's streamed tool calls (None: no tool calls possible)."""
+        target = self.spec.target if self.spec is not None else None
+        if not isinstance(target, ToolParser):
+            return None
+        if self._parser is None:
+            self._parser = StreamingToolParser(target.tools, target.fmt)
+        return self._parser
+
+    _parser: StreamingToolParser | None = None
+
 
 @dataclass
 class Outcome:
@@ -116,6 +128,16 @@ class Outcome:
     # what Generator.finalize returned (None when a stop string ended the text): RetryPolicy
     # decides from it whether ``max_retries`` runs the choice again
     result: Any = None
+    #: the calls of a choice that made tool calls (finish_reason "tool_calls"); ``text`` is
+    #: then the text written before them
+    tool_calls: list[Any] | None = None
+
+    def message(self) -> dict[str, Any]:
+        """The choice's OpenAI ``message``."""
+        if self.tool_calls:
+            return {"role": "assistant", "content": self.text or None, "refusal": None,
+                    "tool_calls": [c.openai() for c in self.tool_calls]}
+        return {"role": "assistant", "content": self.text, "refusal": None}
 
 
 async def disconnected(request: Request) -> None:
@@ -193,7 +215,20 @@ async def stream(server: Server, request: Request, choices: Sequence[Choice], co
     # client going away (_GONE) and a failure of the producer (the exception)
     out: asyncio.Queue[Any] = asyncio.Queue()
 
+    def tool_deltas(choice: Choice, parser: StreamingToolParser, final: bool) -> None:
+        # OpenAI's tool-call deltas: the text before the calls as content, then per call its
+        # id, type and name with empty arguments, then the arguments as they are written
+        content, calls = parser.feed(choice.text.text, final=final)
+        if content:
+            out.put_nowait(chunk([delta(choice, {"content": content})]))
+        for call in calls:
+            out.put_nowait(chunk([delta(choice, {"tool_calls": [call]})]))
+
     async def on_text(choice: Choice, text: str) -> None:
+        parser = choice.tool_stream()
+        if parser is not None:
+            tool_deltas(choice, parser, final=False)
+            return
         out.put_nowait(chunk([delta(choice, {"content": text})]))
 
     outcomes: dict[int, Outcome] = {}
@@ -202,6 +237,12 @@ async def stream(server: Server, request: Request, choices: Sequence[Choice], co
         o = outcomes[choice.index] = await server.outcome_async(choice)
         if o.error is not None:
             raise o.error
+        parser = choice.tool_stream()
+        if parser is not None:
+            choice.text.text = choice.text.decode(choice.text.ids)
+            tool_deltas(choice, parser, final=True)
+            out.put_nowait(chunk([delta(choice, {}, o.finish_reason)]))
+            return
         rest = choice.text.finish(o.text)
         out.put_nowait(chunk([delta(choice, {"content": rest} if rest else {}, o.finish_reason)]))
 

@@ -74,7 +74,11 @@ def test_request_bodies_are_checked_with_the_parameter_named():
         b"{nope": None,
         b'{"model": "m", "messages": []}': "messages",
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}': "n",
-        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}': "tools",
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{}]}': "functions",
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}':
+            "tool_choice",
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": 1}':
+            "parallel_tool_calls",
         b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}': "messages.0.role",
     }
     for raw, param in cases.items():
