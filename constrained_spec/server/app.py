@@ -150,7 +150,19 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.finish, self.outcome, choice)
 
     def outcome(self, choice: Choice) -> Outcome:
-        """The final text and finish_reason of a finished choice (or its error)."""
+        """The final text and finish_reason of a finished choice (or its error), with a
+        reasoning model's thinking."""
+        o = self._outcome(choice)
+        if choice.thought is not None:
+            result = o.result
+            o.reasoning = getattr(result, "reasoning", None)
+            if o.reasoning is None:  # an error or a stop string: what was thought until then
+                o.reasoning = choice.thought.text.strip()
+                if o.finish_reason == "length":  # the answer part of the partial output
+                    o.text = choice.text.text
+        return o
+
+    def _outcome(self, choice: Choice) -> Outcome:
         req = choice.request
         tokens = len(req.output_ids)
         if choice.text.stopped:
@@ -195,6 +207,8 @@ def _sampling_overrides(body: ChatCompletionRequest) -> dict[str, Any]:
         overrides["repetition_penalty"] = body.repetition_penalty
     if body.no_repeat_ngram_size is not None:
         overrides["no_repeat_ngram_size"] = body.no_repeat_ngram_size
+    if body.max_reasoning_tokens is not None:
+        overrides["max_reasoning_tokens"] = body.max_reasoning_tokens
     return overrides
 
 

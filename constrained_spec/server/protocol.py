@@ -117,6 +117,8 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, strict=True)
     no_repeat_ngram_size: int | None = Field(default=None, strict=True)
     max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES, strict=True)
+    # a reasoning model's thinking budget (the library's max_reasoning_tokens; absent: none)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0, strict=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(default=None, strict=True)
@@ -134,6 +136,7 @@ _IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "p
 _INSTEAD = {**dict.fromkeys(("frequency_penalty", "presence_penalty"),
                             "; use repetition_penalty (> 1 penalises the tokens already in the "
                             "output, 1.1 to 1.3 is typical) or no_repeat_ngram_size instead"),
+            "reasoning_effort": "; a reasoning model's thinking is bounded by max_reasoning_tokens",
             **dict.fromkeys(("functions", "function_call"),
                             " (OpenAI's deprecated form); use tools and tool_choice")}
 

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from constrained_spec.errors import ConstrainedSpecError
 
 from .protocol import APIError, ChatCompletionRequest, api_error, envelope, parse_body, stop_strings
-from .streaming import Choice, ChoiceText, Outcome, disconnected, run_choices, stream, usage
+from .streaming import Choice, Outcome, disconnected, run_choices, stream, usage
 
 if TYPE_CHECKING:
     from .app import Server
@@ -104,7 +104,7 @@ async def _chat_completions(server: Server, request: Request) -> Response:
         tickets = server.loop.submit([req for req, _, _ in built])
     except ConstrainedSpecError as e:
         raise api_error(e) from e
-    choices = [Choice(i, t, spec, mode, ChoiceText(server.decode, stop if spec is None else ()))
+    choices = [Choice.of(i, t, spec, mode, server.decode, stop if spec is None else ())
                for i, (t, (_, spec, mode)) in enumerate(zip(tickets, built))]
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -178,7 +178,8 @@ async def run_attempts(server: Server, body: ChatCompletionRequest,
             except ConstrainedSpecError as e:
                 raise api_error(e) from e
             for c, ticket in zip(running, tickets):
-                c.ticket, c.text = ticket, ChoiceText(server.decode, c.text.stop)
+                fresh = Choice.of(c.index, ticket, c.spec, c.mode, server.decode, c.text.stop)
+                c.ticket, c.text, c.thought, c._seen = ticket, fresh.text, fresh.thought, 0
         await run_choices(running)
         for c in running:
             outcomes[c.index] = await server.outcome_async(c)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from constrained_spec.api import SchemaMode
+from constrained_spec.grammar.reasoning import ReasoningMatcher
 from constrained_spec.serving import Ticket
 from constrained_spec.tools import StreamingToolParser, ToolParser
 
@@ -91,19 +92,58 @@ class ChoiceText:
         return new
 
 
+class ThoughtText(ChoiceText):
+    """The reasoning of a choice as its tokens arrive (a reasoning model's think block): the
+    start marker dropped, text that could begin the end marker held back, cut at it."""
+
+    def __init__(self, decode: Any, markers: tuple[str, str]) -> None:
+        self.start_marker = markers[0]
+        super().__init__(self._decode_thought, [markers[1]])
+        self._decode_all = decode
+
+    def _decode_thought(self, ids: Sequence[int]) -> str:
+        text = self._decode_all(ids).lstrip()
+        if self.start_marker.startswith(text):
+            return ""  # the start marker, or the first pieces of it
+        return text.removeprefix(self.start_marker).lstrip()
+
+
 @dataclass
 class Choice:
-    """One of the ``n`` outputs of a chat completion while it runs."""
+    """One of the ``n`` outputs of a chat completion while it runs. With a reasoning model
+    (its request's matcher a `grammar.reasoning.ReasoningMatcher`), ``thought`` takes the
+    tokens before the answer and ``text`` the answer's."""
 
     index: int
     ticket: Ticket
     spec: Any
     mode: SchemaMode
     text: ChoiceText
+    thought: ThoughtText | None = None
+    _seen: int = 0  # output tokens received so far
+
+    @classmethod
+    def of(cls, index: int, ticket: Ticket, spec: Any, mode: SchemaMode, decode: Any,
+           stop: Sequence[str] = ()) -> Choice:
+        matcher = ticket.request.matcher
+        thought = ThoughtText(decode, matcher.markers) if isinstance(matcher, ReasoningMatcher) else None
+        return cls(index, ticket, spec, mode, ChoiceText(decode, stop), thought)
 
     @property
     def request(self) -> Any:
         return self.ticket.request
+
+    def split(self, ids: list[int]) -> tuple[list[int], list[int]]:
+        """(reasoning ids, answer ids) of newly arrived ``ids``. The engine commits tokens to
+        the request's matcher before it hands them out, so its ``answer_start`` is known for
+        every token that has arrived (a later one only moves past them)."""
+        if self.thought is None:
+            return [], ids
+        first = self._seen
+        self._seen += len(ids)
+        cut = self.request.matcher.answer_start
+        cut = self._seen if cut is None else min(max(cut - first, 0), len(ids)) + first
+        return ids[: cut - first], ids[cut - first:]
 
     def tool_stream(self) -> StreamingToolParser | None:
         """The parser of this choice's streamed tool calls (None: no tool calls possible)."""
@@ -131,13 +171,20 @@ class Outcome:
     #: the calls of a choice that made tool calls (finish_reason "tool_calls"); ``text`` is
     #: then the text written before them
     tool_calls: list[Any] | None = None
+    #: a reasoning model's thinking (``reasoning_content``); None for other models
+    reasoning: str | None = None
 
     def message(self) -> dict[str, Any]:
-        """The choice's OpenAI ``message``."""
+        """The choice's OpenAI ``message`` (with ``reasoning_content`` as vLLM / DeepSeek
+        name a reasoning model's thinking)."""
         if self.tool_calls:
-            return {"role": "assistant", "content": self.text or None, "refusal": None,
-                    "tool_calls": [c.openai() for c in self.tool_calls]}
-        return {"role": "assistant", "content": self.text, "refusal": None}
+            msg = {"role": "assistant", "content": self.text or None, "refusal": None,
+                   "tool_calls": [c.openai() for c in self.tool_calls]}
+        else:
+            msg = {"role": "assistant", "content": self.text, "refusal": None}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        return msg
 
 
 async def disconnected(request: Request) -> None:
@@ -171,12 +218,21 @@ async def _events(choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, list
 
 async def run_choices(choices: Sequence[Choice],
                       on_text: Callable[[Choice, str], Awaitable[None]] | None = None,
-                      on_done: Callable[[Choice], Awaitable[None]] | None = None) -> None:
-    """Consume every choice's tokens; cancel a choice at its stop string."""
+                      on_done: Callable[[Choice], Awaitable[None]] | None = None,
+                      on_thought: Callable[[Choice, str], Awaitable[None]] | None = None) -> None:
+    """Consume every choice's tokens; cancel a choice at its stop string (which applies to
+    the answer: a reasoning model's thinking goes to ``on_thought``)."""
     async for choice, ids in _events(choices):
         if ids is None:
             if on_done is not None:
                 await on_done(choice)
+            continue
+        thought, ids = choice.split(ids)
+        if thought and choice.thought is not None:
+            told = choice.thought.feed(thought)
+            if told and on_thought is not None:
+                await on_thought(choice, told)
+        if not ids:
             continue
         delta = choice.text.feed(ids)
         if choice.text.stopped:
@@ -233,10 +289,17 @@ async def stream(server: Server, request: Request, choices: Sequence[Choice], co
 
     outcomes: dict[int, Outcome] = {}
 
+    async def on_thought(choice: Choice, text: str) -> None:
+        out.put_nowait(chunk([delta(choice, {"reasoning_content": text})]))
+
     async def on_done(choice: Choice) -> None:
         o = outcomes[choice.index] = await server.outcome_async(choice)
         if o.error is not None:
             raise o.error
+        if choice.thought is not None:
+            rest = choice.thought.finish()
+            if rest:
+                out.put_nowait(chunk([delta(choice, {"reasoning_content": rest})]))
         parser = choice.tool_stream()
         if parser is not None:
             choice.text.text = choice.text.decode(choice.text.ids)
@@ -248,7 +311,7 @@ async def stream(server: Server, request: Request, choices: Sequence[Choice], co
 
     async def produce() -> None:
         try:
-            await run_choices(choices, on_text, on_done)
+            await run_choices(choices, on_text, on_done, on_thought)
             if include_usage:
                 out.put_nowait(chunk([], usage(choices, [outcomes[c.index] for c in choices])))
             out.put_nowait(None)
