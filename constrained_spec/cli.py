@@ -248,6 +248,16 @@ def _add_lever_arguments(parser: argparse.ArgumentParser) -> None:
                         help="maxLength N on every string of the schema that has no bound")
     levers.add_argument("--max-items", type=int, metavar="N",
                         help="maxItems N on every array of the schema that has no bound")
+    thinking = parser.add_argument_group(
+        "reasoning models", "a model that thinks (<think> ... </think>) before its answer: the "
+                            "thinking is free, the schema applies to the answer")
+    thinking.add_argument("--reasoning", choices=("auto", "on", "off"), default="auto",
+                          help="auto: on when the chat template names reasoning markers "
+                               "(default: %(default)s)")
+    thinking.add_argument("--max-reasoning-tokens", type=int, default=None, metavar="N",
+                          help="thinking tokens before the end marker is forced (default: no budget)")
+    thinking.add_argument("--show-reasoning", action="store_true",
+                          help="print the thinking to stderr (stdout keeps the answer only)")
 
 
 def _add_schema_check_parser(sub: Any) -> None:
@@ -576,6 +586,7 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     Bad values fail here, before a model is loaded, with the library's own checks and messages.
     """
     from .api import _check_count, _check_retry_temperature
+    from .reasoning import check_reasoning_budget
 
     options: dict[str, Any] = {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -588,6 +599,9 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     options["max_retries"] = _check_count(args.max_retries, "max_retries", minimum=0,
                                           allow_none=True)
     options["retry_temperature"] = _check_retry_temperature(args.retry_temperature)
+    reasoning = getattr(args, "reasoning", "auto")
+    options["reasoning"] = {"auto": "auto", "on": True, "off": False}[reasoning]
+    options["max_reasoning_tokens"] = check_reasoning_budget(getattr(args, "max_reasoning_tokens", None))
     return options
 
 
@@ -727,10 +741,13 @@ def _cmd_generate(args: argparse.Namespace, out: TextIO) -> int:
     _preflight(schema, args, layout)
     gen = _load_generator(args, schema, options, speculative, layout)
     is_json = _is_json_schema(schema)
-    stream = TextStream(gen.model.tokenizer, out, quote=not is_json) if args.stream else None
+    stream = TextStream(gen.model.tokenizer, out, quote=not is_json,
+                        after=None if gen.reasoning is None else gen.reasoning.end) \
+        if args.stream else None
     [item] = gen.batch([prompt], return_result=True, on_tokens=stream)
     if stream is not None:
         stream.finish(None if isinstance(item, BaseException) else item.text)
+    _print_reasoning(args, item)
     if args.stats:
         _print_stats(getattr(item, "stats", None))
     if isinstance(item, BaseException):
@@ -758,6 +775,7 @@ def _cmd_tools(args: argparse.Namespace, out: TextIO, tools: Any, schema: Any,
     _preflight(schema, args, layout)
     gen = _load_generator(args, schema, {**options, "tools": tools}, speculative, layout)
     [item] = gen.batch([prompt], return_result=True)
+    _print_reasoning(args, item)
     if args.stats:
         _print_stats(getattr(item, "stats", None))
     if isinstance(item, BaseException):
@@ -783,10 +801,11 @@ class TextStream:
     string, escaped piece by piece, so stdout still carries JSON.
     """
 
-    def __init__(self, tokenizer: Any, out: TextIO, *, quote: bool) -> None:
+    def __init__(self, tokenizer: Any, out: TextIO, *, quote: bool, after: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.out = out
         self.quote = quote
+        self.after = after  # a reasoning model's end marker: only the answer after it is written
         self.ids: list[int] = []
         self.written = ""
         self.started = False
@@ -794,7 +813,13 @@ class TextStream:
     def __call__(self, index: int, ids: list[int]) -> None:
         self.ids.extend(ids)
         # an incomplete UTF-8 sequence decodes to U+FFFD until its last byte arrives
-        self._write_upto(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
+        if self.after is not None:
+            cut = text.find(self.after)
+            if cut < 0:
+                return  # still thinking
+            text = text[cut + len(self.after):]
+        self._write_upto(text)
 
     def _write_upto(self, text: str) -> None:
         if not text.startswith(self.written):
@@ -818,6 +843,14 @@ class TextStream:
         if self.started:
             self.out.write("\n")
             self.out.flush()
+
+
+def _print_reasoning(args: argparse.Namespace, item: Any) -> None:
+    """--show-reasoning: a reasoning model's thinking on stderr (an error's partial output
+    holds it already)."""
+    thought = getattr(item, "reasoning", None)
+    if getattr(args, "show_reasoning", False) and thought is not None:
+        print(f"reasoning: {thought}", file=sys.stderr, flush=True)
 
 
 def _print_stats(stats: Any) -> None:
