@@ -25,6 +25,7 @@ the 4-bit file plus the non-4-bit tensors).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -40,10 +41,14 @@ ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat
 GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 kernel group)
 
 
+# cached: asked on every weight multiply (through Linear.supports), and an op lookup on
+# torch.ops.aten costs microseconds each time
+@functools.cache
 def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+@functools.cache
 def int8_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
