@@ -38,6 +38,13 @@ KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4")
 ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                      "int8": torch.bfloat16, "int4": torch.bfloat16}
 GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 kernel group)
+# Kernels whose result rows do not depend on the number of rows multiplied (each row reduced in
+# the same order whether it is multiplied alone or among 2..512 others; measured on x86 with
+# AVX-512 and capped to AVX2, tests/kernels/test_row_invariance.py checks it on the machine it
+# runs on): oneDNN's bf16 GEMM and torch's int4 / int8 weight-only kernels. MKL's fp32 GEMM
+# picks its blocking by shape (a 1-row product differs from the same row among 2, 4, 6, ...),
+# so float32 is not row-invariant, through F.linear or oneDNN's fp32 linear alike.
+ROW_INVARIANT_KERNELS: frozenset[str] = frozenset({"bf16", "int4", "int8"})
 
 
 def int4_kernel_available() -> bool:
