@@ -54,8 +54,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .slots import SlotAllocator
 from .plan import exact_mode
+from .slots import SlotAllocator
 from .weights import (
     ACT_DTYPE,
     GROUP,
