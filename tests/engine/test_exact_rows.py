@@ -102,3 +102,25 @@ def test_a_runner_that_is_not_exact_reads_only_the_keys_it_needs(model):
     assert runner._batch([s], [[1, 2]], "decode").Lk == 72
     runner.exact = True
     assert runner._batch([s], [[1, 2]], "decode").Lk == 128
+
+
+def test_an_exact_plan_runs_every_decode_row_count_on_one_row_invariant_kernel():
+    from constrained_spec.plan import _decode_buckets
+    from constrained_spec.weights import ROW_INVARIANT_KERNELS
+
+    times = {1: {"fp32": 1.0, "bf16": 3.0, "int4": 2.0},  # ms per forward of that many rows
+             6: {"fp32": 2.0, "bf16": 2.6, "int4": 2.5},
+             24: {"fp32": 3.0, "bf16": 4.0, "int4": 9.0}}
+    assert {k for _, k in _decode_buckets(times)} == {"fp32"}
+    exact = _decode_buckets(times, exact=True)
+    assert len(exact) == 1 and exact[0][1] in ROW_INVARIANT_KERNELS
+    assert exact[0][1] == "bf16"  # closest to the fastest over 1, 6 and 24 rows (int4: 3x at 24)
+
+
+def test_an_exact_runner_ignores_row_buckets_of_a_fixed_plan(model):
+    runner = LeanRunner(model, dtype=torch.bfloat16, device=CPU)
+    runner.set_plan(KernelPlan.parse("prefill=bf16,decode=int8:4/bf16,lm_head=bf16"))
+    s = runner.new_slot()
+    assert runner._batch([s], [[1] * 12], "decode").kernel == "int8"  # the 1-row kernel
+    runner.exact = False
+    assert runner._batch([s], [[1] * 12], "decode").kernel == "bf16"
