@@ -124,3 +124,28 @@ def test_an_exact_runner_ignores_row_buckets_of_a_fixed_plan(model):
     assert runner._batch([s], [[1] * 12], "decode").kernel == "int8"  # the 1-row kernel
     runner.exact = False
     assert runner._batch([s], [[1] * 12], "decode").kernel == "bf16"
+
+
+def family_names() -> list[str]:
+    from test_runner_families import FAMILIES
+
+    # phi3's longrope picks its factors from the last position of each call (as transformers
+    # does per sequence): a verify crossing that position differs from 1-row decodes, by design
+    return [f for f in FAMILIES if f != "phi3"]
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_every_lean_family_computes_verify_and_batched_rows_as_one_row_decodes(name):
+    from test_runner_families import model_of
+
+    fam_model = model_of(name)
+    runner = LeanRunner(fam_model, dtype=torch.bfloat16, device=CPU)
+    vocab = fam_model.config.vocab_size
+    prompt = [3 + t % (vocab - 3) for t in random_tokens(70, 7)]
+    drafts = [3 + t % (vocab - 3) for t in random_tokens(6, 8)]
+    alone = runner.new_slot()
+    runner.forward([alone], [prompt], [0])
+    decodes = torch.cat([runner.forward([alone], [[t]], [1]) for t in drafts])
+    mine, other = runner.new_slot(), runner.new_slot()
+    runner.forward([other, mine], [prompt[:2], prompt], [0, 0])
+    assert torch.equal(runner.forward([other, mine], [drafts[:1], drafts], [1, 6])[1:], decodes)
