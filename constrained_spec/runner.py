@@ -31,17 +31,20 @@ the kernel's dtype; the KV cache has the plan's. Every weight multiply goes thro
 Row invariance (``exact``, the default): every row of a forward -- a verify row, a padded batch
 row, a prompt row -- is computed exactly as a forward of that row alone at the same position
 would compute it, so a greedy output does not depend on speculation or on the other requests
-in the batch. What it takes (measured, `plan.ROW_INVARIANT_KERNELS`): the linears and the LM
-head run a kernel whose per-row reduction does not depend on the number of rows (bf16 on
-oneDNN, torch's int4 and int8 weight-only kernels; not MKL's fp32 GEMM), one kernel for every
+in the batch. What it takes (measured, `weights.ROW_INVARIANT_KERNELS`): the linears and the
+LM head run a kernel whose per-row reduction does not depend on the number of rows (torch's
+int4 and int8 weight-only kernels; bf16 on oneDNN with a 1-row product padded to 2 rows; not
+MKL's fp32 GEMM), one kernel for every
 decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); attention reads the
 keys from position 0 up to a multiple of `KEY_BLOCK` (padding masked): SDPA's CPU kernel splits
 keys into blocks from the first key and reduces each query on its own, so a query then reduces
 over the same blocks in the same order whatever the number of queries, keys past its own
-block, or the batch (measured in bf16; its float32 path depends on the batch). Prompts
-(``phase="prefill"``) keep their row buckets, chosen per request from its own rows: a batch of
-prompts is run as one forward per kernel, and one per prompt on a kernel that is not row
-invariant. RoPE, norms, embeddings and activations are per row already.
+block, or the batch (measured in bf16; its float32 path depends on the batch) -- but SDPA
+blocks the queries of a call, so a decode / verify forward calls it once per row position,
+one query per slot (costly: 2.6x a 6-row verify at 200 keys, 6x at 1,000 on a loaded 2-core
+machine; a query-invariant attention kernel is what would remove that cost). Prompts
+(``phase="prefill"``) run one per forward in a batch, so a prompt's kernel and query blocks
+come from its own length. RoPE, norms, embeddings and activations are per row already.
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ from .slots import SlotAllocator
 from .weights import (
     ACT_DTYPE,
     GROUP,
-    ROW_INVARIANT_KERNELS,
     Int4Groups,
     Linear,
     int4_kernel_available,
@@ -441,7 +443,8 @@ class LeanRunner(Runner):
         self.f_cache = None
 
     def lm_head_linear(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
-        return self.lm_head_weight(hidden, self._kernel(self.lm_head_weight, kernel))
+        return self.lm_head_weight(hidden, self._kernel(self.lm_head_weight, kernel),
+                                   row_invariant=self.exact)
 
     def resident_bytes(self) -> int:
         """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
@@ -510,7 +513,7 @@ class LeanRunner(Runner):
         plan): EVERY weight multiply of the forward (qkv, o, gate_up, down, lm_head) goes
         through here."""
         lin = L[name]
-        return lin(x, self._kernel(lin, kernel))
+        return lin(x, self._kernel(lin, kernel), row_invariant=self.exact)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim as the family's transformers module computes it."""
@@ -563,12 +566,25 @@ class LeanRunner(Runner):
         return masks
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Attention of q [B, T, H, hd] over keys / vals [B, S, KV, hd] under mask [B, 1, T, S]
-        -> [B, T, H * hd]."""
+        -> [B, T, H * hd]; ``decode``: decode / verify rows (exact: one query per call)."""
         B, T, H, hd = q.shape
         KV = keys.shape[2]
         fam = self.family
+        if fam.attn_softcap is None and self.exact and decode:
+            # SDPA blocks the queries of a call, and a query among T reduces in another order
+            # than alone: each row position is its own call of one query per slot (q_len 1, as
+            # a 1-row decode), over its own keys in whole KEY_BLOCKs
+            outs = []
+            for t in range(T):
+                last = int((mask[:, 0, t] * torch.arange(1, mask.shape[-1] + 1)).max())  # keys seen
+                S = min(keys.shape[1], -(-last // KEY_BLOCK) * KEY_BLOCK)
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, t: t + 1].transpose(1, 2), keys[:, :S].transpose(1, 2),
+                    vals[:, :S].transpose(1, 2), attn_mask=mask[:, :, t: t + 1, :S],
+                    enable_gqa=KV != H, scale=fam.attn_scale))  # [B, H, 1, hd]
+            return torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, H * hd)
         if fam.attn_softcap is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
@@ -603,15 +619,13 @@ class LeanRunner(Runner):
         if phase is None:
             phase = "decode" if any(num_logits) else "prefill"
         if self.exact and phase == "prefill" and len(slots) > 1:
-            # each prompt's kernel from its own rows, whatever it is batched with: one forward
-            # per kernel, and one per prompt on a kernel whose rows depend on the row count
-            kernels = {self.plan.prefill_kernel(len(t)) for t in tokens}
-            if len(kernels) > 1 or not kernels <= ROW_INVARIANT_KERNELS:
-                outs = [self.forward([s], [t], [n], return_hidden=return_hidden, phase=phase)
-                        for s, t, n in zip(slots, tokens, num_logits)]
-                if return_hidden:
-                    return tuple(torch.cat(parts) for parts in zip(*outs))
-                return torch.cat(outs)
+            # each prompt alone, whatever it is batched with: its kernel from its own rows, and
+            # SDPA's query blocks (which depend on the number of queries) from its own length
+            outs = [self.forward([s], [t], [n], return_hidden=return_hidden, phase=phase)
+                    for s, t, n in zip(slots, tokens, num_logits)]
+            if return_hidden:
+                return tuple(torch.cat(parts) for parts in zip(*outs))
+            return torch.cat(outs)
         fb = self._batch(slots, tokens, phase)
         x = F.embedding(fb.ids, self.embed)  # [B, T, D]
         if self.embed_scale is not None:
@@ -664,7 +678,7 @@ class LeanRunner(Runner):
             slots=list(slots), lengths=lengths, ends=ends, ids=ids.to(dev), pos=pos, Lk=Lk,
             masks=self._masks(pos, starts, Lk), slot_t=slot_t,
             write_idx=(slot_t[:, None].expand(B, T), pos),
-            contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel)
+            contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel, phase=phase)
 
     def _layer(self, i: int, L: dict[str, Any], x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
         """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""
@@ -692,7 +706,8 @@ class LeanRunner(Runner):
             keys = kc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
             vals = vc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
         act = ACT_DTYPE[kernel]
-        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask), L, "o", kernel)  # [B, T, D]
+        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask, fb.phase == "decode"),
+                         L, "o", kernel)  # [B, T, D]
         if fam.gemma_norms:
             a = self._rms(a, L["post_attn"])
         x = x + a
@@ -734,6 +749,7 @@ class _ForwardBatch:
     write_idx: tuple[torch.Tensor, torch.Tensor]  # (slot, position) [B, T] each: cache rows written
     contiguous: bool  # slots are consecutive: the cache is read by slicing
     kernel: str  # the plan's kernel for this forward's rows
+    phase: str = "decode"  # "prefill" or "decode" (see LeanRunner.forward)
     rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
