@@ -577,19 +577,23 @@ class LeanRunner(Runner):
         B, T, H, hd = q.shape
         KV = keys.shape[2]
         fam = self.family
-        if fam.attn_softcap is None and self.exact and decode:
+        if fam.attn_softcap is None and self.exact and decode and T > 1:
             # SDPA blocks the queries of a call, and a query among T reduces in another order
-            # than alone: each row position is its own call of one query per slot (q_len 1, as
-            # a 1-row decode), over its own keys in whole KEY_BLOCKs
-            outs = []
-            for t in range(T):
-                last = int((mask[:, 0, t] * torch.arange(1, mask.shape[-1] + 1)).max())  # keys seen
-                S = min(keys.shape[1], -(-last // KEY_BLOCK) * KEY_BLOCK)
-                outs.append(F.scaled_dot_product_attention(
-                    q[:, t: t + 1].transpose(1, 2), keys[:, :S].transpose(1, 2),
-                    vals[:, :S].transpose(1, 2), attn_mask=mask[:, :, t: t + 1, :S],
-                    enable_gqa=KV != H, scale=fam.attn_scale))  # [B, H, 1, hd]
-            return torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, H * hd)
+            # than alone; over the batch it does not (bf16, measured): the T row positions are
+            # folded into the batch, one query each (q_len 1, as a 1-row decode), every one
+            # over the same whole KEY_BLOCKs (keys past a query's own block are masked and
+            # change nothing: tests/kernels/test_row_invariance.py). One slot's keys are a
+            # stride-0 view; several slots' are copied T times.
+            S = keys.shape[1]
+            kf = keys.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
+            vf = vals.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
+            kf = kf[0] if B == 1 else kf.reshape(B * T, KV, S, hd)
+            vf = vf[0] if B == 1 else vf.reshape(B * T, KV, S, hd)
+            out = F.scaled_dot_product_attention(
+                q.reshape(B * T, 1, H, hd).transpose(1, 2), kf, vf,
+                attn_mask=mask.transpose(1, 2).reshape(B * T, 1, 1, S),
+                enable_gqa=KV != H, scale=fam.attn_scale)  # [B * T, H, 1, hd]
+            return out.reshape(B, T, H * hd)
         if fam.attn_softcap is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,

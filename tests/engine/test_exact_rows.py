@@ -149,3 +149,27 @@ def test_every_lean_family_computes_verify_and_batched_rows_as_one_row_decodes(n
     mine, other = runner.new_slot(), runner.new_slot()
     runner.forward([other, mine], [prompt[:2], prompt], [0, 0])
     assert torch.equal(runner.forward([other, mine], [drafts[:1], drafts], [1, 6])[1:], decodes)
+
+
+@pytest.mark.parametrize("prompt_len", [37, 300, 700])
+def test_the_embedded_model_verifies_rows_as_one_row_decodes_in_its_own_plan(embedded, prompt_len):
+    """At the embedded model's shapes (9 query heads over 3, head dim 64), where SDPA reduces
+    a query among several in another order than alone, and its plan's kernels."""
+    runner = embedded.runner
+    assert runner.exact
+    g = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(100, 40000, (prompt_len,), generator=g).tolist()
+    drafts = torch.randint(100, 40000, (6,), generator=g).tolist()
+    slots = [runner.new_slot() for _ in range(4)]
+    try:
+        alone, verify, other = slots[0], slots[1], slots[2]
+        runner.forward([alone], [prompt], [0])
+        decodes = torch.cat([runner.forward([alone], [[t]], [1]) for t in drafts])
+        runner.forward([verify], [prompt], [0])
+        assert torch.equal(runner.forward([verify], [drafts], [6]), decodes)
+        runner.forward([other, slots[3]], [prompt[:20], prompt], [0, 0])
+        logits = runner.forward([other, slots[3]], [drafts[:2], drafts], [2, 6])
+        assert torch.equal(logits[2:], decodes)
+    finally:
+        for s in slots:
+            runner.free_slot(s)
