@@ -50,8 +50,12 @@ What counts
       ones (lenient compiles them with a warning). Raw backends declare nothing.
     * a valid instance rejected because it has a property its object does not declare is
       strict mode's narrowing (xgrammar ``strict_mode=True``, the library's default: only
-      declared properties are generated); the table shows the valid-rejected share and the
-      share with a rejection this does not explain (`Prepared.undeclared_property`).
+      declared properties are generated; `Prepared.undeclared_property`). One that is outside
+      the schema as read through the pre-flight report's "narrowed" issues (a node without
+      ``type`` generated as the object / array its keywords describe) plus strict mode is a
+      declared narrowing (`Prepared.narrowing_declared`). The table shows the valid-rejected
+      share and the share with a rejection neither explains ("undeclared"; their instance
+      numbers are in the records, ``valid_rejected_ids``).
     * an instance labelled invalid for which the validator finds no error ("validator-blind":
       a format neither jsonschema nor schemas/formats.py checks, or a label the validator
       disagrees with) cannot be attributed: when a system accepts it, it is counted as silently
@@ -481,6 +485,7 @@ def check_ours(ctx: Context, schema: Any, tests: list[dict], time_limit: float) 
         return {"status": "error", "error": _short(exc), "time_s": time.perf_counter() - t0}
     out["unsupported"] = [i.format() for i in report.unsupported]
     out["ignored"] = [i.pointer for i in report.ignored]
+    out["narrowed"] = [[i.keyword, i.pointer] for i in report.narrowed]
     try:
         compiled = compile_spec(spec, ctx.tok, backend="xgrammar", timeout_s=time_limit)
     except SchemaError as exc:
@@ -562,6 +567,7 @@ class Prepared:
             self.tests.append({"valid": bool(t["valid"]), "text": text})
         self._errors: dict[int, list[Any] | None] = {}
         self._strict: Any = None
+        self._narrowed: dict[tuple, Any] = {}
 
     def undeclared_property(self, i: int) -> bool:
         """Whether instance `i` has a property its object does not declare: the narrowing of
@@ -571,23 +577,54 @@ class Prepared:
         that declares ``properties`` / ``patternProperties`` and no ``additionalProperties``,
         after the rewrite that declares required names (`backends.declarable_required`)."""
         if self._strict is None:
-            from constrained_spec.schemas.backends import declarable_required, map_schema
+            self._strict = self._reading(self.schema)
+        return self._rejects(self._strict, i)
 
-            def close(node: Any) -> Any:
-                if isinstance(node, dict) and any(k in node for k in ("properties", "patternProperties")) \
-                        and not any(k in node for k in ("additionalProperties", "unevaluatedProperties")):
-                    node = {**node, "properties": {**(node.get("properties") or {}),
-                                                   **declarable_required(node)},
-                            "additionalProperties": False}
-                return node
-            try:
-                self._strict = make_validator(map_schema(self.schema, close))
-            except Exception:
-                self._strict = False
-        if self._strict is False:
+    def narrowing_declared(self, i: int, narrowed: list[list[str]]) -> bool:
+        """Whether instance `i` is outside the schema as the backend reads it by the pre-flight
+        report's "narrowed" issues (`narrowed`: ``[keyword, pointer]`` pairs) and strict mode:
+        a node without ``type`` reported there is given the type xgrammar generates for it
+        (object / array keywords -> that type); then strict mode's closing of objects."""
+        key = tuple(tuple(n) for n in narrowed)
+        if key not in self._narrowed:
+            import copy
+
+            schema = copy.deepcopy(self.schema)
+            for keyword, pointer in narrowed:
+                if keyword != "type":
+                    continue
+                node: Any = schema
+                for part in pointer_parts(pointer):
+                    node = node[int(part)] if isinstance(node, list) else node.get(part) \
+                        if isinstance(node, dict) else None
+                if isinstance(node, dict) and "type" not in node:
+                    node["type"] = "object" if any(k in node for k in (
+                        "properties", "additionalProperties", "unevaluatedProperties")) else "array"
+            self._narrowed[key] = self._reading(schema)
+        return self._rejects(self._narrowed[key], i)
+
+    @staticmethod
+    def _reading(schema: Any) -> Any:
+        """The validator of `schema` with strict mode's closed objects (False if unusable)."""
+        from constrained_spec.schemas.backends import declarable_required, map_schema
+
+        def close(node: Any) -> Any:
+            if isinstance(node, dict) and any(k in node for k in ("properties", "patternProperties")) \
+                    and not any(k in node for k in ("additionalProperties", "unevaluatedProperties")):
+                node = {**node, "properties": {**(node.get("properties") or {}),
+                                               **declarable_required(node)},
+                        "additionalProperties": False}
+            return node
+        try:
+            return make_validator(map_schema(schema, close))
+        except Exception:
+            return False
+
+    def _rejects(self, validator: Any, i: int) -> bool:
+        if validator is False:
             return False
         try:
-            return not self._strict.is_valid(self.raw[i]["data"])
+            return not validator.is_valid(self.raw[i]["data"])
         except Exception:
             return False
 
@@ -607,17 +644,25 @@ def prepare_tests(schema: Any, tests: list[dict]) -> list[dict]:
     return Prepared(schema, tests).tests
 
 
-def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None) -> dict:
+def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None,
+             narrowed: list[list[str]] | None = None) -> dict:
     """Counts for one system (and one set of declared pointers): see the module docstring."""
-    counts = {"valid_ok": 0, "valid_rejected": 0, "valid_rejected_strict": 0, "invalid_rejected": 0,
-              "declared": 0, "silent": 0, "blind": 0}
+    counts = {"valid_ok": 0, "valid_rejected": 0, "valid_rejected_strict": 0,
+              "valid_rejected_declared": 0, "invalid_rejected": 0, "declared": 0, "silent": 0,
+              "blind": 0}
     silent_ids: list[int] = []
+    undeclared_ids: list[int] = []
     decl = Declarations(prep.schema, pointers or [])
     for i, (t, acc) in enumerate(zip(prep.tests, accepted)):
         if t["valid"]:
             counts["valid_ok" if acc else "valid_rejected"] += 1
             if not acc and prep.undeclared_property(i):
                 counts["valid_rejected_strict"] += 1
+                counts["valid_rejected_declared"] += 1
+            elif not acc and narrowed is not None and prep.narrowing_declared(i, narrowed):
+                counts["valid_rejected_declared"] += 1
+            elif not acc:
+                undeclared_ids.append(i)
             continue
         if not acc:
             counts["invalid_rejected"] += 1
@@ -633,6 +678,7 @@ def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None) -
             counts["silent"] += 1
             silent_ids.append(i)
     counts["silent_ids"] = silent_ids
+    counts["valid_rejected_ids"] = undeclared_ids
     return counts
 
 
@@ -646,8 +692,8 @@ def evaluate(ctx: Context, row: dict, system: str, time_limit: float,
         accepted = result["accepted"]
         if system == "ours":
             lenient = result["ignored"] + [_pointer_of(u) for u in result["unsupported"]]
-            result["counts"] = classify(prep, accepted, result["ignored"])
-            result["counts_lenient"] = classify(prep, accepted, lenient)
+            result["counts"] = classify(prep, accepted, result["ignored"], result["narrowed"])
+            result["counts_lenient"] = classify(prep, accepted, lenient, result["narrowed"])
         else:
             result["counts"] = classify(prep, accepted, None)
     result.pop("accepted", None)
@@ -753,6 +799,13 @@ def summarize(records: list[dict], systems: tuple[str, ...]) -> dict[str, dict[s
                 s[prefix + "valid_rejected_other"] = 100.0 * sum(
                     1 for x, o in zip(res, outcomes) if o != "not_compiled"
                     and x[key]["valid_rejected"] > x[key].get("valid_rejected_strict", 0)) / n
+                # ... and those with one that no narrowing of the report (nor strict mode) explains
+                s[prefix + "valid_rejected_undeclared"] = 100.0 * sum(
+                    1 for x, o in zip(res, outcomes) if o != "not_compiled"
+                    and x[key]["valid_rejected"] > x[key].get("valid_rejected_declared", 0)) / n
+                s[prefix + "valid_rejected_undeclared_n"] = sum(
+                    1 for x, o in zip(res, outcomes) if o != "not_compiled"
+                    and x[key]["valid_rejected"] > x[key].get("valid_rejected_declared", 0))
                 s[prefix + "blind_n"] = sum(
                     x[key]["blind"] for x, o in zip(res, outcomes) if o != "not_compiled")
             s["time_s"] = sum(x.get("time_s", 0.0) for x in res)
@@ -776,13 +829,14 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
             "Ours (xgrammar backend). compiled / correct: default mode (unsupported keyword -> "
             "refused) and lenient mode; declared = an invalid instance accepted, every such one "
             "named by the pre-flight report; silent = an invalid instance accepted unannounced; "
-            "valid-rejected = a valid instance rejected (narrowing); of those, other than strict = "
-            "one that is not explained by strict mode's undeclared properties (see the docstring). "
+            "valid-rejected = a valid instance rejected (narrowing); of those, undeclared = one "
+            "that neither strict mode's undeclared properties nor a \"narrowed\" issue of the "
+            "pre-flight report explains (see the docstring). "
             "Shares of the split's schemas.",
             "",
             "| split | schemas | tests | compiled | compiled (lenient) | correct | correct (lenient) "
             "| declared-not-enforced | silently-wrong | silently-wrong (lenient) | valid-rejected "
-            "| valid-rejected other than strict | time |",
+            "| valid-rejected undeclared | time |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for split in order:
@@ -792,7 +846,8 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
                 f"| {name} | {e['n']} | {e['tests']} | {s['compiled']:.1f}% | {s['lenient_compiled']:.1f}% "
                 f"| {s['correct']:.1f}% | {s['lenient_correct']:.1f}% | {s['declared']:.1f}% "
                 f"| {s['silent']:.1f}% ({s['silent_n']}) | {s['lenient_silent']:.1f}% ({s['lenient_silent_n']}) "
-                f"| {s['valid_rejected']:.1f}% | {s['valid_rejected_other']:.1f}% | {s['time_s']:.0f} s |")
+                f"| {s['valid_rejected']:.1f}% | {s['valid_rejected_undeclared']:.1f}% "
+                f"({s['valid_rejected_undeclared_n']}) | {s['time_s']:.0f} s |")
         lines.append("")
     raw = [s for s in systems if s != "ours"]
     if raw:

@@ -606,8 +606,10 @@ class _XGrammarWalker(_Walker):
         if types is None:
             if any(k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):
                 types = ["object"]
+                self.untyped(path, "object")
             elif any(k in node for k in ("items", "prefixItems", "unevaluatedItems")):
                 types = ["array"]
+                self.untyped(path, "array")
             elif default_type:
                 types = [default_type]
             else:
@@ -619,6 +621,15 @@ class _XGrammarWalker(_Walker):
                 return
         for t in types:
             getattr(self, f"t_{t}", lambda *a: None)(node, path, stack)
+
+    def untyped(self, path: list[Any], generated: str) -> None:
+        # JSON Schema applies object (array) keywords to objects (arrays) only: without a 'type'
+        # any other value is valid too. xgrammar generates the type the keywords describe, which
+        # is what an LM asked for this schema should write; the report says it.
+        self.add("type", to_pointer(path), "narrowed",
+                 f"no 'type' here: xgrammar generates an {generated}, as the {generated} keywords "
+                 f"describe, although the schema also allows any value that is not an {generated}; "
+                 f"add a 'type' listing the others if they are wanted")
 
     def t_string(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
         fmt = node.get("format")
