@@ -378,7 +378,7 @@ def outlines_whitespace(layout: JsonLayout) -> str:
 # character is `[^"\\\r\n]`: no escape at all (a valid "line1\nline2" is refused) and raw control
 # characters other than CR / LF (a raw tab: not JSON, json.loads refuses it). The rule, exactly as
 # xgrammar 0.2.9 prints it:
-_XGR_LENGTH_CHAR_RULE = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_XGR_LENGTH_CHAR_RULE = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
 # ... and one JSON string character instead: an unescaped character JSON allows, or an escape.
 # Each alternative is one character of the decoded string, so {min,max} still counts what
 # JSON Schema counts (code points). A \uD800-\uDFFF escape is left out: a surrogate pair is two

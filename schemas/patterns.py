@@ -187,11 +187,14 @@ def search_pattern(pattern: str, *, any_text: str, dot: str = LINE_CHAR,
 
 
 def xgrammar_pattern(pattern: str) -> str:
-    """`pattern` with every group's ``?`` quantifier written ``{0,1}``.
+    """`pattern` with every group's ``?`` quantifier written ``{0,1}`` and raw control characters
+    written as escapes.
 
     xgrammar 0.2.9 mis-compiles an optional group inside a JSON string pattern: ``x(-[a-z]+)?``
     accepts "xa" (the group's first character is skipped) and ``(-[a-z]+)?`` accepts any word;
-    ``{0,1}`` is compiled correctly (``Grammar.from_regex`` is not affected).
+    ``{0,1}`` is compiled correctly (``Grammar.from_regex`` is not affected). Its regex lexer
+    refuses a raw newline in a character class (SchemaStore's github-workflows writes
+    ``(.|[<CR><LF>])*`` with real CR / LF characters in the JSON string); ``\\n`` means the same.
     """
     pieces = scan_regex(pattern)
     out = []
@@ -200,6 +203,26 @@ def xgrammar_pattern(pattern: str) -> str:
             out.append("{0,1}")
         else:
             out.append(text)
+    return _escape_controls("".join(out))
+
+
+def _escape_controls(pattern: str) -> str:
+    r"""Raw control characters of a regex written as escapes (one after a backslash loses the
+    backslash: ``\`` + LF is the same literal LF as ``\n``)."""
+    if not any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in pattern):
+        return pattern
+    names = {"\n": r"\n", "\t": r"\t", "\r": r"\r"}
+    out: list[str] = []
+    escaped = False
+    for ch in pattern:
+        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+            if escaped:
+                out.pop()  # the backslash before it
+            out.append(names.get(ch, f"\\x{ord(ch):02x}"))
+            escaped = False
+            continue
+        out.append(ch)
+        escaped = ch == "\\" and not escaped
     return "".join(out)
 
 

@@ -255,3 +255,18 @@ def test_an_untyped_node_with_object_or_array_keywords_is_reported_narrowed():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_schema(spec, "xgrammar")
+
+
+def test_length_limited_strings_under_hyphenated_definition_names_admit_escapes(ascii_tok):
+    # SchemaStore citation-file-format: "$defs"-style names with a hyphen name xgrammar's rules
+    schema = {"definitions": {"identifier-description": {"type": "string", "minLength": 1}},
+              "type": "object", "properties": {"d": {"$ref": "#/definitions/identifier-description"}}}
+    assert matcher(schema, ascii_tok).accepts_text('{"d": "a\\\\b\\n"}')
+
+
+def test_a_pattern_with_raw_newlines_in_a_class_compiles(ascii_tok):
+    """SchemaStore github-workflows: ``(.|[CR LF])*`` with real CR / LF characters; xgrammar's
+    lexer refused the schema ("Character class should not contain newline")."""
+    m = matcher({"type": "string", "pattern": "^\\$\\{\\{(.|[\r\n])*\\}\\}$"}, ascii_tok)
+    assert m.accepts_text('"${{ github.ref }}"')
+    assert not m.accepts_text('"${{ x }"')
