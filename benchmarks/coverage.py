@@ -485,7 +485,7 @@ def check_ours(ctx: Context, schema: Any, tests: list[dict], time_limit: float) 
         return {"status": "error", "error": _short(exc), "time_s": time.perf_counter() - t0}
     out["unsupported"] = [i.format() for i in report.unsupported]
     out["ignored"] = [i.pointer for i in report.ignored]
-    out["narrowed"] = [[i.keyword, i.pointer] for i in report.narrowed]
+    out["narrowed"] = [[i.keyword, i.pointer, i.construct or ""] for i in report.narrowed]
     try:
         compiled = compile_spec(spec, ctx.tok, backend="xgrammar", timeout_s=time_limit)
     except SchemaError as exc:
@@ -582,24 +582,33 @@ class Prepared:
 
     def narrowing_declared(self, i: int, narrowed: list[list[str]]) -> bool:
         """Whether instance `i` is outside the schema as the backend reads it by the pre-flight
-        report's "narrowed" issues (`narrowed`: ``[keyword, pointer]`` pairs) and strict mode:
+        report's "narrowed" issues (`narrowed`: ``[keyword, pointer, construct]``) and strict mode:
         a node without ``type`` reported there is given the type xgrammar generates for it
-        (object / array keywords -> that type); then strict mode's closing of objects."""
+        (object / array keywords -> that type), a string ``pattern`` reported there admits no
+        character JSON writes only escaped; then strict mode's closing of objects."""
         key = tuple(tuple(n) for n in narrowed)
         if key not in self._narrowed:
             import copy
 
             schema = copy.deepcopy(self.schema)
-            for keyword, pointer in narrowed:
-                if keyword != "type":
+            for keyword, pointer, *construct in narrowed:
+                parts = pointer_parts(pointer)
+                if keyword == "pattern" and construct == ["json-escape"] and parts[-1:] == ["pattern"]:
+                    parts = parts[:-1]
+                elif keyword != "type":
                     continue
                 node: Any = schema
-                for part in pointer_parts(pointer):
+                for part in parts:
                     node = node[int(part)] if isinstance(node, list) else node.get(part) \
                         if isinstance(node, dict) else None
-                if isinstance(node, dict) and "type" not in node:
+                if not isinstance(node, dict):
+                    continue
+                if keyword == "type" and "type" not in node:
                     node["type"] = "object" if any(k in node for k in (
                         "properties", "additionalProperties", "unevaluatedProperties")) else "array"
+                elif keyword == "pattern":  # no character JSON writes only as an escape
+                    node["allOf"] = list(node.get("allOf") or []) + [
+                        {"not": {"pattern": '["\\\\\\x00-\\x1f]'}}]
             self._narrowed[key] = self._reading(schema)
         return self._rejects(self._narrowed[key], i)
 

@@ -14,6 +14,7 @@ them.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 __all__ = ["ANY_CHAR", "LINE_CHAR", "REGEX_FEATURES", "python_dots", "python_regex",
            "regex_escape", "regex_features", "scan_regex", "search_pattern", "strip_edge_anchors",
@@ -408,3 +409,63 @@ def _is_quantifier(pieces: list[tuple[str, str]], i: int) -> bool:
             j -= 1
         return _QUANTIFIER_BRACES.fullmatch("".join(t for _, t in pieces[j:i + 1])) is not None
     return False
+
+
+# What a JSON string can only hold escaped: the quote, the backslash, control characters.
+_ESCAPED_ONLY = frozenset(['"', "\\"] + [chr(c) for c in range(0x20)])
+
+
+def pattern_admits_escaped(pattern: str) -> bool:
+    """Whether a string `pattern` matches can hold a character JSON writes only as an escape
+    (``"``, ``\\``, a control character): some character the pattern can write is one of them.
+    xgrammar's JSON-string patterns never write an escape, so such values are not generated.
+    Conservative: look-around contents are not counted, a pattern Python cannot parse is."""
+    try:
+        from re import _parser as sre_parse  # type: ignore[attr-defined]
+    except ImportError:  # Python 3.10
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        tree = sre_parse.parse(pattern)
+    except Exception:
+        return True
+    codes = {ord(c) for c in _ESCAPED_ONLY}
+    in_class = {"CATEGORY_SPACE": {9, 10, 11, 12, 13}, "CATEGORY_NOT_SPACE": codes - {9, 10, 11, 12, 13},
+                "CATEGORY_DIGIT": set(), "CATEGORY_NOT_DIGIT": codes, "CATEGORY_WORD": set(),
+                "CATEGORY_NOT_WORD": codes}
+
+    def class_admits(items: list) -> bool:
+        hit: set[int] = set()
+        negate = False
+        for op, arg in items:
+            name = str(op)
+            if name == "NEGATE":
+                negate = True
+            elif name == "LITERAL":
+                hit |= {arg} & codes
+            elif name == "RANGE":
+                hit |= {c for c in codes if arg[0] <= c <= arg[1]}
+            elif name == "CATEGORY":
+                hit |= in_class.get(str(arg), codes)
+        return bool(codes - hit) if negate else bool(hit)
+
+    def admits(seq: Any) -> bool:
+        for op, arg in seq:
+            name = str(op)
+            if name == "LITERAL" and arg in codes:
+                return True
+            if name in ("NOT_LITERAL", "ANY"):
+                return True
+            if name == "IN" and class_admits(arg):
+                return True
+            if name == "BRANCH" and any(admits(b) for b in arg[1]):
+                return True
+            if name == "SUBPATTERN" and admits(arg[-1]):
+                return True
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and arg[1] > 0 \
+                    and admits(arg[2]):
+                return True
+            if name == "ATOMIC_GROUP" and admits(arg):
+                return True
+        return False
+
+    return admits(tree)

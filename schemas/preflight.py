@@ -34,7 +34,13 @@ from .backends import (
     convert_json_schema,
     declarable_required,
 )
-from .patterns import REGEX_FEATURES, python_regex, regex_features, scan_regex
+from .patterns import (
+    REGEX_FEATURES,
+    pattern_admits_escaped,
+    python_regex,
+    regex_features,
+    scan_regex,
+)
 from .pointers import resolve_local_ref
 from .refs import check_refs
 from .spec import SchemaSpec, to_pointer
@@ -67,7 +73,8 @@ class PreflightIssue:
     ``level``: "unsupported" (refused or mis-compiled), "ignored" (instances the schema forbids
     can be generated) or "narrowed" (some instances the schema allows cannot be generated;
     nothing it forbids can). ``construct``: for a pattern, the regex construct at fault
-    (`patterns.REGEX_FEATURES`).
+    (`patterns.REGEX_FEATURES`), or "json-escape" (the pattern allows a character JSON writes
+    only as an escape, which xgrammar's patterns never write).
     """
 
     keyword: str
@@ -655,6 +662,11 @@ class _XGrammarWalker(_Walker):
             context = "propertyNames" if path and path[-1] == "propertyNames" else "pattern"
             self.add_all(_regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
                                        "xgrammar", context=context))
+            if pattern_admits_escaped(node["pattern"]):
+                self.add("pattern", to_pointer(path + ["pattern"]), "narrowed",
+                         "xgrammar writes no escape inside a string with a 'pattern': values "
+                         "holding a quote, a backslash or a control character (a newline), which "
+                         "this pattern allows, are not generated", construct="json-escape")
 
     def required_undeclared(self, node: dict, path: list[Any]) -> None:
         # the rewrite declares a required name with the schema that applies to it

@@ -117,3 +117,12 @@ def test_valid_rejection_explained_by_a_reported_narrowing_is_declared(coverage_
     assert counts["valid_rejected"] == 1 and counts["valid_rejected_declared"] == 1
     assert counts["valid_rejected_ids"] == [] and counts["silent"] == 0
     assert counts["valid_ok"] == 1 and counts["invalid_rejected"] == 1
+
+
+def test_valid_rejection_of_an_escaped_character_under_a_pattern_is_declared(coverage_mod):
+    ctx = coverage_mod.Context(coverage_mod.tokenizer_vocab("ascii"))
+    row = {"schema": {"type": "object", "properties": {"run": {"type": "string", "pattern": "^.+$"}}},
+           "tests": [{"valid": True, "data": {"run": "a\tb"}}, {"valid": True, "data": {"run": "ab"}}]}
+    counts = coverage_mod.evaluate(ctx, row, "ours", time_limit=30.0)["counts"]
+    assert counts["valid_rejected"] == 1 and counts["valid_rejected_declared"] == 1
+    assert counts["valid_ok"] == 1

@@ -270,3 +270,21 @@ def test_a_pattern_with_raw_newlines_in_a_class_compiles(ascii_tok):
     m = matcher({"type": "string", "pattern": "^\\$\\{\\{(.|[\r\n])*\\}\\}$"}, ascii_tok)
     assert m.accepts_text('"${{ github.ref }}"')
     assert not m.accepts_text('"${{ x }"')
+
+
+@pytest.mark.parametrize("pattern, narrowed", [
+    ("^[a-z]+$", False), (r"^\d{3}-[\w-]+$", False),
+    ("^.+$", True), (r"^\S+$", True), ("[^a]", True), ('^a"b$', True), ("^\\$\\{\\{(.|[\r\n])*\\}\\}$", True),
+])
+def test_a_pattern_allowing_characters_json_escapes_is_reported_narrowed(ascii_tok, pattern, narrowed):
+    """xgrammar's JSON-string patterns write no escape: a value holding a quote, a backslash or
+    a newline the pattern allows is never generated (SchemaStore github-workflows). The report
+    names it; the grammar refuses such a value and accepts the rest."""
+    schema = {"type": "string", "pattern": pattern}
+    report = preflight(normalize_schema(schema))
+    assert (("pattern", "/pattern", "json-escape") in {
+        (i.keyword, i.pointer, i.construct) for i in report.narrowed}) is narrowed
+    assert report.ok
+    if pattern == "^.+$":
+        m = matcher(schema, ascii_tok)
+        assert m.accepts_text('"a b"') and not m.accepts_text('"a\\"b"')
