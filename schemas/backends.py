@@ -92,7 +92,8 @@ def map_schema(node: Any, fn: Callable[[Any], Any]) -> Any:
 
 def _types_of(node: dict) -> set[str]:
     t = node.get("type")
-    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+    # (draft 3 also allows schemas in a type list: they are not type names)
+    return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
 def _drop_false_properties(node: dict) -> None:

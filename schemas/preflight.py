@@ -609,6 +609,10 @@ class _XGrammarWalker(_Walker):
 
     def typed(self, node: dict, path: list[Any], stack: tuple[str, ...], default_type: str | None) -> None:
         self.always(node, path)
+        if isinstance(node.get("type"), list) and not all(isinstance(t, str) for t in node["type"]):
+            self.add("type", to_pointer(path + ["type"]), "unsupported",
+                     "a schema inside a 'type' list (draft 3 union types) is not supported by "
+                     "xgrammar; write the alternatives as 'anyOf'")
         types = _types(node)
         if types is None:
             if any(k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):

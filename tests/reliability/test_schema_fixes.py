@@ -288,3 +288,15 @@ def test_a_pattern_allowing_characters_json_escapes_is_reported_narrowed(ascii_t
     if pattern == "^.+$":
         m = matcher(schema, ascii_tok)
         assert m.accepts_text('"a b"') and not m.accepts_text('"a\\"b"')
+
+
+def test_a_draft3_schema_inside_a_type_list_is_refused_by_pointer():
+    """jsonschema-specifications' draft 3 metaschema: ``"type": ["string", {"$ref": "#"}]``
+    raised a TypeError in the xgrammar rewrite instead of a typed refusal."""
+    from constrained_spec.schemas import check_schema
+
+    spec = normalize_schema({"$schema": "http://json-schema.org/draft-03/schema#", "type": "object",
+                             "properties": {"d": {"type": ["string", {"type": "integer"}]}}})
+    with pytest.raises(SchemaError, match="draft 3") as info:
+        check_schema(spec, "xgrammar")
+    assert info.value.pointer == "/properties/d/type"
