@@ -108,10 +108,15 @@ def test_mixed_plan_prefill_fp32_then_decode_int4_keeps_one_cache():
 def test_measured_plan_picks_the_fastest_measured_kernel_per_phase():
     runner = _runner()
     plan = measure(runner, ["fp32", "bf16", "int4"], rows=(1, 6), prefill_rows=(16,), repeats=1)
+    # decode keeps at most one dense copy of the model (fp32 fastest at 1 row and bf16 at 6,
+    # as a loaded machine can time them, is not two dense copies): the fastest of the packed
+    # kernel and the dense one it chose, at each row count (within the 10% that keeps buckets)
+    dense = {plan.decode_kernel(r) for r in (1, 6)} & {"fp32", "bf16"}
+    assert len(dense) <= 1
     for r in (1, 6):
         t = plan.times_ms[f"decode@{r}"]
         assert set(t) == {"fp32", "bf16", "int4"}
-        assert t[plan.decode_kernel(r)] <= 1.1 * min(t.values())
+        assert t[plan.decode_kernel(r)] <= 1.1 * min(t[k] for k in {"int4"} | dense)
     assert plan.prefill_kernel(16) == min(plan.times_ms["prefill@16"], key=plan.times_ms["prefill@16"].get)
     assert plan.source == "measured" and runner.slots_in_use == 0
 
