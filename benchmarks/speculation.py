@@ -5,6 +5,11 @@ back to back in a rotating order (cancels drift), each on a warm compile cache. 
 mode: tokens/s (emitted tokens over wall time, prefill included), acceptance length, the
 share of step time spent in grammar work, and the speed-up over speculation off.
 
+Losslessness on the side, in the dtype and kernels the plan picks: per mode, the tasks whose
+greedy tokens differ from speculation off run alone -- each task alone, and all tasks batched
+(mixed schemas, one batch per max_tokens) unless ``--no-batched``. An exact runner (the default)
+must show 0 everywhere.
+
     python -m benchmarks.speculation [--tasks FILE.jsonl] [--limit N] [--out benchmarks/RESULTS.md]
 """
 
@@ -97,6 +102,45 @@ def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
     return rows
 
 
+def run_batched(tasks: list[dict], modes: dict) -> dict[str, dict[str, list[int] | None]]:
+    """Greedy token ids per mode and task with the tasks batched (mixed schemas; one batch per
+    max_tokens, as a server would group them)."""
+    model = load_model(None, quiet=True)
+    out: dict[str, dict[str, list[int] | None]] = {}
+    for m, s in tqdm(modes.items(), desc="batched", file=sys.stderr):
+        spec, masked = s if isinstance(s, tuple) else (s, True)
+        if not masked:
+            continue  # the ablation changes drafts, not outputs: the masked mode covers it
+        gen = Generator(model, speculative=spec, max_retries=0)
+        out[m] = {}
+        for mt in sorted({t["max_tokens"] for t in tasks}):
+            group = [t for t in tasks if t["max_tokens"] == mt]
+            res = gen.batch([t["prompt"] for t in group], schemas=[task_schema(t) for t in group],
+                            return_result=True, max_tokens=mt)
+            out[m].update({t["id"]: getattr(r, "token_ids", None) for t, r in zip(group, res)})
+    return out
+
+
+def divergence_table(rows: dict, batched: dict | None) -> tuple[str, int]:
+    """Per mode: tasks whose greedy tokens differ from speculation off run alone; and the total."""
+    base = {r["task"]: r["ids"] for r in rows["off"]}
+    lines = ["| mode | tasks | differ from off (alone) | differ from off (batched) |",
+             "| --- | --- | --- | --- |"]
+    total = 0
+    for m, rs in rows.items():
+        alone = sorted({r["task"] for r in rs if r["ids"] != base[r["task"]]})
+        together = None if batched is None or m not in batched else \
+            sorted(t for t, ids in batched[m].items() if ids != base[t])
+        total += len(alone) + len(together or [])
+        lines.append(f"| {m} | {len(base)} | {_listed(alone)} | "
+                     f"{'—' if together is None else _listed(together)} |")
+    return "\n".join(lines), total
+
+
+def _listed(tasks: list[str]) -> str:
+    return "0" if not tasks else f"{len(tasks)}: {', '.join(tasks)}"
+
+
 def summarize(rows: dict, subset=None) -> dict:
     out = {}
     for m, rs in rows.items():
@@ -160,6 +204,8 @@ def main() -> None:
                     help="draft model folder (python -m constrained_spec.training draft_model)")
     ap.add_argument("--k-draft-model", type=int, default=3, help="drafts per step for draft_model")
     ap.add_argument("--modes", default=None, help="comma-separated modes to run (default: all available)")
+    ap.add_argument("--no-batched", action="store_true",
+                    help="skip the batched losslessness check (each mode with all tasks batched)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,16 +225,19 @@ def main() -> None:
             ap.error(f"unknown or unavailable modes {unknown}; available: {list(modes)}")
         modes = {m: modes[m] for m in ["off"] + [w for w in wanted if w != "off"]}
     rows = run(tasks, modes, args.repeats)
-    # losslessness check on the side: greedy outputs must be identical across modes
-    mismatches = [r["task"] for m in rows for r, b in zip(rows[m], rows["off"]) if r["ids"] != b["ids"]]
+    # losslessness check on the side: greedy outputs must be identical across modes, alone
+    # (the timed runs) and batched
+    batched = None if args.no_batched else run_batched(tasks, modes)
+    divergences, total = divergence_table(rows, batched)
     model = load_model(None, quiet=True)
-    why = (" (bfloat16 rounds differently for different forward shapes, and speculation "
-           "changes the shape of every step; in float32 the outputs are token-identical, "
-           "tests/test_tasks_embedded.py)" if mismatches and model.dtype == torch.bfloat16 else "")
+    runner = model.runner
+    plan = getattr(runner, "plan", None)
+    kernels = f"kernel plan {plan.describe()} ({plan.source})" if plan is not None else type(runner).__name__
     text = "\n\n".join([
-        f"Hardware: {hardware()}; model dtype {model.dtype}; {len(tasks)} tasks x {args.repeats}; "
-        "greedy; outputs identical to speculation off: "
-        + ("yes" if not mismatches else "NO" + why + ": " + ", ".join(sorted(set(mismatches)))),
+        f"Hardware: {hardware()}; model dtype {model.dtype}; {kernels}; exact runner "
+        f"{getattr(runner, 'exact', False)}; {len(tasks)} tasks x {args.repeats}; greedy; outputs "
+        f"identical to speculation off: {'yes' if total == 0 else f'NO ({total} divergences)'}",
+        divergences,
         table(summarize(rows), "All tasks"),
         table(summarize(rows, EXTRACTION), "Extraction tasks (values copied from the prompt)"),
         table(summarize(rows, {t['id'] for t in tasks} - EXTRACTION), "Generation tasks"),

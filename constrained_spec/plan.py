@@ -19,6 +19,13 @@ by a margin, ``fast`` keeps the dense copies the fastest kernels need, ``lean`` 
 weights 4-bit and dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
 ``measure`` (measure again) or a fixed plan such as
 ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
+
+Exactness (``CONSTRAINED_SPEC_EXACT``, on by default): speculation and batching must never
+change a greedy output, so every decode / verify row must be computed as a 1-row decode of it
+would be (`runner.LeanRunner`). A plan for an exact runner therefore runs decode and the LM head
+on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8 -- not fp32)
+whatever the rows: the one closest to the fastest over the measured row counts. Prompts keep
+their row buckets (a prompt's kernel comes from its own length).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
-from .weights import ACT_DTYPE, KERNELS
+from .weights import ACT_DTYPE, KERNELS, ROW_INVARIANT_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,17 @@ def memory_mode() -> str:
         raise ConfigError(f"CONSTRAINED_SPEC_MEMORY={mode!r}: use auto, fast or lean",
                           option="CONSTRAINED_SPEC_MEMORY")
     return mode
+def exact_mode() -> bool:
+    """``CONSTRAINED_SPEC_EXACT``: "1" (default) computes every row as it would be alone, so
+    greedy outputs do not depend on speculation or batching; "0" lets each forward pick its
+    kernel by its rows (faster where a non-invariant kernel wins, e.g. float32 on a CPU
+    without bf16 units)."""
+    value = os.environ.get("CONSTRAINED_SPEC_EXACT", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", ""):
+        raise ConfigError(f"CONSTRAINED_SPEC_EXACT={value!r}: use 1 or 0", option="CONSTRAINED_SPEC_EXACT")
+    return value not in ("0", "false")
+
+
 _CONTEXT = 128  # context the decode rows attend to while timed
 _PLAN_VERSION = 4  # 4: "auto" memory, dequantization 2x faster
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
@@ -212,13 +230,20 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
 
 
 def _decode_buckets(times: dict[int, dict[str, float]], *,
-                    dense_margin: float | None = DENSE_DECODE_GAIN) -> list[tuple[int, str]]:
+                    dense_margin: float | None = DENSE_DECODE_GAIN,
+                    exact: bool = False) -> list[tuple[int, str]]:
     """Decode buckets over at most one dense kernel (each keeps a resident dense copy of the
     model) plus the packed ones: of the kernel sets allowed, the one whose buckets are closest
-    to the fastest kernel at every measured row count (sum of time / best time)."""
+    to the fastest kernel at every measured row count (sum of time / best time). ``exact``: one
+    row-invariant kernel for every row count (switching kernel at a row count would compute a
+    verify row differently from a 1-row decode)."""
     kernels = set().union(*(t.keys() for t in times.values()))
     packed = kernels & {"int4", "int8"}
-    sets = [{k} for k in kernels] + [packed | {d} for d in kernels - packed if packed]
+    if exact:
+        kernels = (kernels & ROW_INVARIANT_KERNELS) or kernels
+        sets = [{k} for k in kernels]
+    else:
+        sets = [{k} for k in kernels] + [packed | {d} for d in kernels - packed if packed]
     best: tuple[float, int, list[tuple[int, str]]] | None = None
     for allowed in sets:
         sub = {r: {k: v for k, v in t.items() if k in allowed} for r, t in times.items()}
@@ -291,10 +316,11 @@ def _best(times: dict[str, float]) -> str:
 
 def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DECODE_ROWS,
             prefill_rows: Sequence[int] = PREFILL_ROWS, repeats: int = 2, memory: str = "fast",
-            progress: Callable[[str], None] | None = None) -> KernelPlan:
+            progress: Callable[[str], None] | None = None, exact: bool = False) -> KernelPlan:
     """Time each phase of ``runner`` (a lean runner) with each kernel in ``candidates`` and
     return the fastest per phase, over ``repeats`` rounds of every kernel (``progress`` is
-    called once per kernel and round). Uses one scratch slot, freed after."""
+    called once per kernel and round). Uses one scratch slot, freed after. ``exact``: decode
+    and the LM head on one row-invariant kernel (see the module docstring)."""
     times: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
     times.update({f"decode@{r}": {} for r in rows})
     times["lm_head"] = {}
@@ -346,7 +372,7 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         runner.free_slot(slot)
         runner.set_plan(saved)
     decode = _decode_buckets({r: times[f"decode@{r}"] for r in rows},
-                             dense_margin=None if memory == "fast" else DENSE_DECODE_GAIN)
+                             dense_margin=None if memory == "fast" else DENSE_DECODE_GAIN, exact=exact)
     prefill = {r: times[f"prefill@{r}"] for r in prefill_rows}
     if memory == "auto":
         memory = _auto_memory(decode, prefill, {r: resident[f"prefill@{r}"] for r in prefill_rows})
@@ -354,7 +380,10 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
             prefill = {r: {**prefill[r], **resident[f"prefill@{r}"]} for r in prefill_rows}
         times.update({f"{p} resident": t for p, t in resident.items()})
     first = decode[0][1]
-    return KernelPlan(prefill=_merge(prefill), decode=decode, lm_head=_best(times["lm_head"]),
+    head = times["lm_head"]
+    if exact:
+        head = {k: v for k, v in head.items() if k in ROW_INVARIANT_KERNELS} or head
+    return KernelPlan(prefill=_merge(prefill), decode=decode, lm_head=_best(head),
                       kv="fp32" if first == "fp32" else "bf16", source="measured", memory=memory,
                       times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()})
 
@@ -394,13 +423,15 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     if runner.device.type != "cpu":
         return KernelPlan.uniform("bf16")
     int4 = runner.supports_kernel("int4")
+    exact = bool(getattr(runner, "exact", False))
     if dtype in ("bfloat16", "float16"):  # as before the plan: 4-bit for few rows where exact
-        return KernelPlan(prefill=[(1 << 30, "bf16")], decode=[(12, "int4" if int4 else "bf16"), (1 << 30, "bf16")],
-                          lm_head="bf16")
+        decode = [(1 << 30, "int4")] if int4 and exact else \
+            [(12, "int4" if int4 else "bf16"), (1 << 30, "bf16")]
+        return KernelPlan(prefill=[(1 << 30, "bf16")], decode=decode, lm_head="bf16")
     if env and env != "measure":
         return KernelPlan.parse(env)
     memory = memory_mode()
-    key = machine_key(runner.device) + "|" + memory + ("|int8" if int8 else "")
+    key = machine_key(runner.device) + "|" + memory + ("|int8" if int8 else "") + ("|exact" if exact else "")
     path = None if cache is None else cache / PLAN_FILE
     if path is not None and env != "measure":
         try:
@@ -416,7 +447,7 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     rounds = 2
     with tqdm(total=rounds * len(candidates), desc="measure the kernel plan (once per machine)",
               disable=quiet, file=sys.stderr) as bar:
-        plan = measure(runner, candidates, memory=memory, repeats=rounds,
+        plan = measure(runner, candidates, memory=memory, repeats=rounds, exact=exact,
                        progress=lambda k: (bar.set_postfix_str(k), bar.update(1)))
     logger.info("kernel plan: %s", plan.describe())
     if path is not None:

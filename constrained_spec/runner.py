@@ -27,6 +27,24 @@ checkpoint converted from a 4-bit GGUF (each group of 32 input weights of a row 
 bf16 dense, torch's int4 kernel on the file's own 4-bit values, or int8. The activations take
 the kernel's dtype; the KV cache has the plan's. Every weight multiply goes through one method,
 `LeanRunner._matmul`.
+
+Row invariance (``exact``, the default): every row of a forward -- a verify row, a padded batch
+row, a prompt row -- is computed exactly as a forward of that row alone at the same position
+would compute it, so a greedy output does not depend on speculation or on the other requests
+in the batch. What it takes (measured, `weights.ROW_INVARIANT_KERNELS`): the linears and the
+LM head run a kernel whose per-row reduction does not depend on the number of rows (torch's
+int4 and int8 weight-only kernels; bf16 on oneDNN with a 1-row product padded to 2 rows; not
+MKL's fp32 GEMM), one kernel for every
+decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); attention reads the
+keys from position 0 up to a multiple of `KEY_BLOCK` (padding masked): SDPA's CPU kernel splits
+keys into blocks from the first key and reduces each query on its own, so a query then reduces
+over the same blocks in the same order whatever the number of queries, keys past its own
+block, or the batch (measured in bf16; its float32 path depends on the batch) -- but SDPA
+blocks the queries of a call, so a decode / verify forward calls it once per row position,
+one query per slot (costly: 2.6x a 6-row verify at 200 keys, 6x at 1,000 on a loaded 2-core
+machine; a query-invariant attention kernel is what would remove that cost). Prompts
+(``phase="prefill"``) run one per forward in a batch, so a prompt's kernel and query blocks
+come from its own length. RoPE, norms, embeddings and activations are per row already.
 """
 
 from __future__ import annotations
@@ -39,6 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from .plan import exact_mode
 from .slots import SlotAllocator
 from .weights import (
     ACT_DTYPE,
@@ -55,14 +74,15 @@ logger = logging.getLogger(__name__)
 
 
 def make_runner(model: Any, *, dtype: torch.dtype, device: torch.device,
-                int4: dict[str, Any] | None = None) -> Runner:
-    """The fastest runner that supports ``model``'s architecture (``int4``: see `int4_weights`)."""
+                int4: dict[str, Any] | None = None, exact: bool | None = None) -> Runner:
+    """The fastest runner that supports ``model``'s architecture (``int4``: see `int4_weights`;
+    ``exact``: see `LeanRunner`)."""
     try:
         Family.of(model)
     except UnsupportedModel as e:
         logger.info("%s runs on the transformers forward (HFRunner): %s", type(model).__name__, e)
         return HFRunner(model, dtype=dtype, device=device)
-    return LeanRunner(model, dtype=dtype, device=device, int4=int4)
+    return LeanRunner(model, dtype=dtype, device=device, int4=int4, exact=exact)
 
 
 def lean_runner_supports(model: Any) -> bool:
@@ -188,6 +208,12 @@ INT4_GROUP = GROUP
 # of the plan for an explicit bfloat16 dtype and for draft models. A measured plan finds its own.
 INT4_MAX_ROWS = 12
 _LINEARS = ("qkv", "o", "gate_up", "down")
+# keys an exact attention reads come in whole blocks of this many positions from position 0
+# (SDPA reduces a query over the same blocks whatever the keys past its own block: measured)
+KEY_BLOCK = 64
+# ... and a sliding-window layer's first key is a multiple of this (SDPA's key split on CPU):
+# from any other first key the blocks, hence the reduction, would shift with the batch
+WINDOW_KEY_BLOCK = 512
 
 
 def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP, *,
@@ -279,11 +305,17 @@ class Runner(SlotAllocator):
 class LeanRunner(Runner):
     """Batched forward of the decoder families in `Family` with a position-indexed KV cache per
     slot (every layer keeps every position, sliding-window layers included: only their mask
-    differs)."""
+    differs).
+
+    ``exact`` (default: on unless ``CONSTRAINED_SPEC_EXACT=0``): every row is computed as it
+    would be alone (the module docstring says how); it holds on the row-invariant kernels
+    (`weights.ROW_INVARIANT_KERNELS`), which a plan chosen for an exact runner keeps to.
+    """
 
     def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device,
-                 int4: dict[str, Any] | None = None) -> None:
+                 int4: dict[str, Any] | None = None, exact: bool | None = None) -> None:
         super().__init__()
+        self.exact = exact_mode() if exact is None else bool(exact)
         cfg = model.config
         self.family = fam = Family.of(model)
         self.device, self.dtype = device, dtype
@@ -368,6 +400,8 @@ class LeanRunner(Runner):
 
         self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (1 << 30, "bf16")],
                                lm_head="int8", source="drafting")
+        # a draft model's rows change drafts only, never the output: its buckets may switch
+        self.exact = False
         linears = self._linears() + [self.lm_head_weight]
         for lin in linears:
             lin.prepare({self._kernel(lin, "int8"), "bf16"}, resident=lin.int4 is None)
@@ -414,7 +448,8 @@ class LeanRunner(Runner):
         self.f_cache = None
 
     def lm_head_linear(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
-        return self.lm_head_weight(hidden, self._kernel(self.lm_head_weight, kernel))
+        return self.lm_head_weight(hidden, self._kernel(self.lm_head_weight, kernel),
+                                   row_invariant=self.exact)
 
     def resident_bytes(self) -> int:
         """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
@@ -483,7 +518,7 @@ class LeanRunner(Runner):
         plan): EVERY weight multiply of the forward (qkv, o, gate_up, down, lm_head) goes
         through here."""
         lin = L[name]
-        return lin(x, self._kernel(lin, kernel))
+        return lin(x, self._kernel(lin, kernel), row_invariant=self.exact)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim as the family's transformers module computes it."""
@@ -519,25 +554,46 @@ class LeanRunner(Runner):
         position ``lo`` its layers read and the mask [B, 1, T, Lk - lo] over keys lo..Lk-1.
         Key j is visible to the query at position p iff j <= p, and, in a window w,
         p - w < j (transformers' sliding_window_overlay). A window layer reads no key before
-        the earliest query's window: at long context its mask is the smaller one."""
+        the earliest query's window: at long context its mask is the smaller one. When exact,
+        that first key is rounded down to a multiple of `WINDOW_KEY_BLOCK`, so that a query's
+        key blocks do not depend on the other requests in the batch."""
         # padded rows of a short slot may sit past Lk: clamped so that no row is fully masked
         # (a fully masked row is NaN, and its k / v would land in the cache)
         q = pos.clamp(max=Lk - 1)[:, :, None]  # [B, T, 1]
         masks = {}
         for win in set(self.family.windows):
             lo = 0 if win is None else max(0, min(starts) - win + 1)
+            if self.exact:
+                lo -= lo % WINDOW_KEY_BLOCK
             j = torch.arange(lo, Lk, device=pos.device)[None, None, :]  # [1, 1, Lk - lo]
             visible = j <= q if win is None else (j <= q) & (j > q - win)
             masks[win] = (lo, visible[:, None])  # [B, 1, T, Lk - lo]
         return masks
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Attention of q [B, T, H, hd] over keys / vals [B, S, KV, hd] under mask [B, 1, T, S]
-        -> [B, T, H * hd]."""
+        -> [B, T, H * hd]; ``decode``: decode / verify rows (exact: one query per call)."""
         B, T, H, hd = q.shape
         KV = keys.shape[2]
         fam = self.family
+        if fam.attn_softcap is None and self.exact and decode and T > 1:
+            # SDPA blocks the queries of a call, and a query among T reduces in another order
+            # than alone; over the batch it does not (bf16, measured): the T row positions are
+            # folded into the batch, one query each (q_len 1, as a 1-row decode), every one
+            # over the same whole KEY_BLOCKs (keys past a query's own block are masked and
+            # change nothing: tests/kernels/test_row_invariance.py). One slot's keys are a
+            # stride-0 view; several slots' are copied T times.
+            S = keys.shape[1]
+            kf = keys.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
+            vf = vals.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
+            kf = kf[0] if B == 1 else kf.reshape(B * T, KV, S, hd)
+            vf = vf[0] if B == 1 else vf.reshape(B * T, KV, S, hd)
+            out = F.scaled_dot_product_attention(
+                q.reshape(B * T, 1, H, hd).transpose(1, 2), kf, vf,
+                attn_mask=mask.transpose(1, 2).reshape(B * T, 1, 1, S),
+                enable_gqa=KV != H, scale=fam.attn_scale)  # [B * T, H, 1, hd]
+            return out.reshape(B, T, H * hd)
         if fam.attn_softcap is None:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask,
@@ -571,6 +627,14 @@ class LeanRunner(Runner):
         and the kernel the activations' dtype."""
         if phase is None:
             phase = "decode" if any(num_logits) else "prefill"
+        if self.exact and phase == "prefill" and len(slots) > 1:
+            # each prompt alone, whatever it is batched with: its kernel from its own rows, and
+            # SDPA's query blocks (which depend on the number of queries) from its own length
+            outs = [self.forward([s], [t], [n], return_hidden=return_hidden, phase=phase)
+                    for s, t, n in zip(slots, tokens, num_logits)]
+            if return_hidden:
+                return tuple(torch.cat(parts) for parts in zip(*outs))
+            return torch.cat(outs)
         fb = self._batch(slots, tokens, phase)
         x = F.embedding(fb.ids, self.embed)  # [B, T, D]
         if self.embed_scale is not None:
@@ -603,20 +667,27 @@ class LeanRunner(Runner):
             raise ValueError(f"position {max(ends) - 1} is past max_position_embeddings "
                              f"{self.max_context}: beyond it transformers' dynamic RoPE rescales "
                              "statefully, which this runner does not reproduce")
+        # keys read: 0..Lk-1, in whole KEY_BLOCKs when exact (see the module docstring)
+        Lk = -(-max(ends) // KEY_BLOCK) * KEY_BLOCK if self.exact else max(ends)
         # padded rows write up to start + T - 1: the cache must hold them too
-        self._ensure_capacity(max(slots) + 1, max(starts) + T)
+        self._ensure_capacity(max(slots) + 1, max(max(starts) + T, Lk))
         dev = self.device
         ids = torch.zeros(B, T, dtype=torch.long)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.as_tensor(t, dtype=torch.long)
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)[None, :]  # [B, T]
         slot_t = torch.tensor(slots, device=dev)
-        kernel = (self.plan.prefill_kernel if phase == "prefill" else self.plan.decode_kernel)(B * T)
+        if not self.exact:
+            kernel = (self.plan.prefill_kernel if phase == "prefill" else self.plan.decode_kernel)(B * T)
+        elif phase == "prefill":  # one kernel for every prompt here (forward split them)
+            kernel = self.plan.prefill_kernel(lengths[0])
+        else:  # one kernel whatever the rows: a verify row as a 1-row decode computes it
+            kernel = self.plan.decode_kernel(1)
         return _ForwardBatch(
-            slots=list(slots), lengths=lengths, ends=ends, ids=ids.to(dev), pos=pos, Lk=max(ends),
-            masks=self._masks(pos, starts, max(ends)), slot_t=slot_t,
+            slots=list(slots), lengths=lengths, ends=ends, ids=ids.to(dev), pos=pos, Lk=Lk,
+            masks=self._masks(pos, starts, Lk), slot_t=slot_t,
             write_idx=(slot_t[:, None].expand(B, T), pos),
-            contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel)
+            contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel, phase=phase)
 
     def _layer(self, i: int, L: dict[str, Any], x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
         """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""
@@ -644,7 +715,8 @@ class LeanRunner(Runner):
             keys = kc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
             vals = vc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
         act = ACT_DTYPE[kernel]
-        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask), L, "o", kernel)  # [B, T, D]
+        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask, fb.phase == "decode"),
+                         L, "o", kernel)  # [B, T, D]
         if fam.gemma_norms:
             a = self._rms(a, L["post_attn"])
         x = x + a
@@ -686,6 +758,7 @@ class _ForwardBatch:
     write_idx: tuple[torch.Tensor, torch.Tensor]  # (slot, position) [B, T] each: cache rows written
     contiguous: bool  # slots are consecutive: the cache is read by slicing
     kernel: str  # the plan's kernel for this forward's rows
+    phase: str = "decode"  # "prefill" or "decode" (see LeanRunner.forward)
     rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 

@@ -75,6 +75,6 @@ class SlotAllocator:
         new_len = self._cap_len
         while new_len < length:
             new_len = max(_MIN_POSITIONS, 2 * new_len)
-        if max_len is not None:
-            new_len = min(new_len, max(max_len, length))
+        if max_len is not None:  # never below what is held (an earlier call past max_len)
+            new_len = min(new_len, max(max_len, length, self._cap_len))
         return new_slots, new_len

@@ -25,6 +25,7 @@ the 4-bit file plus the non-4-bit tensors).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -38,12 +39,25 @@ KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4")
 ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                      "int8": torch.bfloat16, "int4": torch.bfloat16}
 GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 kernel group)
+# Kernels whose result rows do not depend on the number of rows multiplied (each row reduced in
+# the same order whether it is multiplied alone or among 2..256 others; measured on x86 with
+# AVX-512, tests/kernels/test_row_invariance.py checks it on the machine it runs on): torch's
+# int4 / int8 weight-only kernels, and oneDNN's bf16 GEMM from 2 rows on -- its 1-row product
+# (a GEMV) reduces differently once K > ~1024 (576x1536: every row of a 3..256-row product
+# differs from the row alone), so an exact 1-row bf16 product is padded to 2 rows
+# (`Linear.__call__`). MKL's fp32 GEMM picks its blocking by shape (a row among 2, 4, 6, ...
+# differs), so float32 is not row-invariant, through F.linear or oneDNN's fp32 linear alike.
+ROW_INVARIANT_KERNELS: frozenset[str] = frozenset({"bf16", "int4", "int8"})
 
 
+# cached: asked on every weight multiply (through Linear.supports), and an op lookup on
+# torch.ops.aten costs microseconds each time
+@functools.cache
 def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+@functools.cache
 def int8_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
@@ -296,13 +310,19 @@ class Linear:
             return self.dense if self.dense.dtype == dtype else self.dense.to(dtype)
         return self.int4.dequantize(dtype)
 
-    def __call__(self, x: torch.Tensor, kernel: str) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, kernel: str, *, row_invariant: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)`` with ``kernel``; ``x`` is cast to the kernel's activation dtype
-        and the result comes back in it."""
+        and the result comes back in it. ``row_invariant``: a row's result has the same bits
+        whatever the number of rows (see `ROW_INVARIANT_KERNELS`; fp32 cannot)."""
         act = ACT_DTYPE[kernel]
         x = x.to(act)
         if kernel in ("int4", "int8"):
             y = packed_matmul(x, self._pack(kernel))  # built on first use when not prepared
+        elif row_invariant and kernel == "bf16" and x.numel() == x.shape[-1]:
+            # one row: padded to two, so oneDNN runs its GEMM (as for every other row count)
+            # rather than its GEMV, which reduces in another order
+            x2 = torch.cat([x.reshape(1, -1), x.new_zeros(1, x.shape[-1])])
+            y = F.linear(x2, self.dequantized(act))[:1].view(*x.shape[:-1], -1)
         else:
             y = F.linear(x, self.dequantized(act))
         return y if self.bias is None else y + self.bias.to(act)

@@ -92,7 +92,8 @@ def map_schema(node: Any, fn: Callable[[Any], Any]) -> Any:
 
 def _types_of(node: dict) -> set[str]:
     t = node.get("type")
-    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+    # (draft 3 also allows schemas in a type list: they are not type names)
+    return {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
 
 
 def _drop_false_properties(node: dict) -> None:
@@ -374,6 +375,34 @@ def outlines_whitespace(layout: JsonLayout) -> str:
     return "[ ]?(?:\\n[ ]{0,%d})?" % (layout.indent * 24)
 
 
+# xgrammar writes a string with minLength / maxLength as `"` X_characters{min,max} `"` where one
+# character is `[^"\\\r\n]`: no escape at all (a valid "line1\nline2" is refused) and raw control
+# characters other than CR / LF (a raw tab: not JSON, json.loads refuses it). The rule, exactly as
+# xgrammar 0.2.9 prints it:
+_XGR_LENGTH_CHAR_RULE = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+# ... and one JSON string character instead: an unescaped character JSON allows, or an escape.
+# Each alternative is one character of the decoded string, so {min,max} still counts what
+# JSON Schema counts (code points). A \uD800-\uDFFF escape is left out: a surrogate pair is two
+# escapes but one code point, which the count would get wrong (a minLength 2 string could then
+# be one emoji); such a character can still be written as itself.
+_JSON_STRING_CHAR = (r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) '
+                     r'| ("\\u" [0-9A-Ca-cE-Fe-f] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]) '
+                     r'| ("\\u" [Dd] [0-7] [0-9A-Fa-f] [0-9A-Fa-f]))')
+
+
+def length_string_escapes(grammar: Any) -> Any:
+    """`grammar` (from xgrammar's JSON Schema converter) with every length-limited string's
+    character rule allowing escapes and refusing raw control characters (see above); the grammar
+    itself when it has no such rule."""
+    text = str(grammar)
+    fixed, n = _XGR_LENGTH_CHAR_RULE.subn(lambda m: f"{m.group(1)} ::= {_JSON_STRING_CHAR}", text)
+    if not n:
+        return grammar
+    import xgrammar
+
+    return xgrammar.Grammar.from_ebnf(fixed, root_rule_name="root")
+
+
 # --------------------------------------------------------------------------------------------
 # conversion (cached: pre-flight and compile both convert the same spec)
 # --------------------------------------------------------------------------------------------
@@ -406,9 +435,9 @@ def convert_json_schema(spec: SchemaSpec, backend: str) -> Any:
         if backend == "xgrammar":
             import xgrammar
 
-            result: Any = xgrammar.Grammar.from_json_schema(
+            result: Any = length_string_escapes(xgrammar.Grammar.from_json_schema(
                 text, any_whitespace=False, indent=layout.indent,
-                separators=tuple(layout.separators), strict_mode=True)
+                separators=tuple(layout.separators), strict_mode=True))
         else:
             from outlines_core.json_schema import build_regex_from_schema
 

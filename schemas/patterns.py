@@ -14,6 +14,7 @@ them.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 __all__ = ["ANY_CHAR", "LINE_CHAR", "REGEX_FEATURES", "python_dots", "python_regex",
            "regex_escape", "regex_features", "scan_regex", "search_pattern", "strip_edge_anchors",
@@ -187,11 +188,14 @@ def search_pattern(pattern: str, *, any_text: str, dot: str = LINE_CHAR,
 
 
 def xgrammar_pattern(pattern: str) -> str:
-    """`pattern` with every group's ``?`` quantifier written ``{0,1}``.
+    """`pattern` with every group's ``?`` quantifier written ``{0,1}`` and raw control characters
+    written as escapes.
 
     xgrammar 0.2.9 mis-compiles an optional group inside a JSON string pattern: ``x(-[a-z]+)?``
     accepts "xa" (the group's first character is skipped) and ``(-[a-z]+)?`` accepts any word;
-    ``{0,1}`` is compiled correctly (``Grammar.from_regex`` is not affected).
+    ``{0,1}`` is compiled correctly (``Grammar.from_regex`` is not affected). Its regex lexer
+    refuses a raw newline in a character class (SchemaStore's github-workflows writes
+    ``(.|[<CR><LF>])*`` with real CR / LF characters in the JSON string); ``\\n`` means the same.
     """
     pieces = scan_regex(pattern)
     out = []
@@ -200,6 +204,26 @@ def xgrammar_pattern(pattern: str) -> str:
             out.append("{0,1}")
         else:
             out.append(text)
+    return _escape_controls("".join(out))
+
+
+def _escape_controls(pattern: str) -> str:
+    r"""Raw control characters of a regex written as escapes (one after a backslash loses the
+    backslash: ``\`` + LF is the same literal LF as ``\n``)."""
+    if not any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in pattern):
+        return pattern
+    names = {"\n": r"\n", "\t": r"\t", "\r": r"\r"}
+    out: list[str] = []
+    escaped = False
+    for ch in pattern:
+        if ord(ch) < 0x20 or ord(ch) == 0x7F:
+            if escaped:
+                out.pop()  # the backslash before it
+            out.append(names.get(ch, f"\\x{ord(ch):02x}"))
+            escaped = False
+            continue
+        out.append(ch)
+        escaped = ch == "\\" and not escaped
     return "".join(out)
 
 
@@ -385,3 +409,63 @@ def _is_quantifier(pieces: list[tuple[str, str]], i: int) -> bool:
             j -= 1
         return _QUANTIFIER_BRACES.fullmatch("".join(t for _, t in pieces[j:i + 1])) is not None
     return False
+
+
+# What a JSON string can only hold escaped: the quote, the backslash, control characters.
+_ESCAPED_ONLY = frozenset(['"', "\\"] + [chr(c) for c in range(0x20)])
+
+
+def pattern_admits_escaped(pattern: str) -> bool:
+    """Whether a string `pattern` matches can hold a character JSON writes only as an escape
+    (``"``, ``\\``, a control character): some character the pattern can write is one of them.
+    xgrammar's JSON-string patterns never write an escape, so such values are not generated.
+    Conservative: look-around contents are not counted, a pattern Python cannot parse is."""
+    try:
+        from re import _parser as sre_parse  # type: ignore[attr-defined]
+    except ImportError:  # Python 3.10
+        import sre_parse  # type: ignore[no-redef]
+    try:
+        tree = sre_parse.parse(pattern)
+    except Exception:
+        return True
+    codes = {ord(c) for c in _ESCAPED_ONLY}
+    in_class = {"CATEGORY_SPACE": {9, 10, 11, 12, 13}, "CATEGORY_NOT_SPACE": codes - {9, 10, 11, 12, 13},
+                "CATEGORY_DIGIT": set(), "CATEGORY_NOT_DIGIT": codes, "CATEGORY_WORD": set(),
+                "CATEGORY_NOT_WORD": codes}
+
+    def class_admits(items: list) -> bool:
+        hit: set[int] = set()
+        negate = False
+        for op, arg in items:
+            name = str(op)
+            if name == "NEGATE":
+                negate = True
+            elif name == "LITERAL":
+                hit |= {arg} & codes
+            elif name == "RANGE":
+                hit |= {c for c in codes if arg[0] <= c <= arg[1]}
+            elif name == "CATEGORY":
+                hit |= in_class.get(str(arg), codes)
+        return bool(codes - hit) if negate else bool(hit)
+
+    def admits(seq: Any) -> bool:
+        for op, arg in seq:
+            name = str(op)
+            if name == "LITERAL" and arg in codes:
+                return True
+            if name in ("NOT_LITERAL", "ANY"):
+                return True
+            if name == "IN" and class_admits(arg):
+                return True
+            if name == "BRANCH" and any(admits(b) for b in arg[1]):
+                return True
+            if name == "SUBPATTERN" and admits(arg[-1]):
+                return True
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and arg[1] > 0 \
+                    and admits(arg[2]):
+                return True
+            if name == "ATOMIC_GROUP" and admits(arg):
+                return True
+        return False
+
+    return admits(tree)

@@ -34,7 +34,13 @@ from .backends import (
     convert_json_schema,
     declarable_required,
 )
-from .patterns import REGEX_FEATURES, python_regex, regex_features, scan_regex
+from .patterns import (
+    REGEX_FEATURES,
+    pattern_admits_escaped,
+    python_regex,
+    regex_features,
+    scan_regex,
+)
 from .pointers import resolve_local_ref
 from .refs import check_refs
 from .spec import SchemaSpec, to_pointer
@@ -67,7 +73,8 @@ class PreflightIssue:
     ``level``: "unsupported" (refused or mis-compiled), "ignored" (instances the schema forbids
     can be generated) or "narrowed" (some instances the schema allows cannot be generated;
     nothing it forbids can). ``construct``: for a pattern, the regex construct at fault
-    (`patterns.REGEX_FEATURES`).
+    (`patterns.REGEX_FEATURES`), or "json-escape" (the pattern allows a character JSON writes
+    only as an escape, which xgrammar's patterns never write).
     """
 
     keyword: str
@@ -602,12 +609,18 @@ class _XGrammarWalker(_Walker):
 
     def typed(self, node: dict, path: list[Any], stack: tuple[str, ...], default_type: str | None) -> None:
         self.always(node, path)
+        if isinstance(node.get("type"), list) and not all(isinstance(t, str) for t in node["type"]):
+            self.add("type", to_pointer(path + ["type"]), "unsupported",
+                     "a schema inside a 'type' list (draft 3 union types) is not supported by "
+                     "xgrammar; write the alternatives as 'anyOf'")
         types = _types(node)
         if types is None:
             if any(k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):
                 types = ["object"]
+                self.untyped(path, "object")
             elif any(k in node for k in ("items", "prefixItems", "unevaluatedItems")):
                 types = ["array"]
+                self.untyped(path, "array")
             elif default_type:
                 types = [default_type]
             else:
@@ -619,6 +632,15 @@ class _XGrammarWalker(_Walker):
                 return
         for t in types:
             getattr(self, f"t_{t}", lambda *a: None)(node, path, stack)
+
+    def untyped(self, path: list[Any], generated: str) -> None:
+        # JSON Schema applies object (array) keywords to objects (arrays) only: without a 'type'
+        # any other value is valid too. xgrammar generates the type the keywords describe, which
+        # is what an LM asked for this schema should write; the report says it.
+        self.add("type", to_pointer(path), "narrowed",
+                 f"no 'type' here: xgrammar generates an {generated}, as the {generated} keywords "
+                 f"describe, although the schema also allows any value that is not an {generated}; "
+                 f"add a 'type' listing the others if they are wanted")
 
     def t_string(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
         fmt = node.get("format")
@@ -644,6 +666,11 @@ class _XGrammarWalker(_Walker):
             context = "propertyNames" if path and path[-1] == "propertyNames" else "pattern"
             self.add_all(_regex_issues(node["pattern"], to_pointer(path + ["pattern"]), "pattern",
                                        "xgrammar", context=context))
+            if pattern_admits_escaped(node["pattern"]):
+                self.add("pattern", to_pointer(path + ["pattern"]), "narrowed",
+                         "xgrammar writes no escape inside a string with a 'pattern': values "
+                         "holding a quote, a backslash or a control character (a newline), which "
+                         "this pattern allows, are not generated", construct="json-escape")
 
     def required_undeclared(self, node: dict, path: list[Any]) -> None:
         # the rewrite declares a required name with the schema that applies to it

@@ -177,7 +177,13 @@ TYPE_KEYWORDS = {
 #   U+007F-U+009F characters.
 #
 # xgrammar 0.2.9
-# * Strings with minLength / maxLength cannot contain escapes (``\"``, ``\\``, ``\n``).
+# * Strings with minLength / maxLength cannot contain escapes (``\"``, ``\\``, ``\n``) and can
+#   contain raw control characters other than CR / LF, which is not JSON (worked around:
+#   `backends.length_string_escapes` rewrites the character rule; left out: ``\uD800``-
+#   ``\uDFFF`` escapes, a surrogate pair counts one code point, so such characters are
+#   written as themselves).
+# * A node without ``type`` whose keywords are object (array) keywords is generated as an
+#   object (array); JSON Schema also allows every other value there (reported "narrowed").
 # * Patterns are matched against the decoded string: ``.`` matches any character including a
 #   newline, but no escaped character.
 # * With strict_mode, an array / object that declares no items / properties but has another

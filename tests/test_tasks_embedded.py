@@ -3,10 +3,11 @@
 - Every task returns an output that validates against its schema / regex / choices, or raises
   IncompleteOutputError: never an invalid output.
 - Greedy (temperature 0) outputs are token-identical with speculation off (one request at a
-  time) and on, for each drafter, with the tasks (mixed schemas) batched. Run in float32: in
-  bf16 a different batch shape alone (no speculation involved) can flip a near-tie. Single
-  attempts (``max_retries=0``): a retry samples, and a sampled output keeps its distribution
-  under speculation, not its tokens.
+  time) and on, for each drafter, with the tasks (mixed schemas) batched and (slow) one by
+  one. Run in the default dtype and kernel plan: the exact runner computes every verify and
+  batched row as a 1-row decode does (tests/engine/test_exact_rows.py), so no near-tie can
+  flip. Single attempts (``max_retries=0``): a retry samples, and a sampled output keeps its
+  distribution under speculation, not its tokens.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def run_all(embedded, speculative, batch: bool):
 
 
 @pytest.fixture(scope="module")
-def baseline(embedded_fp32):
-    return run_all(embedded_fp32, False, batch=False)
+def baseline(embedded):
+    return run_all(embedded, False, batch=False)
 
 
 def test_every_task_validates_or_is_incomplete(baseline):
@@ -75,16 +76,19 @@ def test_every_task_validates_or_is_incomplete(baseline):
     assert completed > 0
 
 
+@pytest.mark.parametrize("batch", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["batched", "alone"])
 @pytest.mark.parametrize("mode", ["forced", "ngram", "forced+ngram", "eagle3+forced", "mtp+forced"])
-def test_greedy_speculation_is_token_identical_on_tasks(embedded_fp32, baseline, mode):
+def test_greedy_speculation_is_token_identical_on_tasks(embedded, baseline, mode, batch):
     """(eagle3 and mtp: the heads shipped for the embedded model.)"""
+    assert getattr(embedded.runner, "exact", False)
     spec = {"forced": SpeculativeConfig(method=None),
             "ngram": SpeculativeConfig(method="ngram", forced=False),
             "forced+ngram": SpeculativeConfig(method="ngram"),
             "eagle3+forced": SpeculativeConfig(method="eagle3", num_speculative_tokens=3),
             "mtp+forced": SpeculativeConfig(method="mtp", num_speculative_tokens=3)}[mode]
     tasks = load_tasks()
-    results = run_all(embedded_fp32, spec, batch=True)
+    results = run_all(embedded, spec, batch=batch)
     forwards_off = forwards_on = 0
     for task, a, b in zip(tasks, baseline, results):
         ids_a = a.token_ids if not isinstance(a, BaseException) else a.token_ids

@@ -23,17 +23,18 @@ def ids(text_tokens: list[str]) -> list[int]:
     return [ID[t] for t in text_tokens]
 
 
-def make_engine(model, spec: SpeculativeConfig | None, k: int | None = None, runner=None):
-    runner = runner or LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+def make_engine(model, spec: SpeculativeConfig | None, k: int | None = None, runner=None,
+                dtype: torch.dtype = torch.float32):
+    runner = runner or LlamaRunner(model, dtype=dtype, device=torch.device("cpu"))
     drafter = None
     if spec is not None and spec.method == "ngram":
         drafter = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
     return Engine(runner, speculative=spec, drafter=drafter, max_batch_size=4096)
 
 
-def run(model, tok, schema, prompts, params, spec, runner=None):
+def run(model, tok, schema, prompts, params, spec, runner=None, dtype=torch.float32):
     compiled = compile_spec(normalize_schema(schema), tok) if schema is not None else None
-    eng = make_engine(model, spec, runner=runner)
+    eng = make_engine(model, spec, runner=runner, dtype=dtype)
     reqs = [Request(list(p), compiled.new_matcher() if compiled else None, params, EOS) for p in prompts]
     eng.run(reqs)
     return reqs
@@ -82,27 +83,30 @@ def test_lean_runner_batches_ragged_slots_like_single_runs(tiny_model):
         assert torch.allclose(batched[start:start + n], ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["regex", "json", "choice"])
 @pytest.mark.parametrize("mode", ["forced", "ngram", "forced+ngram"])
-def test_greedy_speculation_is_token_identical(tiny_model, tiny_tok, schema, mode):
+def test_greedy_speculation_is_token_identical(tiny_model, tiny_tok, schema, mode, dtype):
+    # bf16: the exact runner computes a verify row as a 1-row decode does (test_exact_rows)
     params = SamplingParams(max_tokens=40)
-    base = run(tiny_model, tiny_tok, schema, PROMPTS, params, SPECS["off"])
-    spec = run(tiny_model, tiny_tok, schema, PROMPTS, params, SPECS[mode])
+    base = run(tiny_model, tiny_tok, schema, PROMPTS, params, SPECS["off"], dtype=dtype)
+    spec = run(tiny_model, tiny_tok, schema, PROMPTS, params, SPECS[mode], dtype=dtype)
     for a, b in zip(base, spec):
         assert a.output_ids == b.output_ids
         assert a.finish_reason == b.finish_reason
     assert sum(r.stats.target_forwards for r in spec) <= sum(r.stats.target_forwards for r in base)
 
 
-def test_greedy_batched_mixed_schemas_match_single_runs(tiny_model, tiny_tok):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_batched_mixed_schemas_match_single_runs(tiny_model, tiny_tok, dtype):
     params = SamplingParams(max_tokens=30)
     spec = SPECS["forced+ngram"]
     compiled = [compile_spec(normalize_schema(s), tiny_tok) for s in SCHEMAS]
-    eng = make_engine(tiny_model, spec)
+    eng = make_engine(tiny_model, spec, dtype=dtype)
     reqs = [Request(p, c.new_matcher(), params, EOS) for p, c in itertools.product(PROMPTS, compiled)]
     eng.run(reqs)
     for (p, c), r in zip(itertools.product(PROMPTS, compiled), reqs):
-        single = make_engine(tiny_model, None)
+        single = make_engine(tiny_model, None, dtype=dtype)
         one = Request(p, c.new_matcher(), params, EOS)
         single.run([one])
         assert r.output_ids == one.output_ids

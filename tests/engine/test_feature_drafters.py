@@ -284,11 +284,11 @@ def compiled_schemas(tok):
 
 
 def run(target, tok, combos, params, *, kind=None, k=3, forced=True, head=None,
-        drafter_cls=FeatureDrafter, max_batch_size=64, prompts=PROMPTS):
+        drafter_cls=FeatureDrafter, max_batch_size=64, prompts=PROMPTS, dtype=torch.float32):
     """Requests ``(prompt index, schema name)``, batched, through an Engine over a fresh
     runner; with a FeatureDrafter reading that runner when ``kind`` is given."""
     compiled = compiled_schemas(tok)
-    runner = LlamaRunner(target, dtype=torch.float32, device=CPU)
+    runner = LlamaRunner(target, dtype=dtype, device=CPU)
     drafter = spec = None
     if kind is not None:
         drafter = drafter_cls(head, runner, vocab_size=V)
@@ -303,13 +303,13 @@ def run(target, tok, combos, params, *, kind=None, k=3, forced=True, head=None,
 _BASELINE: dict = {}
 
 
-def baseline(target, tok, combos, params, prompts=PROMPTS):
+def baseline(target, tok, combos, params, prompts=PROMPTS, dtype=torch.float32):
     """Outputs without speculation, each request run alone (cached)."""
     out = []
     for i, n in combos:
-        key = (id(target), tuple(prompts[i]), n, params)
+        key = (id(target), tuple(prompts[i]), n, params, dtype)
         if key not in _BASELINE:
-            reqs, _ = run(target, tok, [(i, n)], params, prompts=prompts)
+            reqs, _ = run(target, tok, [(i, n)], params, prompts=prompts, dtype=dtype)
             _BASELINE[key] = (reqs[0].output_ids, reqs[0].finish_reason)
         out.append(_BASELINE[key])
     return out
@@ -339,6 +339,16 @@ def test_greedy_feature_drafter_is_token_identical(tiny_model, tiny_tok, heads, 
                                                                        COMBOS, params)
     assert sum(r.stats.drafted_tokens - r.stats.forced_drafted for r in reqs) > len(reqs)
     assert_released(drafter, reqs)
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_greedy_feature_drafter_is_token_identical_in_bfloat16(tiny_model, tiny_tok, heads, kind):
+    # the exact runner's verify rows equal 1-row decodes in bf16 too (test_exact_rows)
+    params = SamplingParams(max_tokens=30)
+    reqs, _ = run(tiny_model, tiny_tok, COMBOS, params, kind=kind, k=3, head=heads[kind],
+                  dtype=torch.bfloat16)
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == baseline(
+        tiny_model, tiny_tok, COMBOS, params, dtype=torch.bfloat16)
 
 
 class CheckedFeatureDrafter(FeatureDrafter):

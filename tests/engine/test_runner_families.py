@@ -252,12 +252,29 @@ def test_sliding_window_layers_never_read_keys_before_the_window():
     model = model_of("mistral")  # every layer slides
     seq = tokens(24, 11)
     runner = lean(model)
+    runner.exact = False  # exact runners read from a block boundary (the test below)
     s = runner.new_slot()
     runner.forward([s], [seq[:20]], [1])
     with torch.inference_mode():  # positions 0..15 are outside every window of 20..23
         for cache in runner.k_cache + runner.v_cache:
             cache[s, : 20 - WINDOW + 1] = float("nan")
     close(runner.forward([s], [seq[20:24]], [4]), hf_logits(model, seq)[20:24])
+
+
+def test_exact_sliding_window_layers_read_from_the_windows_key_block():
+    from constrained_spec.runner import WINDOW_KEY_BLOCK
+
+    model = model_of("mistral")
+    n = WINDOW_KEY_BLOCK + 40
+    seq = tokens(n + 4, 12)
+    runner = lean(model)
+    assert runner.exact
+    s = runner.new_slot()
+    runner.forward([s], [seq[:n]], [1])
+    with torch.inference_mode():  # keys before the block that holds the window's first key
+        for cache in runner.k_cache + runner.v_cache:
+            cache[s, : WINDOW_KEY_BLOCK] = float("nan")
+    close(runner.forward([s], [seq[n:]], [4]), hf_logits(model, seq)[n:])
 
 
 def test_family_switches_follow_the_config():

@@ -102,3 +102,27 @@ def test_valid_rejections_are_attributed_to_strict_mode_only_for_undeclared_prop
     assert [prep.undeclared_property(i) for i in range(3)] == [True, False, False]
     counts = coverage_mod.classify(prep, [False, False, True], [])
     assert (counts["valid_rejected"], counts["valid_rejected_strict"]) == (2, 1)
+
+
+def test_valid_rejection_explained_by_a_reported_narrowing_is_declared(coverage_mod):
+    """A valid instance the grammar refuses only because of a "narrowed" issue of the report (a
+    node without type generated as an object) counts as declared; one with another cause not."""
+    ctx = coverage_mod.Context(coverage_mod.tokenizer_vocab("ascii"))
+    row = {"schema": {"properties": {"ops": {"properties": {"n": {"type": "integer"}}},
+                                     "name": {"type": "string", "pattern": "^[a-z]+$"}}},
+           "tests": [{"valid": True, "data": {"ops": [1, 2]}},
+                     {"valid": True, "data": {"ops": {"n": 1}}},
+                     {"valid": False, "data": {"ops": {"n": "x"}}}]}
+    counts = coverage_mod.evaluate(ctx, row, "ours", time_limit=30.0)["counts"]
+    assert counts["valid_rejected"] == 1 and counts["valid_rejected_declared"] == 1
+    assert counts["valid_rejected_ids"] == [] and counts["silent"] == 0
+    assert counts["valid_ok"] == 1 and counts["invalid_rejected"] == 1
+
+
+def test_valid_rejection_of_an_escaped_character_under_a_pattern_is_declared(coverage_mod):
+    ctx = coverage_mod.Context(coverage_mod.tokenizer_vocab("ascii"))
+    row = {"schema": {"type": "object", "properties": {"run": {"type": "string", "pattern": "^.+$"}}},
+           "tests": [{"valid": True, "data": {"run": "a\tb"}}, {"valid": True, "data": {"run": "ab"}}]}
+    counts = coverage_mod.evaluate(ctx, row, "ours", time_limit=30.0)["counts"]
+    assert counts["valid_rejected"] == 1 and counts["valid_rejected_declared"] == 1
+    assert counts["valid_ok"] == 1

@@ -184,19 +184,22 @@ def test_a_failing_batched_forward_ends_its_step_and_the_engine_serves_on(
     engine = make_engine()
     calls = [0]
 
-    def fail_third_call(fn):
+    def fail_call(fn, n, counts=lambda *args, **kwargs: True):
         def wrapped(*args, **kwargs):
-            calls[0] += 1
-            if calls[0] == 3:
+            calls[0] += counts(*args, **kwargs)
+            if calls[0] == n and counts(*args, **kwargs):
                 raise Boom(f"{stage} failed")
             return fn(*args, **kwargs)
         return wrapped
 
-    if stage == "forward":  # call 1 is the prefill; 3 is the second decoding step
-        monkeypatch.setattr(engine.runner, "forward", fail_third_call(engine.runner.forward))
-    else:
+    def decoding(slots, tokens, num_logits, **kwargs):  # not a prompt's forward (an exact
+        return any(num_logits)  # runner prefills a batch of prompts one forward per prompt)
+
+    if stage == "forward":  # the second decoding step
+        monkeypatch.setattr(engine.runner, "forward", fail_call(engine.runner.forward, 2, decoding))
+    else:  # call 1 verifies the first decoding step, 3 the third
         monkeypatch.setattr(engine_module, "rejection_sample",
-                            fail_third_call(engine_module.rejection_sample))
+                            fail_call(engine_module.rejection_sample, 3))
     first = requests(compiled)
     engine.run(first)
     failed = [r for r in first if r.finish_reason == "error"]

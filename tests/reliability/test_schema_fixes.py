@@ -201,3 +201,102 @@ def test_a_required_name_not_declared_is_generated_with_the_schema_that_applies(
     assert matcher(untyped, ascii_tok).accepts_text('{"a": 1, "<caret>": 2}')
     closed = {**schema, "additionalProperties": False}  # unsatisfiable: still declared
     assert [i.pointer for i in preflight(normalize_schema(closed)).ignored] == ["/required"]
+
+
+@pytest.mark.parametrize("text, valid", [
+    ('"a\\nb"', True),            # Github_easy o9772: PEM certificates, "\n" inside maxLength
+    ('"\\"\\\\\\/"', True),       # every escape is one character of the decoded string
+    ('"\\u00e9\\u0001b"', True),
+    ('"a\\n"', False),            # two characters: below minLength
+    ('"a\\nb\\nc\\n"', False),    # six characters: past maxLength
+    ('"a\tbc"', False),           # a raw tab is not JSON (json.loads refuses it)
+])
+def test_length_limited_strings_admit_escapes_counted_as_characters(ascii_tok, text, valid):
+    """xgrammar's length grammar wrote no escape (valid strings refused) and raw control
+    characters (output json.loads refuses); each escape now counts one character."""
+    from constrained_spec.schemas import parse_output
+
+    schema = {"type": "string", "minLength": 3, "maxLength": 5}
+    assert matcher(schema, ascii_tok).accepts_text(text) is valid
+    if valid:
+        assert parse_output(normalize_schema(schema), text) == json.loads(text)
+
+
+def test_a_surrogate_pair_escape_is_not_counted_as_two_characters(ascii_tok):
+    # "\ud83d\ude00" is one code point: under minLength 2 it is invalid, so it must be refused
+    m = matcher({"type": "string", "minLength": 2}, ascii_tok)
+    assert not m.accepts_text('"\\ud83d\\ude00"')
+    assert m.accepts_text('"\\u00e9\\u00e9"')
+
+
+def test_length_limited_strings_inside_objects_admit_escapes(ascii_tok):
+    schema = {"type": "object", "properties": {
+        "pem": {"type": "string", "minLength": 5, "maxLength": 40},
+        "keys": {"type": "object", "propertyNames": {"maxLength": 4},
+                 "additionalProperties": {"type": "integer"}}}, "required": ["pem"]}
+    m = matcher(schema, ascii_tok)
+    assert m.accepts_text('{"pem": "-----\\nAB\\n-----", "keys": {"a\\tb": 1}}')
+    assert not m.accepts_text('{"pem": "-----\\nAB\\n-----", "keys": {"a\\tbcd": 1}}')
+
+
+def test_an_untyped_node_with_object_or_array_keywords_is_reported_narrowed():
+    """Github_easy o24467: `properties` without `type` also allows arrays (the test instance
+    has one); xgrammar generates an object there. Named in the report, never warned about."""
+    import warnings
+
+    from constrained_spec.schemas import check_schema
+
+    spec = normalize_schema({"properties": {"ops": {"items": {"type": "integer"}},
+                                            "typed": {"type": "object", "properties": {}}}})
+    report = preflight(spec)
+    assert {(i.keyword, i.pointer) for i in report.narrowed} == {("type", ""),
+                                                                  ("type", "/properties/ops")}
+    assert report.ok
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_schema(spec, "xgrammar")
+
+
+def test_length_limited_strings_under_hyphenated_definition_names_admit_escapes(ascii_tok):
+    # SchemaStore citation-file-format: "$defs"-style names with a hyphen name xgrammar's rules
+    schema = {"definitions": {"identifier-description": {"type": "string", "minLength": 1}},
+              "type": "object", "properties": {"d": {"$ref": "#/definitions/identifier-description"}}}
+    assert matcher(schema, ascii_tok).accepts_text('{"d": "a\\\\b\\n"}')
+
+
+def test_a_pattern_with_raw_newlines_in_a_class_compiles(ascii_tok):
+    """SchemaStore github-workflows: ``(.|[CR LF])*`` with real CR / LF characters; xgrammar's
+    lexer refused the schema ("Character class should not contain newline")."""
+    m = matcher({"type": "string", "pattern": "^\\$\\{\\{(.|[\r\n])*\\}\\}$"}, ascii_tok)
+    assert m.accepts_text('"${{ github.ref }}"')
+    assert not m.accepts_text('"${{ x }"')
+
+
+@pytest.mark.parametrize("pattern, narrowed", [
+    ("^[a-z]+$", False), (r"^\d{3}-[\w-]+$", False),
+    ("^.+$", True), (r"^\S+$", True), ("[^a]", True), ('^a"b$', True), ("^\\$\\{\\{(.|[\r\n])*\\}\\}$", True),
+])
+def test_a_pattern_allowing_characters_json_escapes_is_reported_narrowed(ascii_tok, pattern, narrowed):
+    """xgrammar's JSON-string patterns write no escape: a value holding a quote, a backslash or
+    a newline the pattern allows is never generated (SchemaStore github-workflows). The report
+    names it; the grammar refuses such a value and accepts the rest."""
+    schema = {"type": "string", "pattern": pattern}
+    report = preflight(normalize_schema(schema))
+    assert (("pattern", "/pattern", "json-escape") in {
+        (i.keyword, i.pointer, i.construct) for i in report.narrowed}) is narrowed
+    assert report.ok
+    if pattern == "^.+$":
+        m = matcher(schema, ascii_tok)
+        assert m.accepts_text('"a b"') and not m.accepts_text('"a\\"b"')
+
+
+def test_a_draft3_schema_inside_a_type_list_is_refused_by_pointer():
+    """jsonschema-specifications' draft 3 metaschema: ``"type": ["string", {"$ref": "#"}]``
+    raised a TypeError in the xgrammar rewrite instead of a typed refusal."""
+    from constrained_spec.schemas import check_schema
+
+    spec = normalize_schema({"$schema": "http://json-schema.org/draft-03/schema#", "type": "object",
+                             "properties": {"d": {"type": ["string", {"type": "integer"}]}}})
+    with pytest.raises(SchemaError, match="draft 3") as info:
+        check_schema(spec, "xgrammar")
+    assert info.value.pointer == "/properties/d/type"
