@@ -81,7 +81,9 @@ def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
     gens: dict[str, Generator[Any]] = {}
     for m, s in modes.items():
         spec, masked = s if isinstance(s, tuple) else (s, True)
-        gens[m] = Generator(model, speculative=spec)
+        # one attempt: a retry samples (at the retry temperature), so a task whose greedy
+        # attempt fails would be compared on sampled tokens
+        gens[m] = Generator(model, speculative=spec, max_retries=0)
         if not masked:
             # its own drafter: Generators with equal configs share one (api.shared_drafter),
             # and the ablation must not switch masking off for the masked mode too
