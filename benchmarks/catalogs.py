@@ -35,7 +35,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 from constrained_spec.schemas.pointers import resolve_local_ref
 
@@ -287,12 +287,14 @@ class InstanceSampler:
         return self.rng.random() < 0.5
 
     def v_object(self, node: dict, depth: int) -> dict:
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        props = node.get("properties")
+        props = props if isinstance(props, dict) else {}
         required = [k for k in node.get("required") or [] if isinstance(k, str)]
         p_optional = 0.5 if depth < 2 else 0.2 if depth < 4 else 0.0
         keys = list(dict.fromkeys(
             [k for k in props if k in required or self.rng.random() < p_optional] + required))
-        patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+        patterns = node.get("patternProperties")
+        patterns = patterns if isinstance(patterns, dict) else {}
         extra = node.get("additionalProperties", True)
         want = node.get("minProperties", 0) if isinstance(node.get("minProperties"), int) else 0
         for k in props:  # fill up to minProperties with declared names first
@@ -326,8 +328,10 @@ class InstanceSampler:
         if isinstance(items, list):  # draft 4-7 tuple form
             prefix, items = items, node.get("additionalItems", True)
         prefix = prefix if isinstance(prefix, list) else []
-        lo = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
-        hi = node.get("maxItems") if isinstance(node.get("maxItems"), int) else lo + (3 if depth < 4 else 0)
+        lo = node.get("minItems")
+        lo = lo if isinstance(lo, int) else 0
+        hi = node.get("maxItems")
+        hi = hi if isinstance(hi, int) else lo + (3 if depth < 4 else 0)
         n = self.rng.randint(lo, max(lo, min(hi, lo + 3)))
         out = [self.value(s, depth + 1) for s in prefix[:max(n, lo)]]
         while len(out) < n and items is not False:
@@ -352,8 +356,10 @@ class InstanceSampler:
             s = self.string_from_pattern(node["pattern"])
             if s is not None:
                 return s
-        lo = node.get("minLength", 0) if isinstance(node.get("minLength"), int) else 0
-        hi = node.get("maxLength") if isinstance(node.get("maxLength"), int) else lo + 12
+        lo = node.get("minLength")
+        lo = lo if isinstance(lo, int) else 0
+        hi = node.get("maxLength")
+        hi = hi if isinstance(hi, int) else lo + 12
         n = self.rng.randint(lo, max(lo, min(hi, lo + 12)))
         return "".join(self.rng.choice(_SPECIAL) if self.rng.random() < 0.08
                        else self.rng.choice(_PLAIN) for _ in range(n))
@@ -398,7 +404,7 @@ class InstanceSampler:
         try:
             from re import _parser as sre_parse  # type: ignore[attr-defined]
         except ImportError:  # Python 3.10
-            import sre_parse  # type: ignore[no-redef]
+            import sre_parse
         try:
             tree = sre_parse.parse(pattern)
         except Exception:
@@ -465,7 +471,7 @@ class InstanceSampler:
         return self.rng.choice(chars)
 
 
-def _num(v: Any) -> bool:
+def _num(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -503,7 +509,8 @@ def mutate(value: Any, rng: random.Random) -> Any:
     path = rng.choice(paths)
 
     def change(v: Any) -> Any:
-        others = [x for x in (0, "x", True, None, [], {}, 1.5)
+        kinds: tuple[Any, ...] = (0, "x", True, None, [], {}, 1.5)  # a value of each JSON type
+        others = [x for x in kinds
                   if type(x) is not type(v) or isinstance(v, bool) != isinstance(x, bool)]
         options: list[Callable[[], Any]] = [lambda: rng.choice(others)]
         if isinstance(v, str):

@@ -250,7 +250,8 @@ def canonical_value(root: Any, validator: Any, value: Any, nodes: list[Any] | No
         for k in keys:
             subs: list[Any] = []
             for n in applied:
-                props = n.get("properties") if isinstance(n.get("properties"), dict) else {}
+                props = n.get("properties")
+                props = props if isinstance(props, dict) else {}
                 if k in props:
                     subs.append(props[k])
                     continue
@@ -656,9 +657,10 @@ def prepare_tests(schema: Any, tests: list[dict]) -> list[dict]:
 def classify(prep: Prepared, accepted: list[bool], pointers: list[str] | None,
              narrowed: list[list[str]] | None = None) -> dict:
     """Counts for one system (and one set of declared pointers): see the module docstring."""
-    counts = {"valid_ok": 0, "valid_rejected": 0, "valid_rejected_strict": 0,
-              "valid_rejected_declared": 0, "invalid_rejected": 0, "declared": 0, "silent": 0,
-              "blind": 0}
+    # the counts, then the ids of the silent and the undeclared rejected tests
+    counts: dict[str, Any] = {"valid_ok": 0, "valid_rejected": 0, "valid_rejected_strict": 0,
+                              "valid_rejected_declared": 0, "invalid_rejected": 0, "declared": 0,
+                              "silent": 0, "blind": 0}
     silent_ids: list[int] = []
     undeclared_ids: list[int] = []
     decl = Declarations(prep.schema, pointers or [])

@@ -99,7 +99,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from benchmarks._results import write_section
 from benchmarks._workers import module_env
@@ -618,11 +618,13 @@ def _load_torch_model(dtype: str, threads: int, *, full_model: bool = False,
     import torch
 
     from constrained_spec import load_model
+    from constrained_spec.models import DtypeChoice
 
     torch.set_num_threads(threads)
     # transformers' generate needs the complete transformers model (ours runs the lean one);
-    # ``model``: a --gguf file instead of the embedded model
-    return load_model(model, dtype=dtype, full_model=full_model, quiet=True)
+    # ``model``: a --gguf file instead of the embedded model. ``dtype`` is one of --dtype's
+    # choices, passed to the worker as JSON text.
+    return load_model(model, dtype=cast("DtypeChoice", dtype), full_model=full_model, quiet=True)
 
 
 class _HFSystem(_System):
@@ -776,7 +778,7 @@ class Ours(_System):
     def __init__(self, dtype: str, threads: int, kwargs: dict, model: str | None = None) -> None:
         from constrained_spec import Generator
 
-        self.gen = Generator(_load_torch_model(dtype, threads, model=model), **kwargs)
+        self.gen: Generator[Any] = Generator(_load_torch_model(dtype, threads, model=model), **kwargs)
         self.eos = set()
         self.dtype = str(self.gen.model.dtype).removeprefix("torch.")
         describe = getattr(self.gen.model, "describe_kernels", None)
@@ -795,7 +797,8 @@ class Ours(_System):
         )
 
         # streaming (for TTFT) cannot be combined with retries: then there is no TTFT
-        stream = {} if getattr(self.gen, "max_retries", 0) else {"on_tokens": lambda i, t: clock.add(t)}
+        stream: dict[str, Any] = (
+            {} if getattr(self.gen, "max_retries", 0) else {"on_tokens": lambda i, t: clock.add(t)})
         res = self.gen.batch([prompt["messages"]], schemas=[prepared], return_result=True,
                              max_tokens=task["max_tokens"], **stream)[0]
         if isinstance(res, GenerationResult):
@@ -854,6 +857,7 @@ def _request(system: _System, cache: dict, msg: dict) -> dict:
 def _decode(system: _System, ids: list[int]) -> str:
     if isinstance(system, LlamaCpp):
         return system.llm.detokenize(ids).decode("utf-8", errors="replace")
+    assert isinstance(system, _HFSystem)  # the peers decode here; ours returns its own text
     return system.tok.decode(ids)
 
 
@@ -921,6 +925,8 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.e2e", "--worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both pipes, above
+        self._to_worker, self._from_worker = self.proc.stdin, self.proc.stdout
         self.dead: str | None = None
         self.peak_rss_mb: float | None = None
 
@@ -929,10 +935,10 @@ class Worker:
             return {"error": self.dead, "skipped": True}
         try:
             if msg is not None:
-                self.proc.stdin.write(json.dumps(msg) + "\n")
-                self.proc.stdin.flush()
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s or self.timeout_s)
-            line = self.proc.stdout.readline() if ready else None
+                self._to_worker.write(json.dumps(msg) + "\n")
+                self._to_worker.flush()
+            ready, _, _ = select.select([self._from_worker], [], [], timeout_s or self.timeout_s)
+            line = self._from_worker.readline() if ready else None
         except (BrokenPipeError, OSError):
             line = ""
         if not line:
@@ -1014,7 +1020,11 @@ def run(tasks: list[dict], specs: list[dict], repeats: int, timeout_s: float,
         ready = w.call(None, timeout_s=max(timeout_s, 600))
         if ready.get("ready"):
             # warm-up (not recorded): the first task, short, so lazy initialisation is not timed
-            first, prompt = (tasks[0], prompts[tasks[0]["id"]]) if tasks else (long["task"], long["prompt"])
+            if tasks:
+                first, prompt = tasks[0], prompts[tasks[0]["id"]]
+            else:
+                assert long is not None  # main runs tasks, the long prompt, or both
+                first, prompt = long["task"], long["prompt"]
             w.call({"op": "run", "task": {**first, "id": "__warmup__", "max_tokens": 8},
                     "prompt": prompt})
         if w.dead or not ready.get("ready"):

@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ def check_kernels(dev: torch.device, batch: int = 8, vocab: int = 128256,
 def throughput(model: object, tasks: list[dict], batch: int, speculative: bool) -> dict:
     """One batch of ``batch`` prompts (tasks cycled), after the same batch for 16 tokens
     (untimed: grammar compiles, first-use costs at these shapes)."""
-    gen = Generator(model, speculative=None if speculative else False)
+    gen: Generator[Any] = Generator(model, speculative=None if speculative else False)
     picked = [tasks[i % len(tasks)] for i in range(batch)]
     prompts, schemas = [t["prompt"] for t in picked], [speculation.task_schema(t) for t in picked]
     gen.batch(prompts, schemas=schemas, max_tokens=16)  # compiles (cached), this batch's shapes

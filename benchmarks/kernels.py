@@ -17,11 +17,14 @@ all-allowed, all-disallowed and random words.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -63,6 +66,7 @@ def grammar_like_bitmask(rows: int, vocab: int, gen: torch.Generator) -> torch.T
 
 def bench_apply_bitmask(device: torch.device, dtype: torch.dtype, batches: list[int],
                         vocabs: list[int], budget_s: float) -> list[list[str]]:
+    xgrammar: ModuleType | None
     try:
         import xgrammar
     except ImportError:
@@ -75,13 +79,13 @@ def bench_apply_bitmask(device: torch.device, dtype: torch.dtype, batches: list[
         logits = torch.randn(rows, vocab, generator=gen).to(device=device, dtype=dtype)
         bitmask = grammar_like_bitmask(rows, vocab, gen).to(device)
         # masking is idempotent, so repeating the call on the same logits times the same work
-        # (the lambdas bind this iteration's tensors: the `del` below frees them before the next)
-        ours = time_call(lambda x=logits, m=bitmask: apply_bitmask(x, m), device,
+        # (the partials bind this iteration's tensors: the `del` below frees them before the next)
+        ours = time_call(functools.partial(apply_bitmask, logits, bitmask), device,
                          budget_s=budget_s, max_repeats=200)
-        theirs = (time_call(lambda x=logits, m=bitmask: xgrammar.apply_token_bitmask_inplace(x, m),
+        theirs = (time_call(functools.partial(xgrammar.apply_token_bitmask_inplace, logits, bitmask),
                             device, budget_s=budget_s, max_repeats=200)
                   if xgrammar is not None else float("nan"))
-        reference = time_call(lambda x=logits, m=bitmask: apply_bitmask_reference(x, m), device,
+        reference = time_call(functools.partial(apply_bitmask_reference, logits, bitmask), device,
                               budget_s=budget_s, max_repeats=50)
         rows_out.append([device.type, "apply_bitmask", str(vocab), f"{batch} x {K + 1}",
                          f"{ours:,.0f}", f"{theirs:,.0f}", f"{reference:,.0f}",
@@ -103,13 +107,13 @@ def bench_rejection(device: torch.device, batches: list[int], vocab: int,
         draft_rows = torch.arange(num_drafts) + torch.arange(num_drafts) // K
         drafts = torch.where(torch.rand(num_drafts, generator=gen) < 0.85, likely[draft_rows],
                              torch.randint(0, vocab, (num_drafts,), generator=gen))
-        args = dict(
+        args: dict[str, Any] = dict(
             target_logits=logits.to(device), draft_tokens=drafts.to(device),
             cu_num_drafts=torch.arange(0, num_drafts + 1, K).to(device), greedy=False,
             uniform=torch.rand(num_drafts, generator=gen).to(device),
             exp_noise=torch.empty(num_rows, vocab).exponential_(generator=gen).to(device))
         accepted = rejection_sample(**args).num_accepted.float().mean().item()
-        times = [time_call(lambda fn=fn, args=args: fn(**args), device, budget_s=budget_s, max_repeats=50)
+        times = [time_call(functools.partial(fn, **args), device, budget_s=budget_s, max_repeats=50)
                  for fn in (rejection_sample, _rejection_sample_torch,
                             rejection_sample_reference)]
         rows_out.append([device.type, str(vocab), str(batch), f"{accepted:.1f} / {K}",

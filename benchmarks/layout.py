@@ -27,6 +27,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from benchmarks._results import write_section
 from benchmarks.speculation import DEFAULT_TASKS, hardware
@@ -68,7 +69,7 @@ def indent_of(label: str) -> int | None:
 
 def natural_layouts(model, tasks: list[dict]) -> list[dict]:
     """Part 1: free greedy answers with the default system message, classified."""
-    gen = Generator(model, max_tokens=FREE_MAX_TOKENS)
+    gen: Generator[Any] = Generator(model, max_tokens=FREE_MAX_TOKENS)
     prompts = [[{"role": "system", "content": describe_schema(normalize_schema(t["schema"]))},
                 {"role": "user", "content": t["prompt"]}] for t in tasks]
     out = gen.batch(prompts, return_result=True)
@@ -81,7 +82,7 @@ def natural_layouts(model, tasks: list[dict]) -> list[dict]:
 
 def completion(model, tasks: list[dict], layout: JsonLayout) -> dict:
     """Part 2: constrained greedy runs in ``layout`` (one batch of all tasks)."""
-    gen = Generator(model, layout=layout)
+    gen: Generator[Any] = Generator(model, layout=layout)
     t0 = time.perf_counter()
     out = gen.batch([t["prompt"] for t in tasks], schemas=[t["schema"] for t in tasks],
                     return_result=True, max_tokens=max(t["max_tokens"] for t in tasks))
@@ -115,7 +116,7 @@ def bench_completion(model, layout: JsonLayout, n: int, batch_size: int = 8,
     from benchmarks import validity
 
     rows = validity.sample_schemas(n, 0, list(validity.SPLITS))
-    gen = Generator(model, layout=layout, max_tokens=max_tokens)
+    gen: Generator[Any] = Generator(model, layout=layout, max_tokens=max_tokens)
     records: list[dict] = []
     t0 = time.perf_counter()
     for start in range(0, len(rows), batch_size):

@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,13 +46,13 @@ ROWS: dict[str, dict] = {
 
 
 def run_row(model, tasks: list[dict], options: dict) -> dict:
-    gen = Generator(model, **options)
+    gen: Generator[Any] = Generator(model, **options)
     t0 = time.perf_counter()
     out = gen.batch([t["prompt"] for t in tasks], schemas=[t["schema"] for t in tasks],
                     return_result=True, max_tokens=max(t["max_tokens"] for t in tasks))
     wall = time.perf_counter() - t0
-    row = {"completed": 0, "incomplete": 0, "invalid": 0, "other": 0, "tokens": 0, "attempts": 0,
-           "verbatim": [0, 0], "wall": wall, "texts": {}}
+    row: dict[str, Any] = {"completed": 0, "incomplete": 0, "invalid": 0, "other": 0, "tokens": 0, "attempts": 0,
+                           "verbatim": [0, 0], "wall": wall, "texts": {}}
     for t, r in zip(tasks, out):
         stats = getattr(r, "stats", None)
         row["tokens"] += stats.emitted_tokens if stats is not None else 0

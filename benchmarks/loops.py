@@ -57,9 +57,10 @@ def encode(tok, text: str) -> list[int]:
 
 def false_positives(tok) -> tuple[list[str], list[str]]:
     layout = JsonLayout()
-    rows, hits = [], []
-    total = Counter()
-    fired = Counter()
+    rows: list[str] = []
+    hits: list[str] = []
+    total: Counter[str] = Counter()  # valid instances per split
+    fired: Counter[str] = Counter()
     for path in sorted(BENCH.glob("*.jsonl.gz")):
         split = path.name.split(".")[0]
         with gzip.open(path, "rt") as f:

@@ -7,7 +7,7 @@ encoded with the whole schema pasted (before) and within the budget (after), and
 too long when prompt + max_tokens + the default speculative lookahead + 1 exceed the context
 (the check of ``api._encode_with_check``).
 
-    python benchmarks/prompt_budget.py [--context 8192] [--max-tokens 512]
+    python -m benchmarks.prompt_budget [--context 8192] [--max-tokens 512]
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-from loops import BENCH, embedded_tokenizer
-from validity import prompt_for
-
+from benchmarks.loops import BENCH, embedded_tokenizer
+from benchmarks.validity import prompt_for
 from constrained_spec import ConstrainedSpecError, SpeculativeConfig
 from constrained_spec.prompts import SCHEMA_PROMPT_SHARE, encode_prompt
 from constrained_spec.schemas import normalize_schema

@@ -22,12 +22,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from benchmarks._results import write_section
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
+from constrained_spec.config import SpeculativeMethod
 from constrained_spec.drafters import make_drafter
 from constrained_spec.stats import SpecStats
 
@@ -47,7 +49,7 @@ MODES = {
 # learned drafters (the heads shipped for the embedded model, or --eagle3 / --mtp folders; a
 # distilled draft model with --draft-model);
 # "no draft mask": the same drafter with its drafts taken from the raw head (ablation)
-HEAD_MODES = {
+HEAD_MODES: dict[str, tuple[SpeculativeMethod, bool, bool]] = {  # method, forced, draft mask
     "eagle3": ("eagle3", False, True),
     "eagle3+forced": ("eagle3", True, True),
     "eagle3+forced (no draft mask)": ("eagle3", True, False),
@@ -76,7 +78,7 @@ def task_schema(task: dict):
 
 def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
     model = load_model(None, quiet=True)
-    gens = {}
+    gens: dict[str, Generator[Any]] = {}
     for m, s in modes.items():
         spec, masked = s if isinstance(s, tuple) else (s, True)
         # one attempt: a retry samples (at the retry temperature), so a task whose greedy
@@ -85,8 +87,13 @@ def run(tasks: list[dict], modes: dict, repeats: int) -> dict:
         if not masked:
             # its own drafter: Generators with equal configs share one (api.shared_drafter),
             # and the ablation must not switch masking off for the masked mode too
-            gens[m].drafter = make_drafter(spec, model)
-            gens[m].drafter.mask_drafts = False
+            from constrained_spec.drafters.feature import FeatureDrafter
+
+            drafter = make_drafter(spec, model)
+            if not isinstance(drafter, FeatureDrafter):  # only heads have a no-mask mode
+                raise TypeError(f"mode {m!r}: no draft mask needs an eagle3 / mtp head, got {drafter!r}")
+            drafter.mask_drafts = False
+            gens[m].drafter = drafter
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     names = list(modes)
     for ti, task in enumerate(tqdm(tasks, desc="tasks", file=sys.stderr)):
@@ -113,7 +120,7 @@ def run_batched(tasks: list[dict], modes: dict) -> dict[str, dict[str, list[int]
         spec, masked = s if isinstance(s, tuple) else (s, True)
         if not masked:
             continue  # the ablation changes drafts, not outputs: the masked mode covers it
-        gen = Generator(model, speculative=spec, max_retries=0)
+        gen: Generator[Any] = Generator(model, speculative=spec, max_retries=0)
         out[m] = {}
         for mt in sorted({t["max_tokens"] for t in tasks}):
             group = [t for t in tasks if t["max_tokens"] == mt]

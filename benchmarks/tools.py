@@ -123,7 +123,7 @@ class Ours:
         from constrained_spec import Generator, load_model
 
         torch.set_num_threads(threads)
-        self.gen = Generator(load_model(None, quiet=True), speculative=None if speculative else False,
+        self.gen: Generator[Any] = Generator(load_model(None, quiet=True), speculative=None if speculative else False,
                              max_tokens=max_tokens, max_retries=0)
 
     def run(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -165,7 +165,7 @@ def run(rows: list[dict], *, max_tokens: int = 256, batch_size: int = 8, out: Pa
     from constrained_spec.models import load_model
 
     loaded = load_model(None, quiet=not progress)
-    gen = Generator(loaded, schema=None, max_tokens=max_tokens)
+    gen: Generator[Any] = Generator(loaded, schema=None, max_tokens=max_tokens)
     records: list[dict] = []
     sink = out.open("w", encoding="utf-8") if out else None
     bar = tqdm(total=len(rows), desc="schemas", unit="schema", disable=not progress, file=sys.stderr)

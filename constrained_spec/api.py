@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import (
@@ -47,6 +47,7 @@ from .errors import (
 from .models import LoadedModel, load_model
 from .prompts import Messages, check_text, encode_prompt
 from .reasoning import (
+    ReasoningMatcher,
     ReasoningOption,
     check_reasoning_budget,
     reasoning_matcher,
@@ -480,12 +481,16 @@ class Generator(Generic[T]):
         error is raised after the whole batch ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
-            out = self.batch(list(prompt), return_result=return_result, **overrides)
+            # a list of prompts (a chat, Messages, is a list of dicts): a narrowing mypy
+            # cannot follow
+            prompts = cast("list[str | Messages]", list(prompt))
+            out = self.batch(prompts, return_result=return_result, **overrides)
             for item in out:
                 if isinstance(item, BaseException):
                     raise item
             return out
-        out = self.batch([prompt], return_result=return_result, **overrides)[0]
+        one = cast("str | Messages", prompt)  # not a list of prompts (above): one prompt
+        out = self.batch([one], return_result=return_result, **overrides)[0]
         if isinstance(out, BaseException):
             raise out
         return out
@@ -526,7 +531,8 @@ class Generator(Generic[T]):
             self.new_engine().run([r for _, r, _ in requests])
             for i, req, spec in requests:
                 results[i] = self.finalize(req, spec, return_result)
-                stats[i] = req.stats if stats[i] is None else stats[i].merge(req.stats)
+                earlier_stats = stats[i]
+                stats[i] = req.stats if earlier_stats is None else earlier_stats.merge(req.stats)
                 attempts.record(i, results[i])
         for item, st, earlier in zip(results, stats, failed):
             _record_attempts(item, st, earlier)
@@ -627,7 +633,8 @@ class Generator(Generic[T]):
                    "raise max_tokens" if req.finish_reason == "length" else
                    f"generation ended ({req.finish_reason}) before the output was complete; "
                    "max_retries generates again")
-            if reasoning is not None and req.matcher.answer_start is None:
+            # (a reasoning matcher is what gives the output a reasoning part)
+            if isinstance(req.matcher, ReasoningMatcher) and req.matcher.answer_start is None:
                 why += " (still reasoning: set max_reasoning_tokens to leave room for the answer)"
             return IncompleteOutputError(f"{why} (partial output on .partial_text)",
                                          partial_text=text, token_ids=req.output_ids,
@@ -685,7 +692,7 @@ def _record_attempts(item: Any, stats: SpecStats | None, earlier: list[Any]) -> 
     elif isinstance(item, ConstrainedSpecError):
         if hasattr(item, "stats"):
             item.stats = stats
-        item.attempts = stats.attempts  # type: ignore[attr-defined]
+        item.attempts = stats.attempts
         item.failed_attempts = list(earlier)  # type: ignore[attr-defined]
 
 

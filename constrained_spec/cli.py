@@ -1127,9 +1127,10 @@ def _stdout_for_results() -> Iterator[TextIO]:
     """Yield the real stdout for results; meanwhile ``sys.stdout`` is stderr, so nothing else
     printed while the command runs can land among the JSON."""
     out = sys.stdout
-    if out is sys.__stdout__ and hasattr(out, "reconfigure"):
+    original = sys.__stdout__  # None in a process started without a stdout
+    if original is not None and out is original and hasattr(out, "reconfigure"):
         with contextlib.suppress(Exception):
-            out.reconfigure(encoding="utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
+            original.reconfigure(encoding="utf-8")  # JSON is UTF-8 (RFC 8259), whatever the locale
     sys.stdout = sys.stderr
     try:
         yield out

@@ -69,7 +69,7 @@ def wrap_multi(schema: dict[str, Any]) -> dict[str, Any]:
     (Pydantic's nested models) still resolve from the new root.
     """
     item = dict(schema)
-    hoisted = {key: item.pop(key) for key in ("$defs", "definitions") if key in item}
+    hoisted: dict[str, Any] = {key: item.pop(key) for key in ("$defs", "definitions") if key in item}
     for key in ("$schema", "$id"):  # root-only keywords stay at the root
         if key in item:
             hoisted[key] = item.pop(key)

@@ -522,7 +522,9 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
         chosen = _choose_dtype(env_dtype, dev, hf, path if is_default else None)
     if chosen != torch.bfloat16:
         packs = None
-    hf.to(device=dev, dtype=chosen)
+    # transformers declares `to` with @wraps(nn.Module.to), an unbound method, so its type
+    # wants `self` passed again
+    hf.to(device=dev, dtype=chosen)  # type: ignore[call-arg]
     logger.info("loaded %s in %.1fs (%s on %s)", spec, time.perf_counter() - t0, chosen, dev)
     return LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
                        device=dev, dtype=chosen, vocab_size=_logits_width(hf),
@@ -705,11 +707,13 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     bar = tqdm(total=len(g.tensors), desc=f"convert {gguf.name} (once)", disable=quiet,
                file=sys.stderr, unit="tensor")
     for key, parts in fused.items():  # stored fused, as the runner multiplies them
-        values = [g.tensors[p].int4_groups() for p in parts]  # (q [N, K], scale, min) each
-        if any(v is None for v in values):
+        found = [g.tensors[p].int4_groups() for p in parts]  # (q [N, K], scale, min) each
+        values = [v for v in found if v is not None]
+        if len(values) < len(found):
             grouped -= set(parts)
             continue
         packed = Int4Groups.from_values(*(torch.cat([v[i] for v in values]) for i in range(3)))
+        assert packed.nibbles is not None  # from_values keeps q as nibbles
         for part, tensor in zip(_GROUP_PARTS, (packed.nibbles, packed.scale, packed.min)):
             out[key + part] = tensor
         bar.update(len(parts))
@@ -744,7 +748,8 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS)}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
-    groups = {key: Int4Groups(*(stored[key + s] for s in _GROUP_PARTS))
+    groups = {key: Int4Groups(nibbles=stored[key + ".nibbles"], scale=stored[key + ".scale"],
+                              min=stored[key + ".min"])
               for key in fused if key + ".nibbles" in stored}
     # a weight in neither form would reach the runner as a meta tensor
     absent = {n for n, p in model.named_parameters() if p.is_meta}
@@ -835,8 +840,10 @@ def _logits_width(model: Any) -> int:
     return int(model.config.vocab_size)
 
 
-def _choose_dtype(choice: DtypeChoice, dev: torch.device, hf: Any, cache: Path | None) -> torch.dtype:
+def _choose_dtype(choice: str, dev: torch.device, hf: Any, cache: Path | None) -> torch.dtype:
     """bf16 where it is measured faster (CPUs with bf16 units, GPUs), else fp32.
+
+    ``choice``: a `DtypeChoice`, or ``CONSTRAINED_SPEC_DTYPE``'s value as the caller read it.
 
     ``CONSTRAINED_SPEC_DTYPE`` overrides ``auto``. On CPU the choice is measured once per machine
     (a short forward in both dtypes) and remembered in the cache folder.

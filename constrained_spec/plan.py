@@ -102,9 +102,21 @@ class KernelPlan:
     memory: str = "fast"
     times_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kernel -> ms
 
+    # written out (the dataclass keeps it) because ``prefill`` also takes one kernel for every
+    # prompt length, which the field, always buckets once built, does not
+    def __init__(self, prefill: list[tuple[int, str]] | str, decode: list[tuple[int, str]],
+                 lm_head: str, kv: str = "bf16", source: str = "fixed", memory: str = "fast",
+                 times_ms: dict[str, dict[str, float]] | None = None) -> None:
+        self.prefill = [(1 << 30, prefill)] if isinstance(prefill, str) else prefill
+        self.decode = decode
+        self.lm_head = lm_head
+        self.kv = kv
+        self.source = source
+        self.memory = memory
+        self.times_ms = {} if times_ms is None else times_ms
+        self.__post_init__()
+
     def __post_init__(self) -> None:
-        if isinstance(self.prefill, str):
-            self.prefill = [(1 << 30, self.prefill)]
         for k in [self.lm_head, *(k for _, k in self.prefill), *(k for _, k in self.decode)]:
             if k not in KERNELS:
                 raise ConfigError(f"unknown kernel {k!r} in the kernel plan; use one of "
@@ -217,8 +229,8 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
         if dense_margin is not None and k in ("fp32", "bf16"):
             need = dense_margin
             if prev is None:  # the first bucket: against the fastest packed kernel
-                prev = min((p for p in times[r] if p in ("int4", "int8")), key=times[r].get,
-                           default=None)
+                prev = min((p for p in times[r] if p in ("int4", "int8")),
+                           key=times[r].__getitem__, default=None)
         if prev in times[r] and times[r][prev] <= (1 + need) * times[r][k]:
             k = prev
         limit = (r + rows[i + 1]) // 2 if i + 1 < len(rows) else 1 << 30
@@ -254,6 +266,9 @@ def _decode_buckets(times: dict[int, dict[str, float]], *,
         key = (round(cost, 3), len({k for _, k in buckets}), buckets)
         if best is None or key[:2] < best[:2]:
             best = key
+    if best is None:
+        raise ValueError("no kernel was timed at every row count: cannot choose decode buckets "
+                         f"from {times!r}")
     return best[2]
 
 
@@ -334,6 +349,18 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     def keep(into: dict[str, dict[str, float]], phase: str, kernel: str, seconds: float) -> None:
         into[phase][kernel] = min(seconds, into[phase].get(kernel, float("inf")))
 
+    def prefill_call(r: int) -> Callable[[], None]:
+        def call() -> None:  # a prompt of r tokens into the emptied slot
+            runner.truncate(slot, 0)
+            runner.forward([slot], [prompt[:r]], [0], phase="prefill")
+        return call
+
+    def decode_call(r: int) -> Callable[[], None]:
+        def call() -> None:  # r rows after the _CONTEXT tokens prefilled before
+            runner.truncate(slot, _CONTEXT)
+            runner.forward([slot], [prompt[:r]], [0], phase="decode")
+        return call
+
     def one_round(kernel: str, warm: bool) -> None:
         # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
         # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
@@ -343,16 +370,12 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
             runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
                                        lm_head=kernel, kv=kv, memory=mode))
             for r in prefill_rows:
-                keep(into, f"prefill@{r}", kernel, _timed(1, lambda r=r: (
-                    runner.truncate(slot, 0), runner.forward([slot], [prompt[:r]], [0],
-                                                             phase="prefill")), warm=warm))
+                keep(into, f"prefill@{r}", kernel, _timed(1, prefill_call(r), warm=warm))
         runner.set_plan(KernelPlan.uniform(kernel))  # decode kernels keep dense forms resident
         runner.truncate(slot, 0)
         runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
         for r in rows:
-            keep(times, f"decode@{r}", kernel, _timed(2, lambda r=r: (
-                runner.truncate(slot, _CONTEXT), runner.forward([slot], [prompt[:r]], [0],
-                                                                phase="decode")), warm=warm))
+            keep(times, f"decode@{r}", kernel, _timed(2, decode_call(r), warm=warm))
         if runner.lm_head_weight.supports(kernel):
             h = torch.randn(max(rows), runner.hidden_size)
             n = rows[min(1, len(rows) - 1)]  # one request verifying its drafts
@@ -447,8 +470,12 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     rounds = 2
     with tqdm(total=rounds * len(candidates), desc="measure the kernel plan (once per machine)",
               disable=quiet, file=sys.stderr) as bar:
+        def advance(kernel: str) -> None:
+            bar.set_postfix_str(kernel)
+            bar.update(1)
+
         plan = measure(runner, candidates, memory=memory, repeats=rounds, exact=exact,
-                       progress=lambda k: (bar.set_postfix_str(k), bar.update(1)))
+                       progress=advance)
     logger.info("kernel plan: %s", plan.describe())
     if path is not None:
         _store(path, key, plan)

@@ -211,7 +211,8 @@ def _walk_outline(root: dict[str, Any], max_depth: int) -> list[_Field]:
     def children(node: dict[str, Any], path: str, depth: int, refs: frozenset[str]) -> None:
         props = node.get("properties")
         if isinstance(props, dict):
-            req = node.get("required") if isinstance(node.get("required"), list) else []
+            required = node.get("required")
+            req = required if isinstance(required, list) else []
             for name, sub in props.items():
                 add(sub, f"{path}.{name}" if path else name, name in req, depth + 1, refs)
         extra = node.get("additionalProperties")

@@ -148,7 +148,7 @@ class Family:
         mt = getattr(cfg, "model_type", None)
         if mt not in LEAN_FAMILIES:
             raise UnsupportedModel(f"model_type {mt!r} is not one of {', '.join(LEAN_FAMILIES)}")
-        inner = getattr(model, "model", None)
+        inner: Any = getattr(model, "model", None)  # checked for the modules below
         if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
             raise UnsupportedModel("no model.model.{layers, embed_tokens, norm, rotary_emb}")
         head = model.get_output_embeddings()
@@ -328,8 +328,8 @@ class LeanRunner(Runner):
         self.rotary = model.model.rotary_emb
         inner = model.model
 
-        def w(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device=device, dtype=dtype).contiguous()
 
         def norm(t: torch.Tensor) -> torch.Tensor:
             # Gemma scales by (1 + w) in float32 (see _rms)
@@ -475,16 +475,26 @@ class LeanRunner(Runner):
             if self._cap_slots:
                 self._alloc_features()
 
-    def _alloc_features(self) -> None:
+    def _alloc_features(self) -> torch.Tensor:
         D = self.embed.shape[1]
         self.f_cache = torch.zeros((self._cap_slots, self._cap_len, len(self.feature_layers) * D),
                                    device=self.device, dtype=self.dtype)
+        return self.f_cache
+
+    @property
+    def _kept_features(self) -> torch.Tensor:
+        """The kept hidden states [slots, positions, len(feature_layers) * D]: allocated with
+        the cache once `enable_features` asked for some."""
+        if self.f_cache is None:
+            raise RuntimeError("this runner keeps no hidden states: call enable_features(layers) "
+                               "before the forwards whose features are read")
+        return self.f_cache
 
     def features(self, slot: int, start: int, end: int, layers: Sequence[int]) -> torch.Tensor:
         """[end - start, len(layers) * D]: the kept hidden states of ``layers`` (each enabled
         with `enable_features`) at positions start..end-1 of ``slot``."""
         D = self.embed.shape[1]
-        rows = self.f_cache[slot, start:end]
+        rows = self._kept_features[slot, start:end]
         if tuple(layers) == self.feature_layers:
             return rows
         cols = [self.feature_layers.index(i) * D for i in layers]
@@ -508,9 +518,9 @@ class LeanRunner(Runner):
         old_f, old_slots, old_len = self.f_cache, self._cap_slots, self._cap_len
         self._cap_slots, self._cap_len = new_slots, new_len
         if self.feature_layers:
-            self._alloc_features()
+            f_cache = self._alloc_features()
             if old_f is not None:
-                self.f_cache[:old_slots, :old_len] = old_f
+                f_cache[:old_slots, :old_len] = old_f
 
     # -- the pieces of the forward --------------------------------------------------------
     def _matmul(self, x: torch.Tensor, L: dict[str, Any], name: str, kernel: str) -> torch.Tensor:
@@ -640,8 +650,9 @@ class LeanRunner(Runner):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         x = x.to(ACT_DTYPE[fb.kernel])
-        fb.rope = {key: tuple(c[:, :, None] for c in self._rope(x, fb.pos, fb.lengths, key))
-                   for key in set(self.family.rope_keys)}  # {key: (cos, sin) [B, T, 1, rot_dim]}
+        for key in set(self.family.rope_keys):
+            cos, sin = self._rope(x, fb.pos, fb.lengths, key)
+            fb.rope[key] = (cos[:, :, None], sin[:, :, None])  # [B, T, 1, rot_dim]
         keep = self.feature_layers
         kept: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
@@ -651,7 +662,8 @@ class LeanRunner(Runner):
         if keep:
             if self.n_layers in keep or -1 in keep:  # the last one after the final norm
                 kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
-            self.f_cache.index_put_(fb.write_idx, torch.cat([kept[i] for i in keep], dim=-1).to(self.f_cache.dtype))
+            f_cache = self._kept_features
+            f_cache.index_put_(fb.write_idx, torch.cat([kept[i] for i in keep], dim=-1).to(f_cache.dtype))
         for s, e in zip(slots, fb.ends):
             self._lengths[s] = e
         return self._logits(x, tokens, num_logits, return_hidden)

@@ -300,8 +300,9 @@ class RotaryEmbedding(nn.Module):
                     self.rope_type[layer_type] = params["rope_type"]
                     self._init_frequencies(params["rope_type"], layer_type)
         else:
-            self.rope_type = config.rope_parameters["rope_type"]
-            self._init_frequencies(self.rope_type, None)
+            rope_type: str = config.rope_parameters["rope_type"]
+            self.rope_type = rope_type
+            self._init_frequencies(rope_type, None)
 
     def _init_frequencies(self, rope_type: str, layer_type: str | None) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -340,8 +341,11 @@ class RotaryEmbedding(nn.Module):
                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, T, rot_dim] in ``x``'s dtype at ``position_ids`` [B, T]."""
         prefix = "" if layer_type is None else f"{layer_type}_"
-        rope_type = self.rope_type if layer_type is None else self.rope_type[layer_type]
         inv_freq = getattr(self, prefix + "inv_freq")
+        rope_type = self.rope_type
+        if isinstance(rope_type, dict):  # gemma3, whose buffers are found by layer type only
+            assert layer_type is not None
+            rope_type = rope_type[layer_type]
         if "dynamic" in rope_type or rope_type == "longrope":
             seq_len = torch.max(position_ids) + 1
             if "dynamic" in rope_type and seq_len > self.original_max_seq_len:

@@ -81,8 +81,17 @@ class Int4Groups:
     block: int = 0
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def _q(self) -> torch.Tensor:
+        """q as held: the nibbles, else the kernel's pack (one of them is always set)."""
         q = self.nibbles if self.nibbles is not None else self.packed
+        if q is None:
+            raise ValueError("these 4-bit groups hold neither nibbles nor an int4 pack: build "
+                             "them with from_values / from_dense, or pass packed with block")
+        return q
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        q = self._q
         return int(q.shape[0]), int(q.shape[1]) * 2
 
     @classmethod
@@ -122,7 +131,7 @@ class Int4Groups:
         # the kernel's layout: for rows b*B..b*B+B-1 and each input k, B/2 bytes whose low
         # nibbles are rows b*B + j and high nibbles rows b*B + B/2 + j
         B = self.block
-        p = self.packed.view(N // B, K, B // 2)
+        p = self._q.view(N // B, K, B // 2)  # the pack, nibbles being None
         blocks = out.view(N // B, B, K).transpose(1, 2)  # [N/B, K, B] view of out
         blocks[..., : B // 2] = p & 15
         blocks[..., B // 2:] = p >> 4
@@ -175,8 +184,7 @@ class Int4Groups:
         return packed, sz.contiguous().to(torch.bfloat16)
 
     def nbytes(self) -> int:
-        q = self.nibbles if self.nibbles is not None else self.packed
-        return sum(t.numel() * t.element_size() for t in (q, self.scale, self.min))
+        return sum(t.numel() * t.element_size() for t in (self._q, self.scale, self.min))
 
 
 _PACK_BLOCK: int | None = None
@@ -247,15 +255,29 @@ class Linear:
         self._packs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._dense: dict[torch.dtype, torch.Tensor] = {}
 
+    # exactly one of dense and int4 is set (checked in __init__); these read the one expected
+    @property
+    def _dense_weight(self) -> torch.Tensor:
+        if self.dense is None:
+            raise ValueError("this Linear holds 4-bit groups, not a dense weight")
+        return self.dense
+
+    @property
+    def _groups(self) -> Int4Groups:
+        if self.int4 is None:
+            raise ValueError("this Linear holds a dense weight, not 4-bit groups: the int4 "
+                             "kernel cannot run it (check supports('int4') first)")
+        return self.int4
+
     @property
     def shape(self) -> tuple[int, int]:
         if self.int4 is not None:
             return self.int4.shape
-        return int(self.dense.shape[0]), int(self.dense.shape[1])
+        return int(self._dense_weight.shape[0]), int(self._dense_weight.shape[1])
 
     @property
     def device(self) -> torch.device:
-        return (self.dense if self.dense is not None else self.int4.scale).device
+        return (self.dense if self.dense is not None else self._groups.scale).device
 
     @property
     def packed_kernels(self) -> tuple[str, ...]:
@@ -294,12 +316,12 @@ class Linear:
     def _pack(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
         pack = self._packs.get(kernel)
         if pack is None:
-            pack = self.int4.int4_pack() if kernel == "int4" else int8_pack(self.dequantized(torch.float32))
+            pack = self._groups.int4_pack() if kernel == "int4" else int8_pack(self.dequantized(torch.float32))
             if pack is None:
                 raise ValueError(f"kernel {kernel!r} is not available in this torch build")
             self._packs[kernel] = pack
             if kernel == "int4":  # from now on q lives only in the kernel's pack
-                self.int4.keep_packed_only(pack[0])
+                self._groups.keep_packed_only(pack[0])
         return pack
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -308,7 +330,7 @@ class Linear:
             return self._dense[dtype]
         if self.dense is not None:
             return self.dense if self.dense.dtype == dtype else self.dense.to(dtype)
-        return self.int4.dequantize(dtype)
+        return self._groups.dequantize(dtype)
 
     def __call__(self, x: torch.Tensor, kernel: str, *, row_invariant: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)`` with ``kernel``; ``x`` is cast to the kernel's activation dtype
@@ -330,7 +352,7 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes held: the resident form, packs and dense copies (a tensor shared between them,
         as the int4 pack and the packed 4-bit groups are, counted once)."""
-        own = [self.dense] if self.int4 is None else [
+        own = [self._dense_weight] if self.int4 is None else [
             t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min)
             if t is not None]
         tensors = own + [t for p in self._packs.values() for t in p] + list(self._dense.values())

@@ -157,7 +157,7 @@ def rejection_sample_reference(
             if not 0 <= x < vocab:
                 accept = False
             elif greedy[i]:
-                accept = logits.max() > _NEG_INF and x == int(logits.argmax())
+                accept = bool(logits.max() > _NEG_INF) and x == int(logits.argmax())
             else:
                 p_x = float(_softmax_or_zero(logits)[x])                     # p~(x)
                 q_x = 1.0 if draft_probs is None else float(draft_probs[j, x])
@@ -184,6 +184,8 @@ def rejection_sample_reference(
                     residual = (p - draft_probs[cu[i] + num_accepted].float()).clamp(min=0.0)
                 if residual.max() > 0:
                     dist = residual
+            # a sampled request means not every request is greedy, so _prepare drew noise
+            assert exp_noise is not None
             noise = exp_noise[i if exp_noise.shape[0] == num_requests else row]
             token = _sample_by_exp_race(dist, noise)
         out.output_tokens[i, num_accepted] = token
@@ -212,7 +214,6 @@ def _rejection_sample_torch(
     """
     greedy, uniform, exp_noise = _prepare(target_logits, draft_tokens, cu_num_drafts,
                                           draft_probs, greedy, uniform, exp_noise, generator)
-    all_greedy = exp_noise is None  # _prepare draws noise unless every request is greedy
     device = target_logits.device
     num_requests = cu_num_drafts.shape[0] - 1
     num_drafts, vocab = draft_tokens.shape[0], target_logits.shape[1]
@@ -260,7 +261,7 @@ def _rejection_sample_torch(
     if any_greedy:
         row_max, row_argmax = logits.max(dim=-1)
         token = torch.where(row_max > _NEG_INF, row_argmax, -1)
-    if not all_greedy:
+    if exp_noise is not None:  # _prepare draws noise unless every request is greedy
         e, total = _exp_rows(logits)
         p = e / total[:, None]                                               # [B, V] p~
         j = cu_num_drafts[:-1] + num_accepted                                # rejected draft

@@ -156,7 +156,9 @@ def declarable_required(node: dict) -> dict[str, Any]:
     props = node.get("properties")
     if not isinstance(required, list) or (props is not None and not isinstance(props, dict)):
         return {}
-    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    patterns = node.get("patternProperties")
+    if not isinstance(patterns, dict):
+        patterns = {}
     out: dict[str, Any] = {}
     for name in required:
         if not isinstance(name, str) or name in (props or {}) or name in out:
@@ -437,7 +439,7 @@ def convert_json_schema(spec: SchemaSpec, backend: str) -> Any:
 
             result: Any = length_string_escapes(xgrammar.Grammar.from_json_schema(
                 text, any_whitespace=False, indent=layout.indent,
-                separators=tuple(layout.separators), strict_mode=True))
+                separators=layout.separators, strict_mode=True))
         else:
             from outlines_core.json_schema import build_regex_from_schema
 

@@ -44,7 +44,7 @@ def is_date_time(value: str) -> bool:
 
 def is_time(value: str) -> bool:
     m = _TIME_RE.fullmatch(value)
-    return bool(m) and _valid_time(m.group(1), m.group(2), m.group(3), m.group(5), m.group(6))
+    return m is not None and _valid_time(m.group(1), m.group(2), m.group(3), m.group(5), m.group(6))
 
 
 # RFC 3986 (URI) / RFC 3987 (IRI): characters, percent-escapes and the scheme; an IRI may

@@ -423,7 +423,7 @@ def pattern_admits_escaped(pattern: str) -> bool:
     try:
         from re import _parser as sre_parse  # type: ignore[attr-defined]
     except ImportError:  # Python 3.10
-        import sre_parse  # type: ignore[no-redef]
+        import sre_parse
     try:
         tree = sre_parse.parse(pattern)
     except Exception:

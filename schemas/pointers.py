@@ -19,7 +19,8 @@ def resolve_local_ref(root: Any, ref: Any) -> tuple[Any, list[Any]] | None:
     ref is not local or points nowhere."""
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
         return None
-    node, path = root, []
+    node: Any = root
+    path: list[Any] = []
     for raw in ref[2:].split("/") if ref != "#" else []:
         part = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:

@@ -490,16 +490,18 @@ class _Walker:
             return True
         if not all(isinstance(b, dict) for b in resolved):
             return False
-        descs = []
+        # per branch: ("values", its values, their types) or ("types", unused, its types)
+        descs: list[tuple[str, set[str], set[str]]] = []
         for b in resolved:
+            types = _types(b)
             if "const" in b or "enum" in b:
                 vals = [b["const"]] if "const" in b else b["enum"]
                 descs.append(("values", {_canon(v) for v in vals}, {_value_type(v) for v in vals}))
-            elif _types(b) is not None:
-                descs.append(("types", None, set(_types(b) or [])))
-            else:
-                descs.append(None)
-        if all(d is not None for d in descs):
+            elif types is not None:
+                descs.append(("types", set(), set(types)))
+            else:  # a branch that states neither: only a discriminator can tell it apart
+                break
+        else:
             ok = True
             for i in range(len(descs)):
                 for j in range(i + 1, len(descs)):
@@ -515,8 +517,10 @@ class _Walker:
     def _discriminated(self, branches: list[dict]) -> bool:
         common: set[str] | None = None
         for b in branches:
-            req = b.get("required") if isinstance(b.get("required"), list) else []
-            props = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+            req = b.get("required")
+            req = req if isinstance(req, list) else []
+            props = b.get("properties")
+            props = props if isinstance(props, dict) else {}
             names = {r for r in req if r in props}
             common = names if common is None else common & names
         for name in sorted(common or ()):
@@ -564,7 +568,8 @@ class _Walker:
                  "a 'false' subschema is not supported here; remove the property / branch instead")
 
     def required_undeclared(self, node: dict, path: list[Any]) -> None:
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        props = node.get("properties")
+        props = props if isinstance(props, dict) else {}
         missing = [r for r in node.get("required") or [] if r not in props]
         if missing:
             self.add("required", to_pointer(path + ["required"]), "ignored",
@@ -675,7 +680,8 @@ class _XGrammarWalker(_Walker):
     def required_undeclared(self, node: dict, path: list[Any]) -> None:
         # the rewrite declares a required name with the schema that applies to it
         # (`backends.declarable_required`): only the others are never generated
-        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        props = node.get("properties")
+        props = props if isinstance(props, dict) else {}
         declared = declarable_required(node)
         missing = [r for r in node.get("required") or [] if r not in props and r not in declared]
         if missing:
@@ -856,8 +862,9 @@ class _OutlinesWalker(_Walker):
             if bad:
                 self.add("propertyNames", to_pointer(path + ["propertyNames"]), "ignored",
                          f"declared properties {bad} violate propertyNames, which outlines does not check")
-        consumed = ("type", "required", "additionalProperties", "unevaluatedProperties",
-                    "patternProperties", "propertyNames", "minProperties", "maxProperties")
+        consumed: tuple[str, ...] = (
+            "type", "required", "additionalProperties", "unevaluatedProperties",
+            "patternProperties", "propertyNames", "minProperties", "maxProperties")
         consumed += tuple(_ALWAYS_IGNORED) + tuple(k for t, kws in TYPE_KEYWORDS.items()
                                                    if t != "object" for k in kws)
         self.drop_siblings(node, path, "properties", consumed=consumed)

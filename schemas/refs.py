@@ -38,7 +38,9 @@ def _refuse_retrieval(uri: str) -> Any:
     """The registry's ``retrieve``: a reference outside the document is never fetched."""
     from referencing.exceptions import NoSuchResource
 
-    raise NoSuchResource(ref=uri)
+    # referencing's attrs stub marks its classes with a pre-PEP 681 decorator mypy does not
+    # read, so their generated __init__ (ref, retrieve) is unknown to it
+    raise NoSuchResource(ref=uri)  # type: ignore[call-arg]
 
 
 def _registry() -> Any:
@@ -46,7 +48,7 @@ def _registry() -> Any:
     from jsonschema_specifications import REGISTRY as SPECIFICATIONS
 
     # the draft meta-schemas jsonschema ships stay resolvable (they are bundled, not fetched)
-    return SPECIFICATIONS.combine(referencing.Registry(retrieve=_refuse_retrieval))
+    return SPECIFICATIONS.combine(referencing.Registry(retrieve=_refuse_retrieval))  # type: ignore[call-arg]
 
 
 #: The registry every jsonschema validator of the library resolves references in.

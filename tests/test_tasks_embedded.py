@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import jsonschema
 import pytest
@@ -44,7 +45,7 @@ def check_valid(task: dict, value) -> None:
 
 def run_all(embedded, speculative, batch: bool):
     tasks = load_tasks()
-    gen = Generator(embedded, speculative=speculative, max_retries=0)
+    gen: Generator[Any] = Generator(embedded, speculative=speculative, max_retries=0)
     if batch:
         # max_tokens differs per task: group by it, each group one batch of mixed schemas
         out = {}

@@ -168,8 +168,12 @@ class FeatureDrafter(Drafter):
             return
         self._catch_up(todo)
         # per request: the hidden the next prediction comes from and the position of its entry
-        live = [(st, seq) for st, seq in todo if seq.anchor_out is not None]
-        cur = {id(st): (seq.anchor_out, seq.true_len) for st, seq in live}
+        live: list[tuple[DraftState, HeadSeq]] = []
+        cur: dict[int, tuple[torch.Tensor, int]] = {}
+        for st, seq in todo:
+            if seq.anchor_out is not None:
+                live.append((st, seq))
+                cur[id(st)] = (seq.anchor_out, seq.true_len)
         # chain through the tokens already in the proposal (forced), then draft k
         chains = {id(st): list(st.tokens) for st, _ in live}
         depth = 0

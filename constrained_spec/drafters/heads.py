@@ -95,9 +95,10 @@ class HeadConfig:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
-    def from_dict(cls, d: dict) -> HeadConfig:
-        return cls(**{k: (tuple(v) if k == "feature_layers" else v) for k, v in d.items()
-                      if k in cls.__dataclass_fields__})
+    def from_dict(cls, d: dict[str, Any]) -> HeadConfig:
+        fields: dict[str, Any] = {k: (tuple(v) if k == "feature_layers" else v)
+                                  for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**fields)
 
 
 class QuantLinear(nn.Module):
@@ -165,6 +166,13 @@ class DraftHead(nn.Module):
     """An EAGLE-3 or MTP head (see the module docstring); parameter names follow the public
     checkpoints' (EAGLE-3: ``midlayer.*``, ``fc``, ``norm``, ``lm_head``; MTP: ``enorm``,
     ``hnorm``, ``eh_proj``, the block, ``shared_head.norm``)."""
+
+    # buffers, registered in __init__ (d2t: eagle3 and pruned mtp heads; target_head: mtp)
+    embed: torch.Tensor
+    target_head: torch.Tensor
+    d2t: torch.Tensor
+    # set by quantize_for_drafting on mtp heads only, hence read with getattr
+    target_head_packed: tuple[torch.Tensor, torch.Tensor] | None
 
     def __init__(self, config: HeadConfig, embed: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
         super().__init__()

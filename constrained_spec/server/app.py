@@ -21,7 +21,7 @@ import secrets
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -248,7 +248,7 @@ class Guard:
         route = path if path in ("/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
         started = False
 
-        async def counting_send(message: dict) -> None:
+        async def counting_send(message: MutableMapping[str, Any]) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True

@@ -347,7 +347,9 @@ def generate_corpus(model: Any, prompts: Sequence[dict[str, Any]], out: Path, *,
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a SchemaWarning per ignored keyword
                     for p in chunk:
-                        options = {"seed": _request_seed(seed, p["id"])} if temperature > 0 else {}
+                        # the generation overrides of make_request (**overrides: Any)
+                        options: dict[str, Any] = (
+                            {"seed": _request_seed(seed, p["id"])} if temperature > 0 else {})
                         try:
                             req, _ = gen.make_request(p["prompt"], schema=p["schema"], **options)
                         except ConstrainedSpecError as e:

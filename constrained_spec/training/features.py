@@ -249,6 +249,7 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
         for group in groups:
             batch = [order[g] for g in group]
             if source == "runner":
+                assert loaded is not None  # source 'runner' without a LoadedModel raised above
                 results = runner_features(loaded.runner, [seqs[i] for i in batch],
                                           [len(corpus[i]["prompt_ids"]) for i in batch], layers,
                                           chunk=chunk)
@@ -352,7 +353,7 @@ class _ShardWriter:
         self.buffered = 0
 
 
-class FeatureDataset(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+class FeatureDataset(torch.utils.data.IterableDataset):
     """The sequences stored by :func:`extract_features`, one dict per sequence, shard by shard.
 
     Each item: ``index`` (int), ``id`` (str), ``input_ids`` int32 [T], ``features`` bfloat16

@@ -35,7 +35,9 @@ class HealthPoller:
     """Polls ``GET /health`` in a thread; records how long each answer took."""
 
     def __init__(self, url: str) -> None:
-        self.url, self.times, self.failures = url, [], []
+        self.url = url
+        self.times: list[float] = []  # seconds per answer
+        self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 

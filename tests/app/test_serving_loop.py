@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import re
 import time
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ class FakeRunner(SlotAllocator):
 
     vocab_size = 8
     max_context = 1 << 20
+
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int]) -> torch.Tensor:
+        raise AssertionError("the fake engine scripts its steps; nothing runs a forward")
 
 
 class FakeEngine(Engine):

@@ -41,7 +41,7 @@ from constrained_spec.drafters.feature import (
     HeadSeq,
     load_feature_drafter,
 )
-from constrained_spec.drafters.heads import DraftHead, HeadConfig
+from constrained_spec.drafters.heads import DraftHead, HeadConfig, HeadKind
 from constrained_spec.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
 from constrained_spec.runner import LlamaRunner
@@ -52,8 +52,12 @@ KINDS = ["eagle3", "mtp"]
 HEADS = KINDS + ["mtp-pruned"]
 
 
-def method(kind: str) -> str:
-    return kind.split("-")[0]
+# the head method each kind runs
+_METHODS: dict[str, HeadKind] = {"eagle3": "eagle3", "mtp": "mtp", "mtp-pruned": "mtp"}
+
+
+def method(kind: str) -> HeadKind:
+    return _METHODS[kind]
 
 
 # -- heads -------------------------------------------------------------------------------------

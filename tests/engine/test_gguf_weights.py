@@ -21,6 +21,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import GGUFWriter  # noqa: E402
 
 from constrained_spec import gguf_weights  # noqa: E402
 from constrained_spec.errors import ModelLoadError  # noqa: E402
@@ -159,7 +160,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def llama_writer(path: Path, *, layers: int, context: int, hidden: int, ffn: int, heads: int,
-                 kv_heads: int, vocab: int) -> gguf.GGUFWriter:
+                 kv_heads: int, vocab: int) -> GGUFWriter:
     """A GGUF writer for a tiny llama-arch model with its hyperparameters written (RoPE over
     the whole head, base 10000, RMS eps 1e-5); the caller adds tokenizer and tensors."""
     w = gguf.GGUFWriter(str(path), "llama")

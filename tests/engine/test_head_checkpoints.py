@@ -29,6 +29,7 @@ from constrained_spec.drafters.base import DraftState, GrammarCursor
 from constrained_spec.drafters.checkpoints import find_mtp_layer, load_head
 from constrained_spec.drafters.feature import FeatureDrafter, load_feature_drafter
 from constrained_spec.models import load_model
+from constrained_spec.protocols import Runner
 
 D, H, KV = 64, 4, 2  # the tiny targets' shape (cs_testlib.tiny_llama)
 HD = D // H
@@ -72,14 +73,14 @@ def hf_features(model, ids: list[int], layers) -> torch.Tensor:
     return torch.cat([hs[i][0] for i in layers], dim=-1)
 
 
-def propose_greedy(drafter: FeatureDrafter, ctx: list[int], k: int) -> list[int]:
-    """k greedy drafts after ``ctx`` (free text), with the target runner's own features."""
-    runner = drafter.runner
+def propose_greedy(drafter: FeatureDrafter, runner: Runner, ctx: list[int], k: int) -> list[int]:
+    """k greedy drafts after ``ctx`` (free text), with the target runner's own features
+    (``runner``: the target's, the one ``drafter`` reads)."""
     slot = runner.new_slot()
     try:
         runner.forward([slot], [ctx[:-1]], [0])  # the engine's prefill: the last token pends
         words = (drafter.vocab_size + 31) // 32
-        cursor = GrammarCursor(None, torch.empty((k + 2, words), dtype=torch.int32), [0.0])
+        cursor = GrammarCursor(None, torch.empty((k + 2, words), dtype=torch.int32))
         st = DraftState(0, list(ctx), cursor, SamplingParams(), None, slot=slot)
         drafter.propose([st], k)
         drafter.release(st.drafter_state)
@@ -282,7 +283,7 @@ def test_public_eagle3_checkpoint_matches_a_reference_implementation(target, tmp
         for p, o in enumerate(outs):
             close(step0[p], o)
             close(drafter._to_target(head.logits(step0[p])), logits(o))
-        assert propose_greedy(drafter, ctx[: anchor + 2], 3) == drafts
+        assert propose_greedy(drafter, target.runner, ctx[: anchor + 2], 3) == drafts
 
 
 def test_public_eagle3_checkpoint_generates_as_without_speculation(target, tmp_path):
@@ -459,7 +460,7 @@ def test_mtp_layer_beside_the_target_matches_a_reference_implementation(mtp_targ
         for p, o in enumerate(outs):
             close(step0[p], o)
             close(head.logits(step0[p]), logits(o))
-        assert propose_greedy(drafter, ctx[: anchor + 2], 3) == drafts
+        assert propose_greedy(drafter, target.runner, ctx[: anchor + 2], 3) == drafts
     # the folder named explicitly gives the same head
     again = load_feature_drafter("mtp", str(target.path), target).head
     for name, value in head.state_dict().items():

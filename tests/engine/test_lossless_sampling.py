@@ -26,7 +26,7 @@ ALPHA = 1e-3
 PROMPT = [CHARS.index(c) for c in "ababcab"]
 
 
-def sample(model, compiled, params, spec, n: int) -> Counter:
+def sample(model, compiled, params, spec, n: int) -> tuple[Counter[tuple[int, ...]], list[Request]]:
     runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
     drafter = NgramDrafter(3, 1) if spec is not None and spec.method == "ngram" else None
     eng = Engine(runner, speculative=spec, drafter=drafter, max_batch_size=n)

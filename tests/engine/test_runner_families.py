@@ -76,7 +76,8 @@ def _config(name: str, vocab: int):
                                attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
     if name == "gemma3":  # a separate (local) RoPE base on sliding layers, linear scaling on global ones
         return tf.Gemma3TextConfig(
-            **c, query_pre_attn_scalar=24, sliding_window=WINDOW, sliding_window_pattern=2,
+            **c, query_pre_attn_scalar=24, sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             final_logit_softcapping=5.0,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                              "full_attention": {"rope_type": "linear", "factor": 2.0,

@@ -71,4 +71,4 @@ def test_compile_timeout_raises_and_a_retry_reuses_the_work():
 
 def test_unknown_backend_is_rejected():
     with pytest.raises(SchemaError):
-        compile_spec(normalize_schema(Regex("a")), TOK, backend="llguidance")  # type: ignore[arg-type]
+        compile_spec(normalize_schema(Regex("a")), TOK, backend="llguidance")

@@ -79,8 +79,9 @@ def _expected_files() -> dict[str, bytes]:
             "weights.bin": _GGUF_BYTES[::7], "tokenizer/vocab.txt": b"a\nb\n"}
 
 
-def _die_at(stage: str, fn, *args) -> int:
-    """Run fn(*args) in a forked child that SIGKILLs itself on reaching `stage`."""
+def _die_at(stage: str, fn, *args) -> int | None:
+    """Run fn(*args) in a forked child that SIGKILLs itself on reaching `stage`; its exit code
+    (None if it still runs after 30 s)."""
     def child() -> None:
         def hook(name: str) -> None:
             if name == stage:

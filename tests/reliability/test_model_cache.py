@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 from constrained_spec.models import cache_complete, cache_lock, cached_build
@@ -21,10 +22,15 @@ def _slow_build(tmp: Path, tag: str = "x", pause: float = 0.3) -> None:
     (tmp / "weights.bin").write_bytes(os.urandom(1 << 16))
 
 
-def _racer(out: str, tag: str, started: mp.Event, results: mp.Queue) -> None:
+def _racer(out: str, tag: str, started: Event, results: mp.Queue) -> None:
     started.wait()
-    built = []
-    path = cached_build(Path(out), lambda tmp: (built.append(tag), _slow_build(tmp, tag))[1])
+    built: list[str] = []
+
+    def build(tmp: Path) -> None:
+        built.append(tag)
+        _slow_build(tmp, tag)
+
+    path = cached_build(Path(out), build)
     results.put((tag, bool(built), cache_complete(path)))
 
 

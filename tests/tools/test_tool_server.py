@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -16,11 +17,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
 from openai_server_process import serve_tiny  # noqa: E402
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
                    "required": ["city"], "additionalProperties": False}}}
-SEARCH = {"type": "function", "function": {
+SEARCH: dict[str, Any] = {"type": "function", "function": {
     "name": "search", "parameters": {"type": "object", "properties": {"q": {"enum": ["cats", "dogs"]}},
                                      "required": ["q"], "additionalProperties": False}}}
 TOOLS = [WEATHER, SEARCH]
