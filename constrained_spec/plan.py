@@ -20,9 +20,9 @@ weights 4-bit and dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` ov
 ``measure`` (measure again) or a fixed plan such as
 ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
 
-Exactness (``CONSTRAINED_SPEC_EXACT``, on by default): speculation and batching must never
-change a greedy output, so every decode / verify row must be computed as a 1-row decode of it
-would be (`runner.LeanRunner`). A plan for an exact runner therefore runs decode and the LM head
+Exactness (``CONSTRAINED_SPEC_EXACT=1``; off by default, see `exact_mode`): for speculation
+and batching never to change a greedy output, every decode / verify row must be computed as
+a 1-row decode of it would be (`runner.LeanRunner`). A plan for an exact runner therefore runs decode and the LM head
 on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8 -- not fp32)
 whatever the rows: the one closest to the fastest over the measured row counts. Prompts keep
 their row buckets (a prompt's kernel comes from its own length).
@@ -72,11 +72,14 @@ def memory_mode() -> str:
                           option="CONSTRAINED_SPEC_MEMORY")
     return mode
 def exact_mode() -> bool:
-    """``CONSTRAINED_SPEC_EXACT``: "1" (default) computes every row as it would be alone, so
-    greedy outputs do not depend on speculation or batching; "0" lets each forward pick its
-    kernel by its rows (faster where a non-invariant kernel wins, e.g. float32 on a CPU
-    without bf16 units)."""
-    value = os.environ.get("CONSTRAINED_SPEC_EXACT", "1").strip().lower()
+    """``CONSTRAINED_SPEC_EXACT``: "1" computes every row as it would be alone, so greedy
+    outputs do not depend on speculation or batching; "0" (default) lets each forward pick its
+    kernel by its rows and attend with all of a verify's queries in one SDPA call. Off by
+    default because of what it costs today (quiet machine, embedded model, AVX-512-BF16): a
+    6-row verify forward 1.8x slower at 200 keys and 3.4x at 1,000 (SDPA's single-query
+    path, which the invariant attention runs once per row, costs as much per query as its
+    multi-query path costs for all of them): speculation would lose its gain."""
+    value = os.environ.get("CONSTRAINED_SPEC_EXACT", "0").strip().lower()
     if value not in ("0", "1", "false", "true", ""):
         raise ConfigError(f"CONSTRAINED_SPEC_EXACT={value!r}: use 1 or 0", option="CONSTRAINED_SPEC_EXACT")
     return value not in ("0", "false")

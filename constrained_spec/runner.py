@@ -28,7 +28,8 @@ bf16 dense, torch's int4 kernel on the file's own 4-bit values, or int8. The act
 the kernel's dtype; the KV cache has the plan's. Every weight multiply goes through one method,
 `LeanRunner._matmul`.
 
-Row invariance (``exact``, the default): every row of a forward -- a verify row, a padded batch
+Row invariance (``exact``; ``CONSTRAINED_SPEC_EXACT=1``): every row of a forward -- a verify
+row, a padded batch
 row, a prompt row -- is computed exactly as a forward of that row alone at the same position
 would compute it, so a greedy output does not depend on speculation or on the other requests
 in the batch. What it takes (measured, `weights.ROW_INVARIANT_KERNELS`): the linears and the
@@ -307,7 +308,8 @@ class LeanRunner(Runner):
     slot (every layer keeps every position, sliding-window layers included: only their mask
     differs).
 
-    ``exact`` (default: on unless ``CONSTRAINED_SPEC_EXACT=0``): every row is computed as it
+    ``exact`` (default: off unless ``CONSTRAINED_SPEC_EXACT=1``, see `plan.exact_mode`): every
+    row is computed as it
     would be alone (the module docstring says how); it holds on the row-invariant kernels
     (`weights.ROW_INVARIANT_KERNELS`), which a plan chosen for an exact runner keeps to.
     """

@@ -173,3 +173,16 @@ def test_the_embedded_model_verifies_rows_as_one_row_decodes_in_its_own_plan(emb
     finally:
         for s in slots:
             runner.free_slot(s)
+
+
+def test_exact_is_opt_in_and_a_bad_value_names_the_variable(monkeypatch):
+    from constrained_spec.errors import ConfigError
+    from constrained_spec.plan import exact_mode
+
+    monkeypatch.delenv("CONSTRAINED_SPEC_EXACT", raising=False)
+    assert exact_mode() is False
+    monkeypatch.setenv("CONSTRAINED_SPEC_EXACT", "1")
+    assert exact_mode() is True
+    monkeypatch.setenv("CONSTRAINED_SPEC_EXACT", "yes please")
+    with pytest.raises(ConfigError, match="CONSTRAINED_SPEC_EXACT"):
+        exact_mode()
