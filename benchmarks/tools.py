@@ -45,7 +45,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from benchmarks._results import write_section
 
@@ -166,11 +166,12 @@ class LlamaCpp:
         self.llm.reset()
         start = time.perf_counter()
         try:
-            out = self.llm.create_chat_completion(
+            # not streamed: one response dict (llama_cpp's stubs, when installed, say a union)
+            out = cast("dict[str, Any]", self.llm.create_chat_completion(
                 messages=[{"role": "user", "content": request["prompt"]}], tools=request["tools"],
                 tool_choice={"type": "function", "function": {"name": request["ask"]}},
                 max_tokens=self.max_tokens, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                repeat_penalty=1.0)
+                repeat_penalty=1.0))
         except Exception as e:  # noqa: BLE001 - a grammar llama.cpp cannot build: recorded
             return {"refused": f"{type(e).__name__}: {e}"[:200]}
         wall = time.perf_counter() - start
