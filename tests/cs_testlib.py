@@ -160,13 +160,14 @@ def gof(counts, exact: dict[tuple, float], n: int) -> float:
     return chisquare(obs, exp).pvalue
 
 
-def bigram_loaded(edges: dict[tuple[str, str], float]):
+def bigram_loaded(edges: dict[tuple[str, str], float], tok=None):
     """A LoadedModel whose logits are ``table[last token]`` over the byte-level BPE of
-    `byte_level_bpe`, built from ``edges`` {(token, next token): logit} (others -10): a model
-    whose greedy behaviour, e.g. a repetition loop, is fixed by construction."""
+    `byte_level_bpe` (or ``tok``, one with added tokens or a chat template), built from
+    ``edges`` {(token, next token): logit} (others -10): a model whose greedy behaviour, e.g. a
+    repetition loop, is fixed by construction."""
     from constrained_spec.models import load_model
 
-    tok = byte_level_bpe()
+    tok = byte_level_bpe() if tok is None else tok
     V = len(tok) + 2
     table = torch.full((V, V), -10.0)
     for (a, b), w in edges.items():

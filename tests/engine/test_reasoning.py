@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from cs_testlib import CHARS, bigram_llama, byte_level_bpe, exact_distribution, gof, tiny_llama
+from cs_testlib import CHARS, bigram_llama, bigram_loaded, byte_level_bpe, exact_distribution, gof, tiny_llama
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
@@ -475,14 +475,9 @@ def think_loaded(template: str, edges: dict[tuple[str, str], float] | None = Non
     tok = byte_level_bpe()
     tok.add_tokens(["<think>", "</think>"])
     tok.chat_template = template
-    size = len(tok) + 2
-    if edges is None:
-        model = tiny_llama(vocab_size=size, seed=1, max_positions=2048)
-    else:
-        table = torch.full((size, size), -10.0)
-        for (a, b), w in edges.items():
-            table[tok.convert_tokens_to_ids(a), tok.convert_tokens_to_ids(b)] = w
-        model = bigram_llama(table)
+    if edges is not None:
+        return bigram_loaded(edges, tok)
+    model = tiny_llama(vocab_size=len(tok) + 2, seed=1, max_positions=2048)
     for cfg in (model.config, model.generation_config):
         cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
     return load_model((model, tok))
