@@ -254,3 +254,21 @@ def silent_listener() -> Iterator[tuple[str, list[socket.socket]]]:
         for conn in accepted:
             conn.close()
         sock.close()
+
+
+def race(target, arg_tuples, timeout: float = 30) -> list:
+    """Run ``target(*args, start, results)`` in one forked process per tuple of
+    ``arg_tuples``, all released at once by the ``start`` event; each puts one item on the
+    ``results`` queue. Returns the items (in arrival order) after every process exited 0."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, start, results)) for args in arg_tuples]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0
+    return [results.get(timeout=5) for _ in procs]

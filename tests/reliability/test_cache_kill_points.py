@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from cs_testlib import race
 
 from constrained_spec import models
 
@@ -107,15 +108,7 @@ def _racer(out: str, log: str, start, results) -> None:
 
 
 def _race(out: Path, log: Path, n: int = 2) -> list[tuple[bool, bool]]:
-    start, results = _CTX.Event(), _CTX.Queue()
-    procs = [_CTX.Process(target=_racer, args=(str(out), str(log), start, results)) for _ in range(n)]
-    for p in procs:
-        p.start()
-    start.set()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    return [results.get(timeout=5) for _ in procs]
+    return race(_racer, [(str(out), str(log))] * n)
 
 
 def _assert_never_half_trusted(cache: Path, out: Path) -> None:

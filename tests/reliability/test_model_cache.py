@@ -13,6 +13,8 @@ import time
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
+from cs_testlib import race
+
 from constrained_spec.models import cache_complete, cache_lock, cached_build
 
 
@@ -36,16 +38,7 @@ def _racer(out: str, tag: str, started: Event, results: mp.Queue) -> None:
 
 def test_concurrent_first_use_builds_once_and_leaves_a_complete_cache(tmp_path):
     out = tmp_path / "model-v1"
-    ctx = mp.get_context("fork")
-    started, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(str(out), f"p{i}", started, results)) for i in range(3)]
-    for p in procs:
-        p.start()
-    started.set()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    got = [results.get(timeout=5) for _ in procs]
+    got = race(_racer, [(str(out), f"p{i}") for i in range(3)])
     assert sum(built for _, built, _ in got) == 1  # one conversion; the others waited and reused it
     assert all(complete for _, _, complete in got)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["model-v1"]
