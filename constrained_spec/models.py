@@ -633,13 +633,20 @@ def _source_facts(gguf: Path, folder: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     facts = {"int8_worth_it": int8_worth_it(gguf)}
-    tmp = path.with_name(f".{_SOURCE}.{os.getpid()}.tmp")
-    try:  # the same content whoever writes it: the last rename wins
-        tmp.write_text(json.dumps(facts))
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache: read the file again next time
-        tmp.unlink(missing_ok=True)
+    write_cached_json(path, facts)
     return facts
+
+
+def write_cached_json(path: Path, values: Any) -> None:
+    """Write ``values`` to ``path`` in a converted folder (a private temp file, then renamed:
+    the same content whoever writes it, the last rename wins). A read-only cache, or a value
+    JSON cannot hold, writes nothing: the reader computes the values again next time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(values))
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError):
+        tmp.unlink(missing_ok=True)
 
 
 def _tensors_held(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:

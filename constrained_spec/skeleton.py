@@ -33,7 +33,6 @@ as groups instead (``models._open_lean`` checks that every one is).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -102,12 +101,9 @@ def light_config(folder: Path) -> Any:
     if getattr(config, "model_type", None) in SKELETON_FAMILIES:
         values = config.to_dict()
         values["transformers_version"] = transformers.__version__
-        tmp = path.with_name(f".{LIGHT_CONFIG}.{os.getpid()}.tmp")
-        try:  # the same content whoever writes it: the last rename wins
-            tmp.write_text(json.dumps(values))
-            os.replace(tmp, path)
-        except (OSError, TypeError, ValueError):  # read-only, or a value JSON cannot hold
-            tmp.unlink(missing_ok=True)
+        from .models import write_cached_json
+
+        write_cached_json(path, values)
     return config
 
 
