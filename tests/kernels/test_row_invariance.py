@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from constrained_spec.runner import KEY_BLOCK, WINDOW_KEY_BLOCK
+from constrained_spec.runner import KEY_BLOCK, WINDOW_KEY_BLOCK, sdpa
 from constrained_spec.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear
 
 ROWS = (1, 2, 3, 6, 7, 13, 24, 33, 64)
@@ -60,9 +59,8 @@ def sdpa_row(q, k, v, pos: int, start: int, keys: int, window: int | None = None
     [KV, P, hd], masked causally (and to ``window``), through SDPA as the runner calls it."""
     j = torch.arange(start, keys)
     visible = j <= pos if window is None else (j <= pos) & (j > pos - window)
-    return F.scaled_dot_product_attention(
-        q[None, :, pos: pos + 1], k[None, :, start:keys], v[None, :, start:keys],
-        attn_mask=visible[None, None, None], enable_gqa=True)[0, :, 0]
+    return sdpa(q[None, :, pos: pos + 1], k[None, :, start:keys], v[None, :, start:keys],
+                visible[None, None, None])[0, :, 0]
 
 
 def qkv(positions: int, seed: int):
@@ -86,11 +84,9 @@ def test_attention_of_a_query_does_not_depend_on_the_other_queries_or_the_batch(
     keys, T = 640, 6
     pos = torch.arange(300, 300 + T)
     mask = (torch.arange(keys)[None] <= pos[:, None])[None, None]  # [1, 1, T, keys]
-    together = F.scaled_dot_product_attention(q[None, :, 300:300 + T], k[None, :, :keys], v[None, :, :keys],
-                                              attn_mask=mask, enable_gqa=True)[0]
-    batched = F.scaled_dot_product_attention(
-        q[None, :, 300:300 + T].expand(3, -1, -1, -1), k[None, :, :keys].expand(3, -1, -1, -1),
-        v[None, :, :keys].expand(3, -1, -1, -1), attn_mask=mask.expand(3, -1, -1, -1), enable_gqa=True)
+    together = sdpa(q[None, :, 300:300 + T], k[None, :, :keys], v[None, :, :keys], mask)[0]
+    batched = sdpa(q[None, :, 300:300 + T].expand(3, -1, -1, -1), k[None, :, :keys].expand(3, -1, -1, -1),
+                   v[None, :, :keys].expand(3, -1, -1, -1), mask.expand(3, -1, -1, -1))
     for t in range(T):
         alone = sdpa_row(q, k, v, 300 + t, 0, keys)
         assert torch.equal(together[:, t], alone) and torch.equal(batched[2, :, t], alone), t
@@ -105,3 +101,18 @@ def test_window_attention_reduces_the_same_way_from_any_earlier_window_block():
         alone = sdpa_row(q, k, v, pos, first, own, window)
         for earlier in range(0, first, WINDOW_KEY_BLOCK):  # a batch with an earlier request
             assert torch.equal(sdpa_row(q, k, v, pos, earlier, own + KEY_BLOCK, window), alone), (pos, earlier)
+
+
+@pytest.mark.parametrize("keys", [1, 70, 1000])
+def test_a_single_query_padded_to_two_is_its_attention(keys):
+    # the runner's sdpa sends one query twice (the CPU kernel's one-query path is slower):
+    # the result is that query's attention, to bf16 rounding
+    q, k, v = qkv(keys, seed=6)
+    pos = keys - 1
+    got = sdpa_row(q, k, v, pos, 0, keys).float()
+    G = q.shape[0] // k.shape[0]
+    kk, vv = k.float().repeat_interleave(G, 0), v.float().repeat_interleave(G, 0)
+    scores = (q[:, pos].float()[:, None] * kk[:, :keys]).sum(-1) / q.shape[-1] ** 0.5  # [H, keys]
+    want = (scores.softmax(-1)[:, :, None] * vv[:, :keys]).sum(1)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
