@@ -234,3 +234,16 @@ def test_long_summary_prefill_is_prompt_tokens_over_median_ttft(e2e):
     assert len(lines) == 4 and "TTFT" in lines[0]
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert "2000 [1000, 4000]" in lines[2] and "1.00x" in lines[2]
+
+
+def test_the_defaults_row_runs_the_library_default_retries_and_counts_attempts(e2e):
+    from constrained_spec.api import DEFAULT_MAX_RETRIES
+
+    assert e2e.OURS_VARIANTS["ours defaults"] == {"max_retries": DEFAULT_MAX_RETRIES}
+    recs = [_record("ours defaults", "a", 100, 4.0, attempts=1),
+            _record("ours defaults", "b", 100, 6.0, attempts=3),
+            _record("ours off", "a", 100, 10.0)]
+    s = e2e.summarize(recs, ["ours off", "ours defaults"])
+    assert s["ours defaults"]["attempts"] == pytest.approx(2.0)
+    assert s["ours off"]["attempts"] == 1
+    assert "| 2.00 |" in e2e.render_table(s, {})
