@@ -96,8 +96,8 @@ generations (sampled, seeded), and the first valid output is printed; an output 
 on the first attempt is exactly the one without retries. --max-retries 0 turns retries off.
 With --stream there are none (a failed attempt's text would already be on stdout), and
 --max-retries N > 0 with --stream is an error. --no-repeat-ngram-size,
---repetition-penalty, --max-string-length and --max-items change what is generated (see the
-README, "Output quality on small models").
+--repetition-penalty, --max-string-length and --max-items change what is generated (see
+docs/quality.md, "Output quality on small models").
 
 {EPILOG_EXIT_CODES}"""
 

@@ -301,7 +301,7 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
             source = shipped_head(method)
         elif getattr(target, "is_default", False):
             raise ConfigError(f"no {method} head is shipped with this version; pass one as "
-                              "speculative.model (see README: training a drafter)",
+                              "speculative.model (see docs/speculative.md: training a drafter)",
                               option="speculative.model")
         else:
             raise ConfigError(f"method {method!r} needs a head trained for this target: pass its "
