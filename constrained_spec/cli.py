@@ -45,6 +45,7 @@ from .errors import (
     OutputValidationError,
     SchemaError,
 )
+from .settings import overridden, settings
 
 PROG = "constrained-spec"
 
@@ -95,8 +96,8 @@ generations (sampled, seeded), and the first valid output is printed; an output 
 on the first attempt is exactly the one without retries. --max-retries 0 turns retries off.
 With --stream there are none (a failed attempt's text would already be on stdout), and
 --max-retries N > 0 with --stream is an error. --no-repeat-ngram-size,
---repetition-penalty, --max-string-length and --max-items change what is generated (see the
-README, "Output quality on small models").
+--repetition-penalty, --max-string-length and --max-items change what is generated (see
+docs/quality.md, "Output quality on small models").
 
 {EPILOG_EXIT_CODES}"""
 
@@ -338,10 +339,11 @@ def _cmd_info(args: argparse.Namespace, out: TextIO) -> int:
     if not args.no_model:
         from .models import load_model
 
-        if args.measure:
-            os.environ["CONSTRAINED_SPEC_PLAN"] = "measure"
-        loaded = load_model(args.model, quiet=args.quiet)
-        report["model"] = loaded.describe_kernels()
+        # --measure is CONSTRAINED_SPEC_PLAN=measure for this load (the plan is chosen when
+        # describe_kernels first builds the runner)
+        with overridden(plan="measure") if args.measure else contextlib.nullcontext():
+            loaded = load_model(args.model, quiet=args.quiet)
+            report["model"] = loaded.describe_kernels()
     if args.as_json:
         print(json.dumps(report), file=out)
         return EXIT_OK
@@ -1151,6 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, out: TextIO) -> int:
     """Run the subcommand; an error becomes its one line on stderr and its exit code."""
     try:
+        settings()  # a bad CONSTRAINED_SPEC_* value is a usage error, before any work
         return int(args.func(args, out))
     except ConstrainedSpecError as e:
         return report_error(e)
@@ -1164,7 +1167,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
     except Exception as e:
-        if os.environ.get("CONSTRAINED_SPEC_DEBUG"):
+        if settings().debug:  # read (and so validated) before args.func ran
             import traceback
 
             traceback.print_exc()

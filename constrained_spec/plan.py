@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .settings import settings
 from .weights import ACT_DTYPE, KERNELS, ROW_INVARIANT_KERNELS
 
 logger = logging.getLogger(__name__)
@@ -57,32 +58,18 @@ DENSE_DECODE_GAIN = 0.25  # see _merge
 # the gain a resident dense copy must bring a prompt's forward (at every measured prompt
 # length) for "auto" memory to keep one: it costs 2-4x the 4-bit bytes of the model
 RESIDENT_PREFILL_GAIN = 0.25
-MEMORY_MODES = ("fast", "lean")  # what a plan holds
-MEMORY_CHOICES = ("auto", *MEMORY_MODES)  # what CONSTRAINED_SPEC_MEMORY may ask for
+MEMORY_MODES = ("fast", "lean")  # what a plan holds; CONSTRAINED_SPEC_MEMORY may also say "auto"
 
 
-def memory_mode() -> str:
-    """``CONSTRAINED_SPEC_MEMORY``: "auto" (default) measures both and keeps dense copies only
-    where they win by a margin (`RESIDENT_PREFILL_GAIN`, `DENSE_DECODE_GAIN`); "fast" keeps the
-    dense copies the plan's fastest kernels need; "lean" keeps 4-bit weights 4-bit and
-    dequantizes a prompt's per call."""
-    mode = os.environ.get("CONSTRAINED_SPEC_MEMORY", "auto").strip() or "auto"
-    if mode not in MEMORY_CHOICES:
-        raise ConfigError(f"CONSTRAINED_SPEC_MEMORY={mode!r}: use auto, fast or lean",
-                          option="CONSTRAINED_SPEC_MEMORY")
-    return mode
 def exact_mode() -> bool:
-    """``CONSTRAINED_SPEC_EXACT``: "1" computes every row as it would be alone, so greedy
-    outputs do not depend on speculation or batching; "0" (default) lets each forward pick its
-    kernel by its rows and attend with all of a verify's queries in one SDPA call. Off by
-    default because of what it costs today (quiet machine, embedded model, AVX-512-BF16): a
-    6-row verify forward 1.8x slower at 200 keys and 3.4x at 1,000 (SDPA's single-query
-    path, which the invariant attention runs once per row, costs as much per query as its
-    multi-query path costs for all of them): speculation would lose its gain."""
-    value = os.environ.get("CONSTRAINED_SPEC_EXACT", "0").strip().lower()
-    if value not in ("0", "1", "false", "true", ""):
-        raise ConfigError(f"CONSTRAINED_SPEC_EXACT={value!r}: use 1 or 0", option="CONSTRAINED_SPEC_EXACT")
-    return value not in ("0", "false")
+    """``CONSTRAINED_SPEC_EXACT`` (`settings.Settings.exact`): on computes every row as it would
+    be alone, so greedy outputs do not depend on speculation or batching; off (default) lets
+    each forward pick its kernel by its rows and attend with all of a verify's queries in one
+    SDPA call. Off by default because of what it costs today (quiet machine, embedded model,
+    AVX-512-BF16): a 6-row verify forward 1.8x slower at 200 keys and 3.4x at 1,000 (SDPA's
+    single-query path, which the invariant attention runs once per row, costs as much per
+    query as its multi-query path costs for all of them): speculation would lose its gain."""
+    return settings().exact
 
 
 _CONTEXT = 128  # context the decode rows attend to while timed
@@ -168,9 +155,9 @@ class KernelPlan:
                    times_ms=d.get("times_ms", {}))
 
     @classmethod
-    def parse(cls, text: str) -> KernelPlan:
-        """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16]``: missing phases take the
-        decode kernel of 1 row."""
+    def parse(cls, text: str, *, memory: str = "fast") -> KernelPlan:
+        """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16][,memory=lean]``: missing
+        phases take the decode kernel of 1 row; a missing ``memory`` is ``memory``."""
         parts: dict[str, str] = {}
         for item in text.split(","):
             key, sep, value = item.strip().partition("=")
@@ -190,7 +177,7 @@ class KernelPlan:
         return cls(prefill=_parse_buckets(parts.get("prefill", first)), decode=decode,
                    lm_head=parts.get("lm_head", first),
                    kv=parts.get("kv", "fp32" if first == "fp32" else "bf16"), source="env",
-                   memory=parts.get("memory") or _fixed_memory())
+                   memory=parts.get("memory") or memory)
 
 
 def _bucket(buckets: list[tuple[int, str]], rows: int) -> str:
@@ -321,9 +308,8 @@ def machine_key(device: torch.device) -> str:
                        sorted(m["isa_env"].items())])
 
 
-def _fixed_memory() -> str:
+def _fixed_memory(mode: str) -> str:
     """The memory mode of a plan written by hand: "auto" keeps what its kernels need."""
-    mode = memory_mode()
     return "fast" if mode == "auto" else mode
 
 
@@ -443,7 +429,7 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     """The plan for ``runner``: fixed by an explicit ``dtype`` ("float32" / "bfloat16" /
     "float16"), by ``CONSTRAINED_SPEC_PLAN``, read from ``cache / plan.json`` for this machine,
     or measured now (and written there)."""
-    env = os.environ.get("CONSTRAINED_SPEC_PLAN", "").strip()
+    env = settings().plan or ""  # "measure", a fixed plan, or "" (read or measure)
     if dtype == "float32":
         return KernelPlan.uniform("fp32")
     if runner.device.type != "cpu":
@@ -454,9 +440,9 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
         decode = [(1 << 30, "int4")] if int4 and exact else \
             [(12, "int4" if int4 else "bf16"), (1 << 30, "bf16")]
         return KernelPlan(prefill=[(1 << 30, "bf16")], decode=decode, lm_head="bf16")
+    memory = settings().memory
     if env and env != "measure":
-        return KernelPlan.parse(env)
-    memory = memory_mode()
+        return KernelPlan.parse(env, memory=_fixed_memory(memory))
     key = machine_key(runner.device) + "|" + memory + ("|int8" if int8 else "") + ("|exact" if exact else "")
     path = None if cache is None else cache / PLAN_FILE
     if path is not None and env != "measure":

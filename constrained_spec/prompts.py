@@ -158,51 +158,19 @@ def _outline_fields(schema: dict[str, Any]) -> list[_Field]:
 
 
 def _walk_outline(root: dict[str, Any], max_depth: int) -> list[_Field]:
+    """`_outline_fields` down to ``max_depth`` levels; raises `_TooMany` past the cap."""
     out: list[_Field] = []
 
-    def resolve(node: Any, refs: frozenset[str]) -> tuple[Any, frozenset[str]]:
-        while isinstance(node, dict) and isinstance(node.get("$ref"), str):
-            ref = node["$ref"]
-            target = _pointer(root, ref)
-            if ref in refs or not isinstance(target, dict):
-                return None, refs  # recursive, remote or dangling: described by its neighbours
-            refs = refs | {ref}
-            node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
-        return node, refs
-
-    def kind(node: Any, refs: frozenset[str], nest: int = 0) -> str:
-        node, refs = resolve(node, frozenset())  # even a recursive reference has a type
-        if not isinstance(node, dict):
-            return "any"
-        if "const" in node:
-            return "constant " + json.dumps(node["const"], ensure_ascii=False)
-        if isinstance(node.get("enum"), list):
-            vals = [json.dumps(v, ensure_ascii=False) for v in node["enum"][:_OUTLINE_ENUMS]]
-            return "one of " + ", ".join(vals) + (", ..." if len(node["enum"]) > _OUTLINE_ENUMS else "")
-        for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key] and nest < 2:
-                return " or ".join(dict.fromkeys(kind(b, refs, nest + 1) for b in node[key][:4]))
-        t = node.get("type")
-        if isinstance(t, list):
-            t = " or ".join(str(x) for x in t)
-        if t is None:
-            t = "object" if "properties" in node else "array" if "items" in node else "any"
-        if t == "array" and isinstance(node.get("items"), dict) and nest < 2:
-            return "array of " + kind(node["items"], refs, nest + 1)
-        return str(t)
-
     def add(node: Any, path: str, required: bool, depth: int, refs: frozenset[str]) -> None:
-        resolved, inner = resolve(node, refs)
+        resolved, inner = _resolve_refs(root, node, refs)
         if not isinstance(resolved, dict):
             if isinstance(node, dict) or node is True:  # a recursive reference: no children
                 target = _pointer(root, node["$ref"]) if isinstance(node, dict) else None
-                out.append((depth, path, required, kind(target, refs) if target else "any", ""))
+                kind = _kind_text(root, target, refs) if target else "any"
+                out.append((depth, path, required, kind, ""))
             return
-        text = resolved.get("description") or resolved.get("title") or ""
-        text = " ".join(str(text).split())
-        if len(text) > _OUTLINE_DESCRIPTION:
-            text = text[:_OUTLINE_DESCRIPTION - 3].rstrip() + "..."
-        out.append((depth, path, required, kind(resolved, inner), text))
+        out.append((depth, path, required, _kind_text(root, resolved, inner),
+                    _description(resolved)))
         if len(out) > _OUTLINE_CAP:
             raise _TooMany
         if depth < max_depth:
@@ -220,25 +188,76 @@ def _walk_outline(root: dict[str, Any], max_depth: int) -> list[_Field]:
             add(extra, f"{path}.*" if path else "*", False, depth + 1, refs)
         items = node.get("items")
         if isinstance(items, dict):
-            sub, inner = resolve(items, refs)
+            sub, inner = _resolve_refs(root, items, refs)
             if isinstance(sub, dict) and depth + 1 < max_depth:
                 children(sub, f"{path}[]", depth + 1, inner)
         for key in ("allOf", "anyOf", "oneOf"):
             branches = node.get(key)
             for branch in branches if isinstance(branches, list) else []:
-                sub, inner = resolve(branch, refs)
+                sub, inner = _resolve_refs(root, branch, refs)
                 if isinstance(sub, dict):
                     children(sub, path, depth, inner)
 
-    top, refs = resolve(root, frozenset())
+    top, refs = _resolve_refs(root, root, frozenset())
     if isinstance(top, dict):
         if top.get("type") not in (None, "object") or "properties" not in top:
-            out.append((0, "(the value)", True, kind(top, refs), ""))
+            out.append((0, "(the value)", True, _kind_text(root, top, refs), ""))
         children(top, "", 0, refs)
-    # a path reached by several branches is listed once (the first, most detailed)
+    return _first_per_path(out)
+
+
+def _resolve_refs(root: dict[str, Any], node: Any,
+                  refs: frozenset[str]) -> tuple[Any, frozenset[str]]:
+    """``node`` with its local ``$ref`` chain followed (its own keys over the target's), and the
+    references followed so far; ``None`` for a recursive, remote or dangling reference."""
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        ref = node["$ref"]
+        target = _pointer(root, ref)
+        if ref in refs or not isinstance(target, dict):
+            return None, refs  # recursive, remote or dangling: described by its neighbours
+        refs = refs | {ref}
+        node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+    return node, refs
+
+
+def _kind_text(root: dict[str, Any], node: Any, refs: frozenset[str], nest: int = 0) -> str:
+    """The type of an outline entry in words: "constant 1", "one of ...", "string or null",
+    "array of integer"; branches and array items are described two levels deep."""
+    node, refs = _resolve_refs(root, node, frozenset())  # even a recursive reference has a type
+    if not isinstance(node, dict):
+        return "any"
+    if "const" in node:
+        return "constant " + json.dumps(node["const"], ensure_ascii=False)
+    if isinstance(node.get("enum"), list):
+        vals = [json.dumps(v, ensure_ascii=False) for v in node["enum"][:_OUTLINE_ENUMS]]
+        return "one of " + ", ".join(vals) + (", ..." if len(node["enum"]) > _OUTLINE_ENUMS else "")
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key] and nest < 2:
+            return " or ".join(dict.fromkeys(_kind_text(root, b, refs, nest + 1)
+                                             for b in node[key][:4]))
+    t = node.get("type")
+    if isinstance(t, list):
+        t = " or ".join(str(x) for x in t)
+    if t is None:
+        t = "object" if "properties" in node else "array" if "items" in node else "any"
+    if t == "array" and isinstance(node.get("items"), dict) and nest < 2:
+        return "array of " + _kind_text(root, node["items"], refs, nest + 1)
+    return str(t)
+
+
+def _description(node: dict[str, Any]) -> str:
+    """A node's description (or title) on one line, cut to `_OUTLINE_DESCRIPTION` characters."""
+    text = " ".join(str(node.get("description") or node.get("title") or "").split())
+    if len(text) > _OUTLINE_DESCRIPTION:
+        text = text[:_OUTLINE_DESCRIPTION - 3].rstrip() + "..."
+    return text
+
+
+def _first_per_path(fields: list[_Field]) -> list[_Field]:
+    """A path reached by several branches is listed once (the first, most detailed)."""
     seen: set[str] = set()
     unique = []
-    for f in out:
+    for f in fields:
         if f[1] not in seen:
             seen.add(f[1])
             unique.append(f)

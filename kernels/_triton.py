@@ -131,6 +131,95 @@ def rejection_row_stats_kernel(
 
 
 @triton.jit
+def _row_softmax(row_max_ptr, row_sum_ptr, row):
+    """(alive, shift, row_sum) of a masked row from rejection_row_stats_kernel's outputs, so
+    that p~ = exp(logit - shift) / row_sum; a row allowing nothing (not alive) has
+    exp(-inf - 0) / 1 = 0."""
+    row_max = tl.load(row_max_ptr + row)
+    alive = row_max > float("-inf")
+    shift = tl.where(alive, row_max, 0.0)
+    row_sum = tl.where(alive, tl.load(row_sum_ptr + row), 1.0)
+    return alive, shift, row_sum
+
+
+@triton.jit
+def _accept_drafts(
+    logits_ptr, logits_row_stride, draft_ptr, q_ptr, q_row_stride, uniform_ptr,
+    row_max_ptr, row_sum_ptr, row_argmax_ptr,
+    out_row_ptr,         # the request's output row: accepted drafts written at 0, 1, ...
+    start, end, first_row, greedy, vocab,
+    HAS_Q: tl.constexpr,
+):
+    """Acceptance of one request's drafts start .. end - 1 (rows first_row ...): walk them;
+    after the first rejection nothing more is accepted. Returns the number accepted."""
+    num_accepted = tl.zeros([], tl.int64)
+    rejected = tl.zeros([], tl.int32)
+    for j in range(start, end):
+        row = first_row + (j - start)
+        x = tl.load(draft_ptr + j)
+        valid = (x >= 0) & (x < vocab)                 # -1 padding is always rejected
+        x_safe = tl.where(valid, x, 0)
+        alive, shift, row_sum = _row_softmax(row_max_ptr, row_sum_ptr, row)
+        logit = tl.load(logits_ptr + row * logits_row_stride + x_safe).to(tl.float32)
+        p_x = tl.exp(logit - shift) / row_sum
+        if HAS_Q:
+            q_x = tl.load(q_ptr + j * q_row_stride + x_safe).to(tl.float32)
+        else:
+            q_x = tl.full([], 1.0, tl.float32)
+        u = tl.load(uniform_ptr + j)
+        accept_sampled = (q_x > 0) & (u < p_x / tl.where(q_x > 0, q_x, 1.0))
+        accept_greedy = alive & (x == tl.load(row_argmax_ptr + row))
+        accept = valid & (rejected == 0) & tl.where(greedy, accept_greedy, accept_sampled)
+        tl.store(out_row_ptr + (j - start), x, mask=accept)
+        num_accepted += accept.to(tl.int64)
+        rejected = tl.where(accept, rejected, 1)
+    return num_accepted
+
+
+@triton.jit
+def _race_p_and_residual(
+    logits_row_ptr,      # the emitting row's masked logits
+    q_row_ptr,           # q of the rejected draft (read if HAS_Q and x_valid)
+    noise_row_ptr,
+    x, x_valid,          # the rejected draft (-1 when every draft was accepted)
+    shift, row_sum,      # from _row_softmax
+    sample_end,          # vocab, or 0 for a greedy request (no sampling pass)
+    vocab,
+    HAS_Q: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Sample by argmax(dist / noise), for dist = p~ and dist = residual in one pass. A token
+    with dist = 0 scores 0, and only a positive best score picks a token: returns the token
+    drawn from p~ and the one drawn from the residual, each -1 where nothing scored > 0."""
+    best_p = tl.zeros([], tl.float32)
+    best_p_at = tl.full([], -1, tl.int32)
+    best_r = tl.zeros([], tl.float32)
+    best_r_at = tl.full([], -1, tl.int32)
+    for b in range(0, sample_end, BLOCK):
+        offs = b + tl.arange(0, BLOCK)
+        in_vocab = offs < vocab
+        logits = tl.load(logits_row_ptr + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - shift) / row_sum
+        if HAS_Q:
+            # (tl.where, not `in_vocab & x_valid`: the interpreter mis-types tensor & scalar)
+            q = tl.load(q_row_ptr + offs, mask=tl.where(x_valid, in_vocab, False),
+                        other=0.0).to(tl.float32)
+            residual = tl.maximum(p - q, 0.0)
+        else:
+            residual = tl.where(offs == x, 0.0, p)
+        noise = tl.load(noise_row_ptr + offs, mask=in_vocab, other=1.0)
+        top, top_at = tl.max(p / noise, axis=0, return_indices=True,
+                             return_indices_tie_break_left=True)
+        best_p_at = tl.where(top > best_p, b + top_at, best_p_at)
+        best_p = tl.maximum(best_p, top)
+        top, top_at = tl.max(residual / noise, axis=0, return_indices=True,
+                             return_indices_tie_break_left=True)
+        best_r_at = tl.where(top > best_r, b + top_at, best_r_at)
+        best_r = tl.maximum(best_r, top)
+    return best_p_at, best_r_at
+
+
+@triton.jit
 def rejection_sample_kernel(
     logits_ptr,          # [T, V] masked target logits, T = sum(k_i + 1)
     logits_row_stride,
@@ -157,33 +246,10 @@ def rejection_sample_kernel(
     end = tl.load(cu_ptr + req + 1)
     first_row = start + req
     greedy = tl.load(greedy_ptr + req) != 0
-
-    # Acceptance: walk the drafts; after the first rejection nothing more is accepted.
-    num_accepted = tl.zeros([], tl.int64)
-    rejected = tl.zeros([], tl.int32)
-    for j in range(start, end):
-        row = first_row + (j - start)
-        x = tl.load(draft_ptr + j)
-        valid = (x >= 0) & (x < vocab)                 # -1 padding is always rejected
-        x_safe = tl.where(valid, x, 0)
-        row_max = tl.load(row_max_ptr + row)
-        alive = row_max > float("-inf")
-        # p~ = exp(logit - max) / sum; a row allowing nothing has exp(-inf - 0) / 1 = 0.
-        shift = tl.where(alive, row_max, 0.0)
-        row_sum = tl.where(alive, tl.load(row_sum_ptr + row), 1.0)
-        logit = tl.load(logits_ptr + row * logits_row_stride + x_safe).to(tl.float32)
-        p_x = tl.exp(logit - shift) / row_sum
-        if HAS_Q:
-            q_x = tl.load(q_ptr + j * q_row_stride + x_safe).to(tl.float32)
-        else:
-            q_x = tl.full([], 1.0, tl.float32)
-        u = tl.load(uniform_ptr + j)
-        accept_sampled = (q_x > 0) & (u < p_x / tl.where(q_x > 0, q_x, 1.0))
-        accept_greedy = alive & (x == tl.load(row_argmax_ptr + row))
-        accept = valid & (rejected == 0) & tl.where(greedy, accept_greedy, accept_sampled)
-        tl.store(out_ptr + req * out_row_stride + (j - start), x, mask=accept)
-        num_accepted += accept.to(tl.int64)
-        rejected = tl.where(accept, rejected, 1)
+    out_row_ptr = out_ptr + req * out_row_stride
+    num_accepted = _accept_drafts(logits_ptr, logits_row_stride, draft_ptr, q_ptr, q_row_stride,
+                                  uniform_ptr, row_max_ptr, row_sum_ptr, row_argmax_ptr,
+                                  out_row_ptr, start, end, first_row, greedy, vocab, HAS_Q)
 
     # The emitted token: recovered (at the first rejection) or bonus (all accepted).
     is_recovered = num_accepted < end - start
@@ -191,46 +257,18 @@ def rejection_sample_kernel(
     j = start + num_accepted
     x = tl.load(draft_ptr + j, mask=is_recovered, other=-1)
     x_valid = (x >= 0) & (x < vocab)
-    row_max = tl.load(row_max_ptr + row)
-    alive = row_max > float("-inf")
-    shift = tl.where(alive, row_max, 0.0)
-    row_sum = tl.where(alive, tl.load(row_sum_ptr + row), 1.0)
+    alive, shift, row_sum = _row_softmax(row_max_ptr, row_sum_ptr, row)
     noise_row = req if NOISE_PER_REQUEST else row
-    # Sample by argmax(dist / noise), for dist = p~ and dist = residual in one pass. A token
-    # with dist = 0 scores 0, and only a positive best score picks a token.
-    best_p = tl.zeros([], tl.float32)
-    best_p_at = tl.full([], -1, tl.int32)
-    best_r = tl.zeros([], tl.float32)
-    best_r_at = tl.full([], -1, tl.int32)
     sample_end = tl.where(greedy, 0, vocab)           # greedy requests need no sampling pass
-    for b in range(0, sample_end, BLOCK):
-        offs = b + tl.arange(0, BLOCK)
-        in_vocab = offs < vocab
-        logits = tl.load(logits_ptr + row * logits_row_stride + offs, mask=in_vocab,
-                         other=float("-inf")).to(tl.float32)
-        p = tl.exp(logits - shift) / row_sum
-        if HAS_Q:
-            # (tl.where, not `in_vocab & x_valid`: the interpreter mis-types tensor & scalar)
-            q = tl.load(q_ptr + j * q_row_stride + offs, mask=tl.where(x_valid, in_vocab, False),
-                        other=0.0).to(tl.float32)
-            residual = tl.maximum(p - q, 0.0)
-        else:
-            residual = tl.where(offs == x, 0.0, p)
-        noise = tl.load(noise_ptr + noise_row * noise_row_stride + offs, mask=in_vocab,
-                        other=1.0)
-        top, top_at = tl.max(p / noise, axis=0, return_indices=True,
-                             return_indices_tie_break_left=True)
-        best_p_at = tl.where(top > best_p, b + top_at, best_p_at)
-        best_p = tl.maximum(best_p, top)
-        top, top_at = tl.max(residual / noise, axis=0, return_indices=True,
-                             return_indices_tie_break_left=True)
-        best_r_at = tl.where(top > best_r, b + top_at, best_r_at)
-        best_r = tl.maximum(best_r, top)
+    best_p_at, best_r_at = _race_p_and_residual(
+        logits_ptr + row * logits_row_stride, q_ptr + j * q_row_stride,
+        noise_ptr + noise_row * noise_row_stride, x, x_valid, shift, row_sum, sample_end, vocab,
+        HAS_Q, BLOCK)
     # An empty residual (p == q) falls back to p; a row allowing nothing gives -1.
     sampled = tl.where(is_recovered & (best_r_at >= 0), best_r_at, best_p_at).to(tl.int64)
     greedy_token = tl.where(alive, tl.load(row_argmax_ptr + row), -1)
     token = tl.where(greedy, greedy_token, sampled)
-    tl.store(out_ptr + req * out_row_stride + num_accepted, token)
+    tl.store(out_row_ptr + num_accepted, token)
     tl.store(num_accepted_ptr + req, num_accepted)
     tl.store(recovered_ptr + req, tl.where(is_recovered, token, -1))
     tl.store(bonus_ptr + req, tl.where(is_recovered, -1, token))

@@ -216,16 +216,42 @@ def _rejection_sample_torch(
                                           draft_probs, greedy, uniform, exp_noise, generator)
     device = target_logits.device
     num_requests = cu_num_drafts.shape[0] - 1
-    num_drafts, vocab = draft_tokens.shape[0], target_logits.shape[1]
     k = cu_num_drafts[1:] - cu_num_drafts[:-1]                               # [B]
     max_k = int(k.max()) if num_requests else 0
     out = _empty_output(num_requests, max_k, device)
     if num_requests == 0:
         return out
     any_greedy = bool(greedy.any())
+    num_accepted = _accept_vectorised(target_logits, draft_tokens, cu_num_drafts, draft_probs,
+                                      greedy, uniform, k, max_k, any_greedy)
+    positions = torch.arange(max_k, device=device)
+    drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((1,), -1)])
+    draft_at = (cu_num_drafts[:-1, None] + positions).clamp(max=draft_tokens.shape[0])  # [B, max_k]
+    out.output_tokens[:, :max_k] = torch.where(positions < num_accepted[:, None],
+                                               drafts_padded[draft_at], -1)
 
-    # Acceptance, one draft position at a time for the requests still accepting.
-    num_accepted = torch.zeros(num_requests, dtype=torch.long, device=device)
+    # The emitted token of each request, at row first_row + num_accepted.
+    requests = torch.arange(num_requests, device=device)
+    emit_row = cu_num_drafts[:-1] + requests + num_accepted                  # [B]
+    is_recovered = num_accepted < k
+    token = _emit_vectorised(target_logits, drafts_padded, cu_num_drafts, draft_probs, greedy,
+                             exp_noise, num_accepted, emit_row, is_recovered, any_greedy)
+    out.output_tokens[requests, num_accepted] = token
+    out.num_accepted.copy_(num_accepted)
+    out.recovered.copy_(torch.where(is_recovered, token, -1))
+    out.bonus.copy_(torch.where(is_recovered, -1, token))
+    return out
+
+
+def _accept_vectorised(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                       cu_num_drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                       greedy: torch.Tensor, uniform: torch.Tensor, k: torch.Tensor,
+                       max_k: int, any_greedy: bool) -> torch.Tensor:
+    """Acceptance, one draft position at a time for the requests still accepting: [B] the
+    number of drafts each request accepted (`_rejection_sample_torch`'s first step; ``k``:
+    [B] drafts per request, ``max_k`` its max)."""
+    num_requests, vocab = k.shape[0], target_logits.shape[1]
+    num_accepted = torch.zeros(num_requests, dtype=torch.long, device=target_logits.device)
     accepting = k > 0                                                        # [B]
     for t in range(max_k):
         req = (accepting & (k > t)).nonzero().flatten()                      # [n]
@@ -246,46 +272,46 @@ def _rejection_sample_torch(
             accept = torch.where(greedy[req], accept_greedy, accept)
         num_accepted[req] += accept.long()
         accepting[req] = accept
-    positions = torch.arange(max_k, device=device)
-    drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((1,), -1)])
-    draft_at = (cu_num_drafts[:-1, None] + positions).clamp(max=num_drafts)  # [B, max_k]
-    out.output_tokens[:, :max_k] = torch.where(positions < num_accepted[:, None],
-                                               drafts_padded[draft_at], -1)
+    return num_accepted
 
-    # The emitted token of each request, at row first_row + num_accepted.
-    requests = torch.arange(num_requests, device=device)
-    emit_row = cu_num_drafts[:-1] + requests + num_accepted                  # [B]
-    is_recovered = num_accepted < k
+
+def _emit_vectorised(target_logits: torch.Tensor, drafts_padded: torch.Tensor,
+                     cu_num_drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                     greedy: torch.Tensor, exp_noise: torch.Tensor | None,
+                     num_accepted: torch.Tensor, emit_row: torch.Tensor,
+                     is_recovered: torch.Tensor, any_greedy: bool) -> torch.Tensor:
+    """[B] the token each request emits at ``emit_row``: the argmax for a greedy request, else
+    a draw from the residual at a rejection (p~ where the residual is empty) or from p~ (the
+    bonus); -1 where the row allows nothing (`_rejection_sample_torch`'s second step).
+    ``drafts_padded`` is the drafts with one -1 after them."""
+    num_requests, vocab = emit_row.shape[0], target_logits.shape[1]
+    num_drafts = drafts_padded.shape[0] - 1
     logits = target_logits.index_select(0, emit_row).float()                 # [B, V]
     token = torch.full_like(num_accepted, -1)
     if any_greedy:
         row_max, row_argmax = logits.max(dim=-1)
         token = torch.where(row_max > _NEG_INF, row_argmax, -1)
-    if exp_noise is not None:  # _prepare draws noise unless every request is greedy
-        e, total = _exp_rows(logits)
-        p = e / total[:, None]                                               # [B, V] p~
-        j = cu_num_drafts[:-1] + num_accepted                                # rejected draft
-        x = torch.where(is_recovered, drafts_padded[j], -1)
-        x_valid = (x >= 0) & (x < vocab)
-        if draft_probs is None:
-            residual = p.clone()
-            residual[x_valid.nonzero().flatten(), x[x_valid]] = 0.0
-        elif num_drafts:
-            q = draft_probs.index_select(0, j.clamp(max=num_drafts - 1)).float()
-            residual = (p - q).clamp_(min=0.0)
-        else:
-            residual = p
-        use_p = ~(x_valid & (residual.amax(dim=-1) > 0))                    # empty: sample p~
-        residual[use_p] = p[use_p]
-        noise = (exp_noise if exp_noise.shape[0] == num_requests
-                 else exp_noise.index_select(0, emit_row))
-        best, best_at = (residual / noise).max(dim=-1)
-        token = torch.where(greedy, token, torch.where(best > 0, best_at, -1))
-    out.output_tokens[requests, num_accepted] = token
-    out.num_accepted.copy_(num_accepted)
-    out.recovered.copy_(torch.where(is_recovered, token, -1))
-    out.bonus.copy_(torch.where(is_recovered, -1, token))
-    return out
+    if exp_noise is None:  # _prepare draws noise unless every request is greedy
+        return token
+    e, total = _exp_rows(logits)
+    p = e / total[:, None]                                                   # [B, V] p~
+    j = cu_num_drafts[:-1] + num_accepted                                    # rejected draft
+    x = torch.where(is_recovered, drafts_padded[j], -1)
+    x_valid = (x >= 0) & (x < vocab)
+    if draft_probs is None:
+        residual = p.clone()
+        residual[x_valid.nonzero().flatten(), x[x_valid]] = 0.0
+    elif num_drafts:
+        q = draft_probs.index_select(0, j.clamp(max=num_drafts - 1)).float()
+        residual = (p - q).clamp_(min=0.0)
+    else:
+        residual = p
+    use_p = ~(x_valid & (residual.amax(dim=-1) > 0))                        # empty: sample p~
+    residual[use_p] = p[use_p]
+    noise = (exp_noise if exp_noise.shape[0] == num_requests
+             else exp_noise.index_select(0, emit_row))
+    best, best_at = (residual / noise).max(dim=-1)
+    return torch.where(greedy, token, torch.where(best > 0, best_at, -1))
 
 
 def rejection_sample_triton(

@@ -7,14 +7,47 @@ instance of the embedded default model (fetched and converted once, then cached)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 
 # the suite runs the exact (row-invariant) runner, whose guarantees the losslessness tests
 # check token for token; it is opt-in for users (plan.exact_mode says why), and the tests of
-# the default set it off themselves
+# the default set it off themselves (with `cs_env`). Set before anything reads the settings.
 os.environ.setdefault("CONSTRAINED_SPEC_EXACT", "1")
 from cs_testlib import CHARS, tiny_llama
+
+from constrained_spec.settings import reload_settings
+
+
+@pytest.fixture
+def cs_env() -> Iterator[Callable[..., None]]:
+    """Set (a string) or unset (``None``) environment variables for one test, and re-read the
+    settings each time (`constrained_spec.settings` reads the environment once and keeps it):
+    ``cs_env(CONSTRAINED_SPEC_MEMORY="lean", CONSTRAINED_SPEC_PLAN=None)``. A bad value raises
+    its `ConfigError` from the call. The variables and the settings are restored afterwards.
+
+    (``monkeypatch.setenv`` alone would change the environment without the settings seeing it,
+    and its undo runs after this fixture's teardown, so this fixture restores by itself.)
+    """
+    saved: dict[str, str | None] = {}
+
+    def set_env(**values: str | None) -> None:
+        for name, value in values.items():
+            saved.setdefault(name, os.environ.get(name))
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reload_settings()
+
+    yield set_env
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    reload_settings()
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..protocols import FeatureSource, feature_source
+from ..settings import settings
 from ..slots import SlotAllocator
 from .base import Drafter, DraftState, fit_width, length_groups
 from .heads import DraftHead
@@ -300,7 +301,7 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
             source = shipped_head(method)
         elif getattr(target, "is_default", False):
             raise ConfigError(f"no {method} head is shipped with this version; pass one as "
-                              "speculative.model (see README: training a drafter)",
+                              "speculative.model (see docs/speculative.md: training a drafter)",
                               option="speculative.model")
         else:
             raise ConfigError(f"method {method!r} needs a head trained for this target: pass its "
@@ -328,10 +329,8 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
 
 def quantized_drafters() -> bool:
     """Draft heads and draft models run on the int8 weight-only kernel on CPU in bf16 unless
-    ``CONSTRAINED_SPEC_INT4=0`` (which also keeps the target dense)."""
-    import os
-
-    return os.environ.get("CONSTRAINED_SPEC_INT4", "1") != "0"
+    ``CONSTRAINED_SPEC_INT4`` is off (which also keeps the target dense)."""
+    return settings().int4
 
 
 def check_head_fits(head: DraftHead, target_config: Any, vocab_size: int) -> None:

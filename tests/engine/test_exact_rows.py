@@ -175,14 +175,15 @@ def test_the_embedded_model_verifies_rows_as_one_row_decodes_in_its_own_plan(emb
             runner.free_slot(s)
 
 
-def test_exact_is_opt_in_and_a_bad_value_names_the_variable(monkeypatch):
+def test_exact_is_opt_in_and_a_bad_value_names_the_variable(cs_env):
     from constrained_spec.errors import ConfigError
     from constrained_spec.plan import exact_mode
 
-    monkeypatch.delenv("CONSTRAINED_SPEC_EXACT", raising=False)
+    cs_env(CONSTRAINED_SPEC_EXACT=None)
     assert exact_mode() is False
-    monkeypatch.setenv("CONSTRAINED_SPEC_EXACT", "1")
+    cs_env(CONSTRAINED_SPEC_EXACT="1")
     assert exact_mode() is True
-    monkeypatch.setenv("CONSTRAINED_SPEC_EXACT", "yes please")
     with pytest.raises(ConfigError, match="CONSTRAINED_SPEC_EXACT"):
-        exact_mode()
+        cs_env(CONSTRAINED_SPEC_EXACT="yes please")
+    with pytest.raises(ConfigError, match="CONSTRAINED_SPEC_EXACT"):
+        exact_mode()  # and on every read until the value is fixed

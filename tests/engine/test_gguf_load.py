@@ -60,9 +60,9 @@ def write_tiny_llama(path):
 
 
 @pytest.fixture
-def tiny_gguf(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("CONSTRAINED_SPEC_PLAN", "prefill=fp32,decode=int4,lm_head=fp32")
+def tiny_gguf(tmp_path, monkeypatch, cs_env):
+    cs_env(CONSTRAINED_SPEC_CACHE=str(tmp_path / "cache"),
+           CONSTRAINED_SPEC_PLAN="prefill=fp32,decode=int4,lm_head=fp32")
     monkeypatch.setattr(models, "_LOADED", {})
     path = tmp_path / "tiny.Q4_K_M.gguf"
     write_tiny_llama(path)

@@ -121,22 +121,19 @@ def test_measured_plan_picks_the_fastest_measured_kernel_per_phase():
     assert plan.source == "measured" and runner.slots_in_use == 0
 
 
-def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, monkeypatch):
-    monkeypatch.delenv("CONSTRAINED_SPEC_PLAN", raising=False)
-    monkeypatch.delenv("CONSTRAINED_SPEC_MEMORY", raising=False)
+def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, cs_env):
+    cs_env(CONSTRAINED_SPEC_PLAN=None, CONSTRAINED_SPEC_MEMORY=None)
     runner = _runner()
     first = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
     assert len(stored["plans"]) == 1 and first.source == "measured"
     assert choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True).times_ms == first.times_ms
-    monkeypatch.setenv("CONSTRAINED_SPEC_MEMORY", "lean")  # a plan of its own, measured and kept
+    cs_env(CONSTRAINED_SPEC_MEMORY="lean")  # a plan of its own, measured and kept
     lean = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     assert lean.memory == "lean" and len(json.loads((tmp_path / PLAN_FILE).read_text())["plans"]) == 2
-    monkeypatch.setenv("CONSTRAINED_SPEC_MEMORY", "small")
     with pytest.raises(ConfigError):
-        choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
-    monkeypatch.delenv("CONSTRAINED_SPEC_MEMORY")
-    monkeypatch.setenv("CONSTRAINED_SPEC_PLAN", "prefill=fp32,decode=int4")
+        cs_env(CONSTRAINED_SPEC_MEMORY="small")
+    cs_env(CONSTRAINED_SPEC_MEMORY=None, CONSTRAINED_SPEC_PLAN="prefill=fp32,decode=int4")
     fixed = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     assert fixed.source == "env" and fixed.prefill_kernel(1000) == "fp32"
     # an explicit dtype is a fixed plan: float32 everywhere is exact

