@@ -372,8 +372,8 @@ def detect_format(tokenizer: Any) -> ToolFormat:
                 # sentencepiece templates (7B v0.3) write the list after a space, as the model
                 # was trained: "[TOOL_CALLS] [{...}]"
                 fmt = dataclasses.replace(fmt, list_begin="[TOOL_CALLS] [")
-        tokens = tuple((m, i) for m in _MARKERS if m in fmt.list_begin + fmt.begin("")
-                       for i in [_single_token(tokenizer, m)] if i is not None)
+        markers = [m for m in _MARKERS if m in fmt.list_begin + fmt.begin("")]
+        tokens = tuple((m, i) for m in markers if (i := _single_token(tokenizer, m)) is not None)
         return dataclasses.replace(fmt, tokens=tokens)
     if "<tool_call>" in template:
         return FORMATS["hermes"]
@@ -550,7 +550,7 @@ class ToolSet:
 
 def _pieces(text: str, tokens: dict[str, int]) -> list[Any]:
     """``text`` as structural-tag formats: constant strings, and each marker in ``tokens`` as
-    its one token (xgrammar never lets a special token stand for its text)."""
+    its one token (which then is the only way to write it: not its spelling)."""
     from xgrammar import structural_tag as st
 
     if not tokens:
@@ -598,7 +598,8 @@ class ToolParser:
             except OutputValidationError as e:
                 raise OutputValidationError(f"tool {name!r}: {e}", text=text,
                                             errors=e.errors) from None
-            calls.append(ToolCall(name, value, self.fmt.new_id(), args_text, tool))
+            calls.append(ToolCall(name, value, id=self.fmt.new_id(), arguments_json=args_text,
+                                  tool=tool))
         if not calls:
             raise OutputValidationError("the output has no complete tool call", text=text,
                                         errors=["no tool call"])
