@@ -7,13 +7,20 @@ the tools of one request with its ``tool_choice`` and ``parallel_tool_calls``.
 
 How a call is written follows the model's chat template (:func:`detect_format`):
 
-==========  ===============================================================  ===============
-format      one call                                                         between calls
-==========  ===============================================================  ===============
-hermes      ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``  newline
-llama3      ``{"name": "NAME", "parameters": ARGS}``                         ``"; "``
-mistral     ``[TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]``        ``", "`` (list)
-==========  ===============================================================  ===============
+===========  =========================================================  ====================
+format       one call                                                   between calls
+===========  =========================================================  ====================
+hermes       ``<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>``  newline
+llama3       ``{"name": "NAME", "parameters": ARGS}``                   ``"; "``
+mistral      ``[TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]``  ``", "`` (one list)
+mistral_v11  ``[TOOL_CALLS]NAME[ARGS]ARGS``                             nothing
+===========  =========================================================  ====================
+
+Mistral's templates of tokenizers v2 to v7 (7B v0.3, Nemo, Small 2409 / 2501) write one JSON
+list after ``[TOOL_CALLS]`` (after ``"[TOOL_CALLS] ["`` where the template puts a space there,
+as the sentencepiece ones do); those of tokenizers v11 and later write ``[ARGS]`` and repeat
+``[TOOL_CALLS]`` before each call. Their call ids are 9 letters and digits (the templates refuse
+others in the history).
 
 Hermes is also the documented default for templates without a tool section (the embedded
 SmolLM2 among them): the tools are then described in a system message of ours
@@ -41,17 +48,22 @@ OpenAI tool). :class:`StreamingToolParser` does the same on a growing text, for 
 streamed tool-call deltas. The outlines backend has no structural tags: tools there are a
 `SchemaError` naming the backend.
 
-Markers are written as text: a tokenizer that has a call marker as a special token (Mistral's
-``[TOOL_CALLS]``) gets it spelled in ordinary tokens, since xgrammar never allows special tokens
-in text (a ``TokenFormat`` begin would be the fix for such tokenizers).
+Special tokens: a marker that is one token of the model's tokenizer (Mistral's
+``[TOOL_CALLS]`` and ``[ARGS]``; :attr:`ToolFormat.tokens`, found by :func:`detect_format`) is
+written by the grammar as that one token (an xgrammar ``TokenFormat``), never spelled in text
+tokens, and the text before the calls cannot spell it either. Parsing reads the decoded text,
+in which the token is its marker again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import re
+import secrets
+import string
 import threading
 import typing
 import uuid
@@ -280,11 +292,13 @@ def _param_docs(doc: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How one model family writes tool calls (see the module docstring)."""
+    """How one model family writes tool calls (see the module docstring): each call is
+    ``call_begin`` NAME ``name_end`` ARGUMENTS ``call_end``, calls are joined by ``separator``
+    and the whole list sits between ``list_begin`` and ``list_end``."""
 
     name: str
     call_begin: str  # before the tool's name
-    args_key: str  # "arguments" / "parameters"
+    name_end: str  # between the name and the arguments
     call_end: str  # after the arguments
     separator: str  # between two calls
     trigger: str  # what starts the calls (excluded from the text before them)
@@ -293,9 +307,15 @@ class ToolFormat:
     #: written by our default system message and history rendering (no tool section in the
     #: template), rather than by the template
     default: bool = False
+    #: the markers the model's tokenizer has as one (special) token, with its id: the grammar
+    #: writes each as that token, never spelled in text tokens (:func:`detect_format`)
+    tokens: tuple[tuple[str, int], ...] = ()
+    #: call ids: OpenAI's ``call_...``, or Mistral's 9 letters and digits (its templates refuse
+    #: any other id in the history)
+    id_style: typing.Literal["openai", "mistral"] = "openai"
 
     def begin(self, name: str) -> str:
-        return f'{self.call_begin}{name}", "{self.args_key}": '
+        return f"{self.call_begin}{name}{self.name_end}"
 
     def write(self, calls: Sequence[tuple[str, Any]], layout: JsonLayout | None = None) -> str:
         """``calls`` ((name, arguments) pairs) as the model writes them."""
@@ -303,36 +323,76 @@ class ToolFormat:
         text = self.separator.join(self.begin(n) + layout.dumps(a) + self.call_end for n, a in calls)
         return self.list_begin + text + self.list_end
 
+    def new_id(self) -> str:
+        """A new call id in this format's style."""
+        if self.id_style == "mistral":
+            return "".join(secrets.choice(_ALNUM) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
 
+
+_ALNUM = string.ascii_letters + string.digits
+_JSON_NAME = '", "{}": '
 FORMATS: dict[str, ToolFormat] = {
-    "hermes": ToolFormat("hermes", '<tool_call>\n{"name": "', "arguments", "}\n</tool_call>",
-                         "\n", "<tool_call>"),
-    "llama3": ToolFormat("llama3", '{"name": "', "parameters", "}", "; ", '{"name": '),
-    "mistral": ToolFormat("mistral", '{"name": "', "arguments", "}", ", ", "[TOOL_CALLS]",
-                          list_begin="[TOOL_CALLS][", list_end="]"),
+    "hermes": ToolFormat("hermes", '<tool_call>\n{"name": "', _JSON_NAME.format("arguments"),
+                         "}\n</tool_call>", "\n", "<tool_call>"),
+    "llama3": ToolFormat("llama3", '{"name": "', _JSON_NAME.format("parameters"), "}", "; ",
+                         '{"name": '),
+    # Mistral's tokenizers v2 to v7 (7B v0.3, Nemo, Small 2409 / 2501, Large 2407 / 2411)
+    "mistral": ToolFormat("mistral", '{"name": "', _JSON_NAME.format("arguments"), "}", ", ",
+                          "[TOOL_CALLS]", list_begin="[TOOL_CALLS][", list_end="]",
+                          id_style="mistral"),
+    # Mistral's tokenizers v11 and later: each call its own [TOOL_CALLS], the name as text
+    "mistral_v11": ToolFormat("mistral_v11", "[TOOL_CALLS]", "[ARGS]", "", "", "[TOOL_CALLS]",
+                              id_style="mistral"),
 }
 #: The format for templates without a tool section: Hermes' ``<tool_call>`` tags, with the tools
 #: described in our system message (what SmolLM2 and Qwen-style models were tuned on).
 DEFAULT_FORMAT = dataclasses.replace(FORMATS["hermes"], default=True)
+# the markers of a format that a tokenizer may have as one special token each
+_MARKERS = ("[TOOL_CALLS]", "[ARGS]")
 
 
 def detect_format(tokenizer: Any) -> ToolFormat:
     """The call format of ``tokenizer``'s chat template: the family its tool section names
     (Hermes / Qwen ``<tool_call>``, Llama-3 ``<|python_tag|>`` / ``"parameters"`` JSON,
-    Mistral ``[TOOL_CALLS]``), else :data:`DEFAULT_FORMAT`."""
+    Mistral ``[TOOL_CALLS]``: a JSON list, or ``NAME[ARGS]`` when the template writes
+    ``[ARGS]``), else :data:`DEFAULT_FORMAT`. A Mistral marker that is one token of
+    ``tokenizer`` is written as that token (:attr:`ToolFormat.tokens`)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default") or ""
     if not isinstance(template, str) or "tools" not in template:
         return DEFAULT_FORMAT
     if "[TOOL_CALLS]" in template:
-        return FORMATS["mistral"]
+        if "[ARGS]" in template:
+            fmt = FORMATS["mistral_v11"]
+        else:
+            fmt = FORMATS["mistral"]
+            if re.search(r"\[TOOL_CALLS\]\s+\[", template):
+                # sentencepiece templates (7B v0.3) write the list after a space, as the model
+                # was trained: "[TOOL_CALLS] [{...}]"
+                fmt = dataclasses.replace(fmt, list_begin="[TOOL_CALLS] [")
+        markers = [m for m in _MARKERS if m in fmt.list_begin + fmt.begin("")]
+        tokens = tuple((m, i) for m in markers if (i := _single_token(tokenizer, m)) is not None)
+        return dataclasses.replace(fmt, tokens=tokens)
     if "<tool_call>" in template:
         return FORMATS["hermes"]
     if "<|python_tag|>" in template or '"parameters"' in template or "parameters" in template \
             and "<|eom_id|>" in template:
         return FORMATS["llama3"]
     return DEFAULT_FORMAT
+
+
+def _single_token(tokenizer: Any, marker: str) -> int | None:
+    """The id of ``marker`` when ``tokenizer`` has it as one token, else None."""
+    try:
+        tid = tokenizer.convert_tokens_to_ids(marker)
+        back = tokenizer.convert_ids_to_tokens(tid) if isinstance(tid, int) else None
+    except Exception:  # noqa: BLE001 - a tokenizer-like object without these methods
+        return None
+    if back != marker or tid == getattr(tokenizer, "unk_token_id", None):
+        return None
+    return int(tid)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,20 +484,29 @@ class ToolSet:
 
         from constrained_spec.schemas import bound_schema, convert_json_schema
 
+        tokens = dict(fmt.tokens) if hasattr(st, "TokenFormat") else {}  # older xgrammar: text
         tags = []
         for tool in self.offered:
             args_spec, _ = bound_schema(dataclasses.replace(tool.spec, layout=layout, key=""),
                                         max_string_length=bounds[0], max_items=bounds[1])
             args = convert_json_schema(args_spec, "xgrammar")
-            tags.append(st.TagFormat(begin=fmt.begin(tool.name),
-                                     content=st.GrammarFormat(grammar=str(args)),
-                                     end=fmt.call_end))
+            tags.append(_tag(fmt.begin(tool.name), st.GrammarFormat(grammar=str(args)),
+                             fmt.call_end, tokens))
         one = len(tags) == 1 and not self.parallel
-        calls: Any = tags[0] if one else st.TagsWithSeparatorFormat(
-            tags=tags, separator=fmt.separator, at_least_one=True,
-            stop_after_first=not self.parallel)
+        calls: Any
+        if one:
+            calls = tags[0]
+        elif all(isinstance(t, st.TagFormat) for t in tags):
+            calls = st.TagsWithSeparatorFormat(tags=tags, separator=fmt.separator,
+                                               at_least_one=True,
+                                               stop_after_first=not self.parallel)
+        else:  # tags that begin with a token: the same, as or / star
+            calls = tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
+            if self.parallel:
+                more = st.SequenceFormat(elements=[*_pieces(fmt.separator, tokens), calls])
+                calls = st.SequenceFormat(elements=[calls, st.StarFormat(content=more)])
         if fmt.list_begin:
-            calls = st.TagFormat(begin=fmt.list_begin, content=calls, end=fmt.list_end)
+            calls = _tag(fmt.list_begin, calls, fmt.list_end, tokens)
         if self.choice == "auto":
             text = st.AnyTextFormat(excludes=[fmt.trigger])
             calls = st.OrFormat(elements=[text, st.SequenceFormat(elements=[text, calls])])
@@ -479,6 +548,31 @@ class ToolSet:
         return ToolParser(self, fmt).split(text)
 
 
+def _pieces(text: str, tokens: dict[str, int]) -> list[Any]:
+    """``text`` as structural-tag formats: constant strings, and each marker in ``tokens`` as
+    its one token (which then is the only way to write it: not its spelling)."""
+    from xgrammar import structural_tag as st
+
+    if not tokens:
+        return [st.ConstStringFormat(value=text)] if text else []
+    out: list[Any] = []
+    for part in re.split("(" + "|".join(map(re.escape, tokens)) + ")", text):
+        if part in tokens:
+            out.append(st.TokenFormat(token=tokens[part]))
+        elif part:
+            out.append(st.ConstStringFormat(value=part))
+    return out
+
+
+def _tag(begin: str, content: Any, end: str, tokens: dict[str, int]) -> Any:
+    """``begin`` content ``end``: a structural tag, or a sequence when a marker is a token."""
+    from xgrammar import structural_tag as st
+
+    if not any(m in begin + end for m in tokens):
+        return st.TagFormat(begin=begin, content=content, end=end)
+    return st.SequenceFormat(elements=[*_pieces(begin, tokens), content, *_pieces(end, tokens)])
+
+
 @dataclass(frozen=True)
 class ToolParser:
     """Reads a finished output of a :class:`ToolSet` in one format back into calls; the
@@ -504,7 +598,8 @@ class ToolParser:
             except OutputValidationError as e:
                 raise OutputValidationError(f"tool {name!r}: {e}", text=text,
                                             errors=e.errors) from None
-            calls.append(ToolCall(name, value, arguments_json=args_text, tool=tool))
+            calls.append(ToolCall(name, value, id=self.fmt.new_id(), arguments_json=args_text,
+                                  tool=tool))
         if not calls:
             raise OutputValidationError("the output has no complete tool call", text=text,
                                         errors=["no tool call"])
@@ -521,28 +616,66 @@ class ToolParser:
 
 def _read_calls(text: str, fmt: ToolFormat) -> list[tuple[str, Any, str]]:
     """(name, arguments, arguments' JSON text) of each call in ``text`` (which starts with the
-    first call, as the grammar wrote it)."""
-    decoder = json.JSONDecoder()
+    calls, as the grammar wrote them)."""
     out = []
-    pos = len(fmt.list_begin)
-    obj_at = fmt.call_begin.index("{")
-    tail = fmt.call_end[fmt.call_end.index("}") + 1:]
-    while True:
-        begin = text.find(fmt.call_begin, pos)
-        if begin < 0:
-            break
-        start = begin + obj_at
+    for name, args_at, end in _scan_calls(text, fmt):
+        if end is None:
+            raise OutputValidationError(f"the arguments of the call to {name!r} do not end",
+                                        text=text, errors=["unterminated arguments"])
         try:
-            obj, end = decoder.raw_decode(text, start)
+            args = json.loads(text[args_at:end])
         except json.JSONDecodeError as e:
             raise OutputValidationError(f"a tool call is not JSON: {e}", text=text,
                                         errors=[str(e)]) from None
-        args = obj.get(fmt.args_key)
-        # the arguments' own text: from after the key to before the call's closing brace
-        args_start = text.index(f'"{fmt.args_key}": ', begin) + len(fmt.args_key) + 4
-        out.append((obj.get("name"), args, text[args_start:end - 1]))
-        pos = end + len(tail)
+        out.append((name, args, text[args_at:end]))
     return out
+
+
+def _scan_calls(text: str, fmt: ToolFormat) -> list[tuple[str, int, int | None]]:
+    """(name, start of the arguments, their end or None while they are still being written)
+    of each call in ``text``, which starts with the calls; stops before a call whose name is
+    not complete yet. One reader for whole outputs and streamed ones."""
+    out: list[tuple[str, int, int | None]] = []
+    pos = _marker(text, 0, fmt.list_begin)
+    while pos is not None:
+        if out:
+            end = out[-1][2]
+            pos = None if end is None else _marker(text, end, fmt.call_end)
+            pos = None if pos is None else _marker(text, pos, fmt.separator)
+            if pos is None:
+                break
+        name_at = _marker(text, pos, fmt.call_begin)
+        if name_at is None:
+            break
+        name = _NAME_RUN.match(text, name_at)
+        args_at = _marker(text, name.end(), fmt.name_end) if name else None
+        if name is None or args_at is None:
+            break
+        args_at = len(text) - len(text[args_at:].lstrip())
+        out.append((name.group(), args_at, _json_end(text, args_at)))
+    return out
+
+
+_NAME_RUN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _marker(text: str, pos: int, marker: str) -> int | None:
+    """The end of ``marker`` when ``text`` continues with it at ``pos`` (else None), with
+    loose whitespace: any run (or none) before it, where it has some and after a ``[NAME]``
+    marker, since a tokenizer may decode spaces around special tokens its own way."""
+    found = _marker_pattern(marker).match(text, pos)
+    return found.end() if found else None
+
+
+@functools.lru_cache(maxsize=64)
+def _marker_pattern(marker: str) -> re.Pattern[str]:
+    out = [r"\s*"]
+    for part in re.split(r"(\s+|\[[A-Z_]+\])", marker):
+        if part.isspace():
+            out.append(r"\s*")
+        elif part:
+            out.append(re.escape(part) + (r"\s*" if re.fullmatch(r"\[[A-Z_]+\]", part) else ""))
+    return re.compile("".join(out))
 
 
 def _json_end(text: str, start: int) -> int | None:
@@ -595,33 +728,16 @@ class StreamingToolParser:
         content = text[self.content_sent:start].rstrip() if self.content_sent < start else ""
         self.content_sent = max(self.content_sent, start)
         deltas = []
-        pos = start + len(fmt.list_begin)
-        index = 0
-        while True:
-            begin = text.find(fmt.call_begin, pos)
-            if begin < 0:
-                break
-            name_at = begin + len(fmt.call_begin)
-            name_end = text.find('"', name_at)
-            key = f', "{fmt.args_key}": '
-            if name_end < 0 or not text.startswith(key, name_end + 1):
-                break  # the name is not complete yet
-            args_at = name_end + 1 + len(key)
-            end = _json_end(text, args_at) if args_at < len(text) else None
-            args = text[args_at:end] if end is not None else text[args_at:]
+        for index, (name, args_at, end) in enumerate(_scan_calls(text[start:], fmt)):
+            args = text[start + args_at:len(text) if end is None else start + end]
             if index == len(self.calls):
-                self.calls.append({"id": f"call_{uuid.uuid4().hex[:24]}",
-                                   "name": text[name_at:name_end], "sent": 0})
+                self.calls.append({"id": fmt.new_id(), "name": name, "sent": 0})
                 deltas.append({"index": index, "id": self.calls[index]["id"], "type": "function",
-                               "function": {"name": self.calls[index]["name"], "arguments": ""}})
+                               "function": {"name": name, "arguments": ""}})
             call = self.calls[index]
             if len(args) > call["sent"]:
                 deltas.append({"index": index, "function": {"arguments": args[call["sent"]:]}})
                 call["sent"] = len(args)
-            if end is None:
-                break
-            pos = end
-            index += 1
         return content, deltas
 
 

@@ -63,12 +63,13 @@ def byte_level_bpe():
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>")
 
 
-def tiny_loaded_model(seed: int = 0):
-    """A LoadedModel over a tiny random Llama and :func:`byte_level_bpe` (fp32, CPU): the whole
-    public API and the server run on it in milliseconds per token, on any prompt text."""
+def tiny_loaded_model(seed: int = 0, tok=None):
+    """A LoadedModel over a tiny random Llama and :func:`byte_level_bpe` (or ``tok``, one with
+    added tokens or a chat template) (fp32, CPU): the whole public API and the server run on
+    it in milliseconds per token, on any prompt text."""
     from constrained_spec.models import load_model
 
-    tok = byte_level_bpe()
+    tok = byte_level_bpe() if tok is None else tok
     model = tiny_llama(vocab_size=len(tok) + 2, seed=seed, max_positions=2048)
     for cfg in (model.config, model.generation_config):  # Llama's default eos id 2 is a byte here
         cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
