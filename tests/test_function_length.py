@@ -14,7 +14,6 @@ NOT_YET_SPLIT = {
     "constrained_spec/server/streaming.py stream",
     "constrained_spec/training/data.py generate_corpus",
     "constrained_spec/training/features.py extract_features",
-    "schemas/backends.py _xgrammar_rewrite",
 }
 
 
