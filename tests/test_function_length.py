@@ -13,7 +13,6 @@ PACKAGE_DIRS = ("constrained_spec", "grammar", "kernels", "schemas")
 NOT_YET_SPLIT = {
     "constrained_spec/server/streaming.py stream",
     "constrained_spec/training/data.py generate_corpus",
-    "constrained_spec/training/features.py extract_features",
 }
 
 
