@@ -185,8 +185,31 @@ def _draft4_bounds(node: dict) -> None:
 
 
 def _xgrammar_rewrite(node: Any) -> Any:
+    """One (sub)schema as xgrammar's converter should get it (the xgrammar rewrites of the module
+    docstring); `map_schema` applies it bottom-up, to a fresh copy it may change in place."""
     if not isinstance(node, dict):
         return node
+    replacement = _xgrammar_replacement(node)
+    if replacement is not None:
+        return replacement
+    _drop_false_properties(node)
+    _draft4_bounds(node)
+    types = _types_of(node)
+    _open_undeclared_containers(node, types)
+    _declare_required_names(node, types)
+    _exact_formats(node, ("pattern",), ("date", "date-time", "ipv4", "hostname"))
+    _xgrammar_patterns(node)
+    if "integer" in types:
+        _int64_bounds(node)
+    if node.get("type") == "integer":
+        _whole_integer_bounds(node)
+    return node
+
+
+def _xgrammar_replacement(node: dict) -> dict | None:
+    """The schema that replaces ``node`` whole for xgrammar, or None to rewrite it keyword by
+    keyword: ``{}`` where several-subschema allOf wins, object / array const and enum values
+    spelled out as schemas."""
     # xgrammar writes object / array const and enum values in its own compact form ('{"a":1}'),
     # whatever the separators / indent: spelled out as schemas they follow the layout. const /
     # enum win over their siblings in xgrammar (and pre-flight checks the values against them),
@@ -202,9 +225,12 @@ def _xgrammar_rewrite(node: Any) -> Any:
                 return _literal_schema(node["const"])
         elif isinstance(node.get("enum"), list) and any(isinstance(v, (dict, list)) for v in node["enum"]):
             return {"anyOf": [_literal_schema(v) for v in node["enum"]]}
-    _drop_false_properties(node)
-    _draft4_bounds(node)
-    types = _types_of(node)
+    return None
+
+
+def _open_undeclared_containers(node: dict, types: set[str]) -> None:
+    """``items: {}`` on an array, ``additionalProperties: {}`` on an object, that declares no
+    items / properties at all."""
     # strict_mode forbids items / properties the schema does not declare. That is what we want
     # for declared objects, but a bare {"type": "array", "minItems": 1} would become "[] only"
     # (and fail to compile): an array or object that declares nothing gets "anything" back.
@@ -215,6 +241,11 @@ def _xgrammar_rewrite(node: Any) -> Any:
             k in node for k in ("properties", "additionalProperties", "patternProperties",
                                 "unevaluatedProperties", "propertyNames")):
         node["additionalProperties"] = {}
+
+
+def _declare_required_names(node: dict, types: set[str]) -> None:
+    """Each required name an object node does not declare, declared under ``properties`` with
+    the schema that applies to it anyway (`declarable_required`)."""
     if "object" in types or not types and any(
             k in node for k in ("properties", "additionalProperties", "unevaluatedProperties")):
         # (an untyped node with these keywords is an object to xgrammar and to pre-flight)
@@ -222,7 +253,11 @@ def _xgrammar_rewrite(node: Any) -> Any:
         # always miss it): declare it with the schema that applies to it anyway (exact)
         for name, sub in declarable_required(node).items():
             node.setdefault("properties", {})[name] = sub
-    _exact_formats(node, ("pattern",), ("date", "date-time", "ipv4", "hostname"))
+
+
+def _xgrammar_patterns(node: dict) -> None:
+    """``pattern`` and the ``patternProperties`` keys given search semantics and written the
+    way xgrammar compiles them right (`search_pattern`, `xgrammar_pattern`)."""
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         rewritten = search_pattern(pattern, any_text=".*")
@@ -233,41 +268,47 @@ def _xgrammar_rewrite(node: Any) -> Any:
         node["patternProperties"] = {
             xgrammar_pattern(search_pattern(k, any_text=".*") or python_regex(k)): v
             for k, v in node["patternProperties"].items()}
-    if "integer" in types:
-        # xgrammar raises on integer bounds past 64 bits; clamping them only narrows.
-        for key, bound in (("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):
-            v = node.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > bound:
-                del node[key]
-                node["maximum"] = min(bound, node.get("maximum", bound))
-        for key, bound in (("minimum", INT64_MIN), ("exclusiveMinimum", INT64_MIN)):
-            v = node.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < bound:
-                del node[key]
-                node["minimum"] = max(bound, node.get("minimum", bound))
-        # a range wholly past 64 bits (minimum 2**70) has no 64-bit integer at all: xgrammar
-        # raises on it; pre-flight reports it unsupported, and under "lenient" the grammar
-        # generates unbounded integers and final validation checks the bound
-        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-            v = node.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and (
-                    v > INT64_MAX if key.endswith("inimum") else v < INT64_MIN):
-                del node[key]
-    if node.get("type") == "integer":
-        # xgrammar raises on fractional integer bounds; these roundings keep the same integers.
-        for key, rnd in (("minimum", math.ceil), ("maximum", math.floor)):
-            v = node.get(key)
-            if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
-                node[key] = int(rnd(v))
-        v = node.get("exclusiveMinimum")
+
+
+def _int64_bounds(node: dict) -> None:
+    """An integer node's bounds past 64 bits clamped to them, or dropped when the whole range
+    lies past them (xgrammar raises on both)."""
+    # xgrammar raises on integer bounds past 64 bits; clamping them only narrows.
+    for key, bound in (("maximum", INT64_MAX), ("exclusiveMaximum", INT64_MAX)):
+        v = node.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > bound:
+            del node[key]
+            node["maximum"] = min(bound, node.get("maximum", bound))
+    for key, bound in (("minimum", INT64_MIN), ("exclusiveMinimum", INT64_MIN)):
+        v = node.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < bound:
+            del node[key]
+            node["minimum"] = max(bound, node.get("minimum", bound))
+    # a range wholly past 64 bits (minimum 2**70) has no 64-bit integer at all: xgrammar
+    # raises on it; pre-flight reports it unsupported, and under "lenient" the grammar
+    # generates unbounded integers and final validation checks the bound
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        v = node.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (
+                v > INT64_MAX if key.endswith("inimum") else v < INT64_MIN):
+            del node[key]
+
+
+def _whole_integer_bounds(node: dict) -> None:
+    """A ``type: integer`` node's fractional bounds rounded inward to inclusive whole ones
+    (xgrammar raises on fractional integer bounds); the same integers pass."""
+    for key, rnd in (("minimum", math.ceil), ("maximum", math.floor)):
+        v = node.get(key)
         if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
-            del node["exclusiveMinimum"]
-            node["minimum"] = max(int(math.floor(v)) + 1, node.get("minimum", -math.inf))
-        v = node.get("exclusiveMaximum")
-        if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
-            del node["exclusiveMaximum"]
-            node["maximum"] = min(int(math.ceil(v)) - 1, node.get("maximum", math.inf))
-    return node
+            node[key] = int(rnd(v))
+    v = node.get("exclusiveMinimum")
+    if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
+        del node["exclusiveMinimum"]
+        node["minimum"] = max(int(math.floor(v)) + 1, node.get("minimum", -math.inf))
+    v = node.get("exclusiveMaximum")
+    if isinstance(v, float) and math.isfinite(v) and not v.is_integer():
+        del node["exclusiveMaximum"]
+        node["maximum"] = min(int(math.ceil(v)) - 1, node.get("maximum", math.inf))
 
 
 def _outlines_rewrite(node: Any) -> Any:

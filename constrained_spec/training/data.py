@@ -26,9 +26,13 @@ import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ConstrainedSpecError
+
+if TYPE_CHECKING:
+    from ..api import Generator
+    from ..engine import Request
 
 logger = logging.getLogger(__name__)
 
@@ -321,12 +325,7 @@ def generate_corpus(model: Any, prompts: Sequence[dict[str, Any]], out: Path, *,
 
     from ..api import Generator
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ConfigError(f"must be a positive integer, got {batch_size!r}", option="batch_size")
-    ids = [p["id"] for p in prompts]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ConfigError(f"prompt ids must be unique; {dup!r} repeats", option="prompts")
+    _check_corpus_options(prompts, batch_size)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = _done_ids(out)
@@ -342,30 +341,7 @@ def generate_corpus(model: Any, prompts: Sequence[dict[str, Any]], out: Path, *,
         with out.open("a", encoding="utf-8") as sink:
             for start in range(0, len(todo), batch_size):
                 chunk = todo[start:start + batch_size]
-                lines = []
-                requests = []
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # a SchemaWarning per ignored keyword
-                    for p in chunk:
-                        # the generation overrides of make_request (**overrides: Any)
-                        options: dict[str, Any] = (
-                            {"seed": _request_seed(seed, p["id"])} if temperature > 0 else {})
-                        try:
-                            req, _ = gen.make_request(p["prompt"], schema=p["schema"], **options)
-                        except ConstrainedSpecError as e:
-                            lines.append({"id": p["id"], "error": f"{type(e).__name__}: {e}"[:500]})
-                            continue
-                        requests.append((p["id"], req))
-                    gen.new_engine().run([r for _, r in requests])
-                for pid, req in requests:
-                    if req.output_ids:
-                        lines.append({"id": pid, "prompt_ids": list(req.prompt_ids),
-                                      "output_ids": list(req.output_ids),
-                                      "finish_reason": req.finish_reason})
-                    else:
-                        err = req.error
-                        lines.append({"id": pid, "error": f"{type(err).__name__}: {err}"[:500]
-                                      if err is not None else f"no output ({req.finish_reason})"})
+                lines = _batch_lines(gen, chunk, seed=seed, temperature=temperature)
                 written += sum("output_ids" in line for line in lines)
                 failed += sum("error" in line for line in lines)
                 sink.write("".join(json.dumps(line) + "\n" for line in lines))
@@ -375,6 +351,56 @@ def generate_corpus(model: Any, prompts: Sequence[dict[str, Any]], out: Path, *,
         bar.close()
     logger.info("corpus %s: %d rows written, %d prompts without output", out, written, failed)
     return out
+
+
+def _check_corpus_options(prompts: Sequence[dict[str, Any]], batch_size: int) -> None:
+    """ConfigError for a ``batch_size`` that is not a positive integer, or a prompt id that
+    repeats (ids are what a resumed run skips)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"must be a positive integer, got {batch_size!r}", option="batch_size")
+    ids = [p["id"] for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ConfigError(f"prompt ids must be unique; {dup!r} repeats", option="prompts")
+
+
+def _batch_lines(gen: Generator[Any], chunk: Sequence[dict[str, Any]], *, seed: int,
+                 temperature: float) -> list[dict[str, Any]]:
+    """The corpus lines of one batch of prompts, run together on one engine: first an
+    ``{"id", "error"}`` line per prompt whose request could not be made, then a line per
+    request in prompt order (`_output_line`)."""
+    lines: list[dict[str, Any]] = []
+    requests: list[tuple[str, Request]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a SchemaWarning per ignored keyword
+        for p in chunk:
+            # the generation overrides of make_request (**overrides: Any)
+            options: dict[str, Any] = (
+                {"seed": _request_seed(seed, p["id"])} if temperature > 0 else {})
+            try:
+                req, _ = gen.make_request(p["prompt"], schema=p["schema"], **options)
+            except ConstrainedSpecError as e:
+                lines.append({"id": p["id"], "error": _error_text(e)})
+                continue
+            requests.append((p["id"], req))
+        gen.new_engine().run([r for _, r in requests])
+    return lines + [_output_line(pid, req) for pid, req in requests]
+
+
+def _output_line(prompt_id: str, req: Request) -> dict[str, Any]:
+    """The corpus line of a finished request: its prompt and output ids, or ``{"id", "error"}``
+    when it emitted no token."""
+    if req.output_ids:
+        return {"id": prompt_id, "prompt_ids": list(req.prompt_ids),
+                "output_ids": list(req.output_ids), "finish_reason": req.finish_reason}
+    err = req.error
+    return {"id": prompt_id, "error": _error_text(err) if err is not None
+            else f"no output ({req.finish_reason})"}
+
+
+def _error_text(err: BaseException) -> str:
+    """An error as a corpus line states it: its type and message, at most 500 characters."""
+    return f"{type(err).__name__}: {err}"[:500]
 
 
 def load_corpus(path: Path) -> list[dict[str, Any]]:

@@ -210,6 +210,39 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
     """
     from tqdm.auto import tqdm
 
+    loaded, hf_model, source = _target_source(model, source)
+    _check_sizes(corpus, chunk=chunk, rows=rows, max_len=max_len, batch_tokens=batch_tokens)
+    n_layers = int(hf_model.config.num_hidden_layers)
+    layers = _check_layers(layers, n_layers)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fresh = _fresh_meta(hf_model, layers, max_len=max_len, source=source, chunk=chunk)
+    meta, done = _resume(out_dir, fresh, corpus, n_layers)
+
+    seqs = {i: (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_len]
+            for i, row in enumerate(corpus) if i not in done}
+    # bytes per stored token: bfloat16 features, int32 input_ids and target_next, bool loss_mask
+    token_bytes = fresh["feature_size"] * 2 + 9
+    shards = _ShardWriter(out_dir, meta, shard_bytes)
+    bar = tqdm(total=len(corpus), initial=len(done), desc="features", unit="seq",
+               disable=not progress, file=sys.stderr)
+    try:
+        for batch, results in _features_by_batch(loaded, hf_model, source, corpus, seqs, layers,
+                                                 chunk=chunk, rows=rows, batch_tokens=batch_tokens):
+            shards.add_batch(sum(len(seqs[i]) for i in batch) * token_bytes)
+            for i, (feats, nexts) in zip(batch, results):
+                shards.add(i, _row_id(corpus, i), seqs[i], len(corpus[i]["prompt_ids"]), feats, nexts)
+            bar.update(len(batch))
+        shards.flush()
+    finally:
+        bar.close()
+    return out_dir
+
+
+def _target_source(model: Any, source: str | None) -> tuple[LoadedModel | None, Any, str]:
+    """(the ``LoadedModel`` or None, the transformers model, the source) of an
+    `extract_features` call; ConfigError for an unknown source, or ``"runner"`` without a
+    ``LoadedModel``."""
     loaded = model if isinstance(model, LoadedModel) else None
     hf_model = loaded.model if loaded is not None else model
     if source is None:
@@ -219,54 +252,49 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
     if source == "runner" and loaded is None:
         raise ConfigError("source='runner' needs a LoadedModel (load_model); a bare transformers "
                           "model runs with source='hf'", option="source")
-    _check_sizes(corpus, chunk=chunk, rows=rows, max_len=max_len, batch_tokens=batch_tokens)
+    return loaded, hf_model, source
+
+
+def _fresh_meta(hf_model: Any, layers: list[int], *, max_len: int, source: str,
+                chunk: int) -> dict[str, Any]:
+    """meta.json of a run that has stored nothing yet (see the module docstring)."""
     cfg = hf_model.config
-    layers = _check_layers(layers, int(cfg.num_hidden_layers))
     hidden = int(cfg.hidden_size)
     model_name = str(getattr(cfg, "_name_or_path", "") or type(hf_model).__name__)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return {"format": FORMAT_VERSION, "model": model_name, "layers": layers,
+            "hidden_size": hidden, "feature_size": hidden * len(layers),
+            "max_len": max_len, "source": source,
+            "chunk": chunk if source == "runner" else None,
+            "count": 0, "tokens": 0, "shards": []}
 
-    fresh: dict[str, Any] = {"format": FORMAT_VERSION, "model": model_name, "layers": layers,
-                             "hidden_size": hidden, "feature_size": hidden * len(layers),
-                             "max_len": max_len, "source": source,
-                             "chunk": chunk if source == "runner" else None,
-                             "count": 0, "tokens": 0, "shards": []}
-    meta, done = _resume(out_dir, fresh, corpus, int(cfg.num_hidden_layers))
 
-    seqs = {i: (list(row["prompt_ids"]) + list(row["output_ids"]))[:max_len]
-            for i, row in enumerate(corpus) if i not in done}
+def _features_by_batch(loaded: LoadedModel | None, hf_model: Any, source: str,
+                       corpus: list[dict[str, Any]], seqs: dict[int, list[int]],
+                       layers: list[int], *, chunk: int, rows: int, batch_tokens: int
+                       ) -> Iterator[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """The target run over ``seqs`` (corpus position -> sequence) one forward batch at a time,
+    longest sequences first: per batch, its corpus positions and per sequence (features,
+    target_next) on the CPU, cut to the sequence's length."""
     order = sorted(seqs, key=lambda i: -len(seqs[i]))  # longest first: a too-large batch fails early
-    shards = _ShardWriter(out_dir, meta, shard_bytes)
-    bar = tqdm(total=len(corpus), initial=len(done), desc="features", unit="seq",
-               disable=not progress, file=sys.stderr)
-    try:
+    if source == "runner":
+        per = max(1, rows // chunk)
+        groups = [list(range(g, min(g + per, len(order)))) for g in range(0, len(order), per)]
+    else:
+        groups = group_by_tokens([len(seqs[i]) for i in order], batch_tokens)
+    for group in groups:
+        batch = [order[g] for g in group]
         if source == "runner":
-            per = max(1, rows // chunk)
-            groups = [list(range(g, min(g + per, len(order)))) for g in range(0, len(order), per)]
+            assert loaded is not None  # source 'runner' without a LoadedModel raised before
+            results = runner_features(loaded.runner, [seqs[i] for i in batch],
+                                      [len(corpus[i]["prompt_ids"]) for i in batch], layers,
+                                      chunk=chunk)
         else:
-            groups = group_by_tokens([len(seqs[i]) for i in order], batch_tokens)
-        for group in groups:
-            batch = [order[g] for g in group]
-            if source == "runner":
-                assert loaded is not None  # source 'runner' without a LoadedModel raised above
-                results = runner_features(loaded.runner, [seqs[i] for i in batch],
-                                          [len(corpus[i]["prompt_ids"]) for i in batch], layers,
-                                          chunk=chunk)
-            else:
-                features, target_next = target_features(hf_model, [seqs[i] for i in batch], layers)
-                features, target_next = features.cpu(), target_next.cpu()
-                # clone: a slice would save (and load as) a view of the padded batch tensor
-                results = [(features[b, :len(seqs[i])].clone(), target_next[b, :len(seqs[i])].clone())
-                           for b, i in enumerate(batch)]
-            shards.add_batch(sum(len(seqs[i]) for i in batch) * (len(layers) * hidden * 2 + 9))
-            for i, (feats, nexts) in zip(batch, results):
-                shards.add(i, _row_id(corpus, i), seqs[i], len(corpus[i]["prompt_ids"]), feats, nexts)
-            bar.update(len(batch))
-        shards.flush()
-    finally:
-        bar.close()
-    return out_dir
+            features, target_next = target_features(hf_model, [seqs[i] for i in batch], layers)
+            features, target_next = features.cpu(), target_next.cpu()
+            # clone: a slice would save (and load as) a view of the padded batch tensor
+            results = [(features[b, :len(seqs[i])].clone(), target_next[b, :len(seqs[i])].clone())
+                       for b, i in enumerate(batch)]
+        yield batch, results
 
 
 def _check_sizes(corpus: list[dict[str, Any]], *, chunk: int, rows: int, max_len: int,
