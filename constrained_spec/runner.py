@@ -590,12 +590,14 @@ class LeanRunner(Runner):
         KV = keys.shape[2]
         fam = self.family
         if fam.attn_softcap is None and self.exact and decode and T > 1:
-            # SDPA blocks the queries of a call, and a query among T can reduce in another
-            # order than alone (measured at 3,000 keys); over the batch it does not (bf16,
-            # measured): the T row positions are folded into the batch, one query each (as a
-            # 1-row decode), every one over the same whole KEY_BLOCKs (keys past a query's own
-            # block are masked and change nothing: tests/kernels/test_row_invariance.py). One
-            # slot's keys are a stride-0 view; several slots' are copied T times.
+            # SDPA blocks the queries of a call, and a query among others can come out with
+            # other bits than alone (measured in bf16 on an AVX-512 CPU, 9 heads of 64: with
+            # one other query at 704 keys, with three or more at 896, 1,408, ...; at most key
+            # counts it does not); over the batch it does not. So the T row positions are
+            # folded into the batch, one query each (as a 1-row decode), every one over the
+            # same whole KEY_BLOCKs (keys past a query's own block are masked and change
+            # nothing: tests/kernels/test_row_invariance.py). One slot's keys are a stride-0
+            # view; several slots' are copied T times.
             S = keys.shape[1]
             kf = keys.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
             vf = vals.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
