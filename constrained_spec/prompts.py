@@ -21,12 +21,18 @@ section renders them itself (``apply_chat_template(tools=...)``); for any other 
 tools are described in our system message within the same budget (their full JSON, then names,
 descriptions and argument names, then names alone). Earlier tool calls (an assistant message's
 ``tool_calls``) and tool results (``tool`` messages) in the history are passed to a template with
-a tool section as they are, and otherwise written as text in the default call format.
+a tool section as they are, and otherwise written as text in the default call format. Mistral's
+templates refuse any call id but 9 letters and digits, so for the Mistral formats every other id
+(OpenAI's ``call_...``, a client's own) is mapped to one, the same for a call and the tool result
+that answers it (:func:`mistral_call_ids`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import string
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -429,6 +435,8 @@ def _tool_history(tokenizer: Any, messages: Messages) -> Messages:
     from .tools import detect_format
 
     fmt = detect_format(tokenizer)
+    # Mistral's templates refuse other call ids; the rest take the ids as the client sent them
+    ids = mistral_call_ids(messages) if fmt.id_style == "mistral" else {}
     out: Messages = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
@@ -453,14 +461,62 @@ def _tool_history(tokenizer: Any, messages: Messages) -> Messages:
                 out.append({"role": "assistant", "content": f"{content}\n{text}".strip()})
             else:
                 out.append({**m, "content": m.get("content") or "", "tool_calls": [
-                    {**c, "type": "function", "function": {"name": n, "arguments": a}}
-                    for n, a, c in parsed]})
+                    {**c, **_renamed(c, "id", ids), "type": "function",
+                     "function": {"name": n, "arguments": a}} for n, a, c in parsed]})
         elif isinstance(m, dict) and m.get("role") == "tool" and fmt.default:
             content = _message_content(m.get("content") or "", i)
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        elif isinstance(m, dict) and m.get("role") == "tool":
+            out.append({**m, **_renamed(m, "tool_call_id", ids)})
         else:
             out.append(m)
     return out
+
+
+def _renamed(item: Any, key: str, ids: dict[str, str]) -> dict[str, str]:
+    """``{key: new id}`` when ``item[key]`` is an id that ``ids`` renames, else ``{}``."""
+    old = item.get(key) if isinstance(item, dict) else None
+    return {key: ids[old]} if isinstance(old, str) and old in ids else {}
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_ids(messages: Messages) -> dict[str, str]:
+    """Every call id in ``messages`` (in an assistant turn's ``tool_calls``, as a ``tool``
+    turn's ``tool_call_id``) -> the id to give Mistral's templates: 9 letters and digits.
+
+    An id of that form stays as it is; any other becomes its last 9 letters and digits (as
+    vLLM does), or, where it has fewer or those are already another id's, 9 characters of a
+    hash of it (deterministic: the same conversation gives the same ids on every request). The
+    mapping is one-to-one, so a call and the tool result that answers it keep matching ids and
+    two different calls never share one.
+    """
+    seen: dict[str, None] = {}  # the ids in order of appearance, once each
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        for c in m.get("tool_calls") or []:
+            if isinstance(c, dict) and isinstance(c.get("id"), str):
+                seen[c["id"]] = None
+        if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            seen[m["tool_call_id"]] = None
+    # valid ids first: they keep their value, so no mapped id may take it
+    ids = {i: i for i in seen if _MISTRAL_ID.fullmatch(i)}
+    taken = set(ids.values())
+    for old in seen:
+        if old in ids:
+            continue
+        new = "".join(ch for ch in old if ch in _ALNUM)[-9:]
+        salt = 0
+        while len(new) != 9 or new in taken:
+            n = int.from_bytes(hashlib.sha256(f"{salt}:{old}".encode()).digest(), "big")
+            new = "".join(_ALNUM[n // len(_ALNUM) ** k % len(_ALNUM)] for k in range(9))
+            salt += 1
+        ids[old] = new
+        taken.add(new)
+    return ids
 
 
 def _encode_with_tools(tokenizer: Any, prompt: str | Messages, tools: ToolSet,

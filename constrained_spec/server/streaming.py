@@ -3,7 +3,8 @@
 
 Each choice is one engine request (a :class:`~constrained_spec.serving.Ticket` of the shared
 engine loop). ``run_choices`` consumes all of a completion's choices together; ``stream``
-turns them into OpenAI's ``chat.completion.chunk`` events. A client that goes away cancels
+turns them into OpenAI's ``chat.completion.chunk`` events (a ``_ChunkProducer`` runs the choices
+and queues the events, ``stream`` sends them). A client that goes away cancels
 its choices, which frees their slots at the next engine step.
 """
 
@@ -249,91 +250,125 @@ def usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> dict[str, i
             "total_tokens": prompt + completion}
 
 
-async def stream(server: Server, request: Request, choices: Sequence[Choice], completion_id: str,
-                 model: str, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE events of a streamed completion: a role chunk, text deltas as they are safe to
-    send, each choice's last delta with its finish reason, the usage chunk if asked, then
-    ``[DONE]``; a late error is one error event before ``[DONE]``."""
-    created = int(time.time())
+def _delta(choice: Choice, content: dict[str, Any],
+           finish_reason: str | None = None) -> dict[str, Any]:
+    """One choice's item of a ``chat.completion.chunk``: its ``delta`` and ``finish_reason``."""
+    return {"index": choice.index, "delta": content, "logprobs": None, "finish_reason": finish_reason}
 
-    def chunk(items: list[dict[str, Any]], totals: dict[str, int] | None = None) -> str:
-        data: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk",
-                                "created": created, "model": model, "system_fingerprint": None,
-                                "choices": items}
-        if include_usage:
+
+class _ChunkProducer:
+    """The producing side of a streamed completion: it runs the choices and puts everything
+    the response waits on into one queue, ``out``: SSE chunks, the end (None), the client
+    going away (``_GONE``) and a failure of the producer (the exception)."""
+
+    def __init__(self, server: Server, choices: Sequence[Choice], completion_id: str, model: str,
+                 include_usage: bool) -> None:
+        self.server = server
+        self.choices = choices
+        self.completion_id = completion_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.out: asyncio.Queue[Any] = asyncio.Queue()
+        self.outcomes: dict[int, Outcome] = {}  # choice index -> how it ended
+
+    def chunk(self, items: list[dict[str, Any]], totals: dict[str, int] | None = None) -> str:
+        """The SSE event of one ``chat.completion.chunk`` with ``items`` (``_delta``s) and,
+        when the client asked for usage, ``totals`` (None on all but the usage chunk)."""
+        data: dict[str, Any] = {"id": self.completion_id, "object": "chat.completion.chunk",
+                                "created": self.created, "model": self.model,
+                                "system_fingerprint": None, "choices": items}
+        if self.include_usage:
             data["usage"] = totals
         return sse(data)
 
-    def delta(choice: Choice, content: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {"index": choice.index, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+    def send(self, choice: Choice, content: dict[str, Any],
+             finish_reason: str | None = None) -> None:
+        """Queue a chunk with one delta of ``choice``."""
+        self.out.put_nowait(self.chunk([_delta(choice, content, finish_reason)]))
 
-    # one queue for everything the response waits on: SSE chunks, the end (None), the
-    # client going away (_GONE) and a failure of the producer (the exception)
-    out: asyncio.Queue[Any] = asyncio.Queue()
-
-    def tool_deltas(choice: Choice, parser: StreamingToolParser, final: bool) -> None:
-        # OpenAI's tool-call deltas: the text before the calls as content, then per call its
-        # id, type and name with empty arguments, then the arguments as they are written
+    def tool_deltas(self, choice: Choice, parser: StreamingToolParser, final: bool) -> None:
+        """Queue OpenAI's tool-call deltas of ``choice``'s text so far: the text before the
+        calls as content, then per call its id, type and name with empty arguments, then the
+        arguments as they are written."""
         content, calls = parser.feed(choice.text.text, final=final)
         if content:
-            out.put_nowait(chunk([delta(choice, {"content": content})]))
+            self.send(choice, {"content": content})
         for call in calls:
-            out.put_nowait(chunk([delta(choice, {"tool_calls": [call]})]))
+            self.send(choice, {"tool_calls": [call]})
 
-    async def on_text(choice: Choice, text: str) -> None:
+    async def on_text(self, choice: Choice, text: str) -> None:
+        """New answer text of ``choice``: a content delta, or tool-call deltas."""
         parser = choice.tool_stream()
         if parser is not None:
-            tool_deltas(choice, parser, final=False)
+            self.tool_deltas(choice, parser, final=False)
             return
-        out.put_nowait(chunk([delta(choice, {"content": text})]))
+        self.send(choice, {"content": text})
 
-    outcomes: dict[int, Outcome] = {}
+    async def on_thought(self, choice: Choice, text: str) -> None:
+        """New reasoning text of ``choice``: a ``reasoning_content`` delta."""
+        self.send(choice, {"reasoning_content": text})
 
-    async def on_thought(choice: Choice, text: str) -> None:
-        out.put_nowait(chunk([delta(choice, {"reasoning_content": text})]))
-
-    async def on_done(choice: Choice) -> None:
-        o = outcomes[choice.index] = await server.outcome_async(choice)
+    async def on_done(self, choice: Choice) -> None:
+        """``choice`` finished: its outcome (an error is raised, to end the stream), the rest
+        of its reasoning and of its text or calls, and its finish reason."""
+        o = self.outcomes[choice.index] = await self.server.outcome_async(choice)
         if o.error is not None:
             raise o.error
         if choice.thought is not None:
             rest = choice.thought.finish()
             if rest:
-                out.put_nowait(chunk([delta(choice, {"reasoning_content": rest})]))
+                self.send(choice, {"reasoning_content": rest})
         parser = choice.tool_stream()
         if parser is not None:
             choice.text.text = choice.text.decode(choice.text.ids)
-            tool_deltas(choice, parser, final=True)
-            out.put_nowait(chunk([delta(choice, {}, o.finish_reason)]))
+            self.tool_deltas(choice, parser, final=True)
+            self.send(choice, {}, o.finish_reason)
             return
         rest = choice.text.finish(o.text)
-        out.put_nowait(chunk([delta(choice, {"content": rest} if rest else {}, o.finish_reason)]))
+        self.send(choice, {"content": rest} if rest else {}, o.finish_reason)
 
-    async def produce() -> None:
+    async def produce(self) -> None:
+        """Run the choices to their end, then queue the usage chunk (if asked) and the end; a
+        failure is queued instead, for the response to send as an error event."""
         try:
-            await run_choices(choices, on_text, on_done, on_thought)
-            if include_usage:
-                out.put_nowait(chunk([], usage(choices, [outcomes[c.index] for c in choices])))
-            out.put_nowait(None)
+            await run_choices(self.choices, self.on_text, self.on_done, self.on_thought)
+            if self.include_usage:
+                outcomes = [self.outcomes[c.index] for c in self.choices]
+                self.out.put_nowait(self.chunk([], usage(self.choices, outcomes)))
+            self.out.put_nowait(None)
         except Exception as e:  # noqa: BLE001 -- sent as an error event, then [DONE] (as vLLM)
-            out.put_nowait(e)
+            self.out.put_nowait(e)
 
-    async def watch() -> None:
+    async def watch(self, request: Request) -> None:
+        """Queue ``_GONE`` once the client has gone away."""
         await disconnected(request)
-        out.put_nowait(_GONE)
+        self.out.put_nowait(_GONE)
 
-    tasks = [asyncio.create_task(produce()), asyncio.create_task(watch())]
+
+def _error_event(error: BaseException, completion_id: str) -> str:
+    """The SSE error event of a failure while streaming (logged unless it is an `APIError`)."""
+    if not isinstance(error, APIError):
+        logger.error("%s failed", completion_id, exc_info=error)
+    e = api_error(error)
+    return sse(envelope(e.message, e.type, e.param, e.code))
+
+
+async def stream(server: Server, request: Request, choices: Sequence[Choice], completion_id: str,
+                 model: str, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE events of a streamed completion: a role chunk, text deltas as they are safe to
+    send, each choice's last delta with its finish reason, the usage chunk if asked, then
+    ``[DONE]``; a late error is one error event before ``[DONE]``."""
+    producer = _ChunkProducer(server, choices, completion_id, model, include_usage)
+    tasks = [asyncio.create_task(producer.produce()), asyncio.create_task(producer.watch(request))]
     ended = False
     try:
-        yield chunk([delta(c, {"role": "assistant", "content": ""}) for c in choices])
-        while (item := await out.get()) is not None:
+        yield producer.chunk([_delta(c, {"role": "assistant", "content": ""}) for c in choices])
+        while (item := await producer.out.get()) is not None:
             if item is _GONE:
                 return
             if isinstance(item, BaseException):
-                if not isinstance(item, APIError):
-                    logger.error("%s failed", completion_id, exc_info=item)
-                e = api_error(item)
-                yield sse(envelope(e.message, e.type, e.param, e.code))
+                yield _error_event(item, completion_id)
                 break
             yield item
         ended = True
@@ -346,7 +381,6 @@ async def stream(server: Server, request: Request, choices: Sequence[Choice], co
             t.cancel()
         for c in choices:
             c.ticket.cancel()
-
 
 
 def sse(data: Any) -> str:

@@ -4,14 +4,18 @@ tokens, with Mistral-shaped chat templates of both kinds: the JSON list of token
 The marker is one token id in the grammar and in every output, never its spelling; every
 finished output parses and validates; auto allows text; greedy output is the same with and
 without speculation; streamed deltas of the decoded tokens reassemble to the calls; calls and
-results in the history go through the template."""
+results in the history go through the template, their ids (a client's ``call_...`` too) as
+Mistral's 9 letters and digits, through the library and the server."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Literal
 
+import httpx
 import pytest
 from cs_testlib import bigram_loaded, byte_level_bpe, tiny_loaded_model
 from pydantic import BaseModel
@@ -22,6 +26,9 @@ from constrained_spec.errors import IncompleteOutputError
 from constrained_spec.grammar import TokenizerData, compile_spec
 from constrained_spec.prompts import encode_prompt
 from constrained_spec.tools import StreamingToolParser, ToolCall, ToolSet, detect_format
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+from openai_server_process import serve_tiny  # noqa: E402
 
 MAX = 300  # the byte-level tokenizer writes most characters as one token each
 
@@ -49,6 +56,9 @@ V3_TEMPLATE = """
     {%- elif message["role"] == "assistant" %}
         {{- " " + message["content"]|trim + eos_token }}
     {%- elif message["role"] == "tool" %}
+        {%- if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
         {{- '[TOOL_RESULTS] {"content": ' + message["content"]|tojson + ', "call_id": "'
             + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
     {%- endif %}
@@ -351,3 +361,76 @@ def test_calls_and_results_in_the_history_render_through_the_mistral_template(lo
     assert '"name": "Search"' in text and "You can call functions" not in text
     again = generate(loaded, history, tools=TOOLS, tool_choice="Search", max_tokens=MAX)
     assert again.name == "Search" and again.arguments.topic in ("cats", "dogs")
+
+
+# -- call ids in the history --------------------------------------------------------------------
+
+def _history(*ids: str) -> list[dict]:
+    """A conversation whose assistant turn called get_weather once per id (as an OpenAI client
+    sends it: arguments as JSON text) and whose tool turns answer those calls in order."""
+    cities = ["Rome", "Oslo", "Paris", "Rome"]
+    calls = [{"id": i, "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+             for i, c in zip(ids, cities)]
+    return [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *[{"role": "tool", "tool_call_id": i, "content": f"result {k}"} for k, i in enumerate(ids)],
+            {"role": "user", "content": "And cats?"}]
+
+
+def _v3_ids(*ids: str, tools: ToolSet | None = None) -> tuple[list[str], list[str]]:
+    """The ids the v0.3-shaped template writes for ``_history(*ids)``: the calls' (in the
+    ``[TOOL_CALLS]`` list) and the results' (``call_id``), in order."""
+    tok = mistral_tok(V3_TEMPLATE)
+    text = tok.decode(encode_prompt(tok, _history(*ids), None, tools=tools))
+    listed = text[text.index("[TOOL_CALLS] ["):text.index("[TOOL_RESULTS]")]
+    return (re.findall(r'"id": "([^"]*)"\}', listed),
+            re.findall(r'"call_id": "([^"]*)"\}\[/TOOL_RESULTS\]', text))
+
+
+def test_a_clients_openai_call_ids_reach_the_v3_template_as_matching_9_character_ids():
+    sent = ["call_9f8e7d6c5b4a39281706f5e4", "call_QmX8r2LpA0zT7vKc"]
+    for tools in (ToolSet(TOOLS, "auto"), None):  # this turn with tools, and without
+        calls, results = _v3_ids(*sent, tools=tools)
+        assert calls == results  # each result names the call it answers
+        assert calls == [i[-9:] for i in sent]  # their last 9 characters, as vLLM keeps them
+        assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in calls)
+
+
+def test_call_ids_that_are_already_9_letters_and_digits_are_kept():
+    calls, results = _v3_ids("a1B2c3D4e", "ZZZZZZZZZ")
+    assert calls == results == ["a1B2c3D4e", "ZZZZZZZZZ"]
+
+
+def test_different_call_ids_with_the_same_last_9_characters_get_different_ids():
+    # the last two end like the first, which is already valid and keeps its id; "7" is short
+    sent = ["123456789", "call_A_123456789", "call-B-1234-56789", "7"]
+    calls, results = _v3_ids(*sent)
+    assert calls == results and calls[0] == "123456789"
+    assert len(set(calls)) == 4 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in calls)
+    assert _v3_ids(*sent) == (calls, results)  # the same conversation, the same ids
+
+
+@pytest.mark.parametrize("marker, name", [("<tool_call>", "hermes"), ("<|python_tag|>", "llama3")])
+def test_call_ids_reach_other_templates_as_the_client_sent_them(marker, name):
+    tok = byte_level_bpe()
+    tok.chat_template = (
+        "{% if tools %}" + marker + "{% endif %}{% for m in messages %}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.id }};{% endfor %}"
+        "{% if m.role == 'tool' %}RESULT {{ m.tool_call_id }};{% endif %}{% endfor %}")
+    assert detect_format(tok).name == name
+    sent = ["call_A_123456789", "call-B-1234-56789"]
+    text = tok.decode(encode_prompt(tok, _history(*sent), None, tools=ToolSet(TOOLS, "auto")))
+    assert "CALL call_A_123456789;CALL call-B-1234-56789;" in text
+    assert "RESULT call_A_123456789;RESULT call-B-1234-56789;" in text
+
+
+def test_the_server_answers_a_history_with_a_clients_openai_call_ids(loaded):
+    tools = [t.openai() for t in ToolSet(TOOLS, "auto").offered]
+    body = {"model": "tiny", "messages": _history("call_9f8e7d6c5b4a39281706f5e4"), "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "Search"}}}
+    with serve_tiny(loaded, max_tokens=MAX) as (_, url):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    [call] = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "Search" and re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
