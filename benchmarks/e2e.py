@@ -42,7 +42,7 @@ starts after the compile. Definitions, per system:
   speculate). A variant with ``max_retries`` counts every attempt here and in its wall time (its
   tokens are the returned output's), and has no TTFT (retries cannot stream).
 * **attempts per request**: generations run per request (mean; above 1 only for a variant with
-  retries, ``ours defaults``).
+  retries, ``ours defaults``, which the long-prompt table leaves out: it has no TTFT).
 * **valid**: the output text passes an independent check here (JSON tasks: ``json.loads`` +
   jsonschema with format checking; regex tasks: ``re.fullmatch``; choice tasks: membership).
 * **completed valid**: finished before ``max_tokens`` and valid.
@@ -1042,6 +1042,7 @@ def run(tasks: list[dict], specs: list[dict], repeats: int, timeout_s: float,
         facts[spec["name"]] = dict(dtype=ready.get("dtype"), load_s=ready.get("load_s"),
                                    machine=ready.get("machine"), kernels=ready.get("kernels"))
     names = list(workers)
+    specs_by_name = {spec["name"]: spec for spec in specs}
 
     def one(name: str, task: dict, prompt: dict, rep: int) -> dict | None:
         if workers[name].dead:
@@ -1066,6 +1067,8 @@ def run(tasks: list[dict], specs: list[dict], repeats: int, timeout_s: float,
                 if (rec := one(name, task, prompts[task["id"]], rep)) is not None:
                     records.append(rec)
     long_records: list[dict] = []
+    # the long prompt measures prefill (TTFT): a variant with retries has none (it cannot stream)
+    names = [n for n in names if not (specs_by_name[n].get("kwargs") or {}).get("max_retries")]
     if long and long["repeats"]:
         for name in names:  # warm-up at the long prompt's length (buffers, kernels for its shapes)
             one(name, {**long["task"], "id": "__warmup_long__", "max_tokens": 4}, long["prompt"], -1)

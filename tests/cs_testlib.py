@@ -192,6 +192,23 @@ def greedy_outputs(runner, compiled, prompts, spec=None, drafter=None, max_token
     return [r.output_ids for r in reqs]
 
 
+def greedy_tool_texts(loaded, tools, choice, parallel: bool, prompts) -> tuple[list, list, list]:
+    """Greedy tool-call texts of ``prompts`` with speculation on (the default) and off, and the
+    stats of the speculative run: (texts on, texts off, stats)."""
+    from constrained_spec.api import Generator
+    from constrained_spec.errors import IncompleteOutputError
+
+    texts, stats = {}, []
+    for spec in (None, False):
+        gen = Generator(loaded, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+                        max_tokens=120, speculative=spec, max_retries=0, system_prompt=False)
+        out = gen.batch(prompts, return_result=True)
+        texts[spec] = [r.partial_text if isinstance(r, IncompleteOutputError) else r.text for r in out]
+        if spec is None:
+            stats = [r.stats for r in out if not isinstance(r, BaseException)]
+    return texts[None], texts[False], stats
+
+
 @contextlib.contextmanager
 def recording_http_server(body: bytes = b'{"type": "string"}') -> Iterator[tuple[str, list[str]]]:
     """A loopback HTTP server that answers every GET with ``body`` (a JSON Schema) and records

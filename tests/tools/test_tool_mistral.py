@@ -17,7 +17,7 @@ from typing import Literal
 
 import httpx
 import pytest
-from cs_testlib import bigram_loaded, byte_level_bpe, tiny_loaded_model
+from cs_testlib import bigram_loaded, byte_level_bpe, greedy_tool_texts, tiny_loaded_model
 from pydantic import BaseModel
 
 from constrained_spec import generate
@@ -272,18 +272,10 @@ def test_sampled_auto_outputs_are_text_or_valid_calls(loaded):
 
 @pytest.mark.parametrize("choice, parallel", [("required", False), ("Search", True)])
 def test_greedy_calls_are_identical_with_and_without_speculation(loaded, choice, parallel):
-    prompts = ["Weather in Rome?", "Find cats", "Anything?"]
-    texts = {}
-    for spec in (None, False):
-        gen = Generator(loaded, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
-                        max_tokens=120, speculative=spec, max_retries=0, system_prompt=False)
-        out = gen.batch(prompts, return_result=True)
-        texts[spec] = [r.partial_text if isinstance(r, IncompleteOutputError) else r.text
-                       for r in out]
-        if spec is None:
-            stats = [r.stats for r in out if not isinstance(r, BaseException)]
-    assert texts[None] == texts[False]
-    assert all(t.startswith("[TOOL_CALLS]") for t in texts[None])
+    on, off, stats = greedy_tool_texts(loaded, TOOLS, choice, parallel,
+                                       ["Weather in Rome?", "Find cats", "Anything?"])
+    assert on == off
+    assert all(t.startswith("[TOOL_CALLS]") for t in on)
     # the marker token, the forced name and punctuation: several tokens per target forward
     assert stats and all(s.acceptance_length > 2.0 for s in stats)
 
