@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -200,8 +201,9 @@ def greedy_tool_texts(loaded, tools, choice, parallel: bool, prompts) -> tuple[l
 
     texts, stats = {}, []
     for spec in (None, False):
-        gen = Generator(loaded, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
-                        max_tokens=120, speculative=spec, max_retries=0, system_prompt=False)
+        gen: Generator[Any] = Generator(loaded, tools=tools, tool_choice=choice,
+                                        parallel_tool_calls=parallel, max_tokens=120,
+                                        speculative=spec, max_retries=0, system_prompt=False)
         out = gen.batch(prompts, return_result=True)
         texts[spec] = [r.partial_text if isinstance(r, IncompleteOutputError) else r.text for r in out]
         if spec is None:
