@@ -41,9 +41,10 @@ keys from position 0 up to a multiple of `KEY_BLOCK` (padding masked): SDPA's CP
 keys into blocks from the first key and reduces each query on its own, so a query then reduces
 over the same blocks in the same order whatever the number of queries, keys past its own
 block, or the batch (measured in bf16; its float32 path depends on the batch) -- but SDPA
-blocks the queries of a call, so a decode / verify forward calls it once per row position,
-one query per slot (costly: 2.6x a 6-row verify at 200 keys, 6x at 1,000 on a loaded 2-core
-machine; a query-invariant attention kernel is what would remove that cost). Prompts
+blocks the queries of a call (a query's bits can depend on the others'), so a decode /
+verify forward folds its row positions into the batch, one query each (costly: 1.2x a 6-row
+verify at 200 keys, 2.6x at 1,000, measured on a quiet 2-core machine; a query-invariant
+attention kernel is what would remove that cost). Prompts
 (``phase="prefill"``) run one per forward in a batch, so a prompt's kernel and query blocks
 come from its own length. RoPE, norms, embeddings and activations are per row already.
 """
