@@ -553,8 +553,23 @@ class _Walker:
         for i, sub in enumerate(node.get(key) or []):
             self.walk(sub, path + [key, i], stack)
 
+    ORDER: tuple[str, ...] = ()
+
     def walk(self, node: Any, path: list[Any], stack: tuple[str, ...],
              default_type: str | None = None) -> None:
+        """Check ``node`` at ``path``: a ``false`` schema is reported, anything but a schema
+        object skipped, and an object goes to `walk_keyword` with the first of the backend's
+        ``ORDER`` keywords it has (the one that decides how the backend reads it)."""
+        if node is False:
+            self.false_schema(path)
+            return
+        if not isinstance(node, dict):
+            return
+        winner = next((k for k in self.ORDER if k in node), None)
+        self.walk_keyword(node, path, stack, winner, default_type)
+
+    def walk_keyword(self, node: dict, path: list[Any], stack: tuple[str, ...],
+                     winner: str | None, default_type: str | None) -> None:
         raise NotImplementedError
 
     def false_schema(self, path: list[Any]) -> None:
@@ -581,14 +596,8 @@ class _XGrammarWalker(_Walker):
     backend = "xgrammar"
     ORDER = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
 
-    def walk(self, node: Any, path: list[Any], stack: tuple[str, ...],
-             default_type: str | None = None) -> None:
-        if node is False:
-            self.false_schema(path)
-            return
-        if not isinstance(node, dict):
-            return
-        winner = next((k for k in self.ORDER if k in node), None)
+    def walk_keyword(self, node: dict, path: list[Any], stack: tuple[str, ...],
+                     winner: str | None, default_type: str | None) -> None:
         if winner == "$ref":
             self.drop_siblings(node, path, "$ref", branches=[node])
             self.walk_ref(node, path, stack)
@@ -793,14 +802,8 @@ class _OutlinesWalker(_Walker):
                  f"recursive $ref {ref!r}: outlines unrolls recursion 3 levels deep and silently "
                  "drops deeper properties, even required ones; use xgrammar")
 
-    def walk(self, node: Any, path: list[Any], stack: tuple[str, ...],
-             default_type: str | None = None) -> None:
-        if node is False:
-            self.false_schema(path)
-            return
-        if not isinstance(node, dict):
-            return
-        winner = next((k for k in self.ORDER if k in node), None)
+    def walk_keyword(self, node: dict, path: list[Any], stack: tuple[str, ...],
+                     winner: str | None, default_type: str | None) -> None:
         if winner == "properties":
             self.always(node, path)
             self.t_properties(node, path, stack)

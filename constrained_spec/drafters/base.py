@@ -177,6 +177,33 @@ class DraftState:
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
 
+@dataclass(eq=False)
+class DrafterSeq:
+    """What a model drafter keeps for one request between steps (``DraftState.drafter_state``):
+    its cache slot, and the proposal it last extended with that proposal's length then (a
+    later round in the same step drafts again only after forced tokens were pushed)."""
+
+    slot: int
+    last_state: DraftState | None = field(default=None, repr=False)
+    last_len: int = 0
+
+
+SeqT = TypeVar("SeqT", bound=DrafterSeq)
+
+
+def seq_to_extend(st: DraftState, kind: type[SeqT], new_slot: Callable[[], int]) -> SeqT | None:
+    """``st``'s drafter memory of type ``kind`` (a new one on a fresh slot when it has none or a
+    freed one), or None when nothing was pushed to ``st`` since this drafter's last round in
+    this step (so there is nothing to draft after)."""
+    seq = st.drafter_state
+    if not isinstance(seq, kind) or seq.slot < 0:
+        seq = kind(new_slot())
+        st.drafter_state = seq
+    if seq.last_state is st and seq.last_len == len(st.tokens):
+        return None
+    return seq
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """A plug-in that proposes up to ``k`` drafts per request, continuing after forced ones.

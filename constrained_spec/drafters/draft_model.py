@@ -29,19 +29,14 @@ import torch
 
 from ..errors import ConfigError, ModelLoadError
 from ..protocols import Runner
-from .base import Drafter, DraftState, fit_width, length_groups
+from .base import Drafter, DrafterSeq, DraftState, fit_width, length_groups, seq_to_extend
 
 
 @dataclass(eq=False)
-class DraftSeq:
+class DraftSeq(DrafterSeq):
     """A request's memory in the draft model: its cache slot and the tokens that slot holds."""
 
-    slot: int
     tokens: list[int] = field(default_factory=list)
-    # the proposal this drafter last extended, and its length then (a later round in the same
-    # step drafts again only after forced tokens were pushed)
-    last_state: DraftState | None = field(default=None, repr=False)
-    last_len: int = 0
 
 
 class DraftModelDrafter(Drafter):
@@ -79,11 +74,9 @@ class DraftModelDrafter(Drafter):
         #    the token before last; the last token's logits give draft position 0
         todo: list[tuple[DraftState, DraftSeq, list[int]]] = []
         for st in states:
-            seq = st.drafter_state
-            if not isinstance(seq, DraftSeq) or seq.slot < 0:
-                seq = st.drafter_state = DraftSeq(self.runner.new_slot())
-            if seq.last_state is st and seq.last_len == len(st.tokens):
-                continue  # nothing pushed since this drafter's last round in this step
+            seq = seq_to_extend(st, DraftSeq, self.runner.new_slot)
+            if seq is None:
+                continue
             full = st.context + st.tokens
             if st.cursor.exhausted or len(full) + k > self.runner.max_context:
                 continue

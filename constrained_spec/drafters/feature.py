@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,20 +39,17 @@ import torch.nn.functional as F
 from ..protocols import FeatureSource, feature_source
 from ..settings import settings
 from ..slots import SlotAllocator
-from .base import Drafter, DraftState, fit_width, length_groups
+from .base import Drafter, DrafterSeq, DraftState, fit_width, length_groups, seq_to_extend
 from .heads import DraftHead
 
 
 @dataclass(eq=False)
-class HeadSeq:
+class HeadSeq(DrafterSeq):
     """A request's memory in the head: its cache slot, how many true entries it holds, and the
     output of the last one (what the first draft is predicted from)."""
 
-    slot: int
     true_len: int = 0
     anchor_out: torch.Tensor | None = None
-    last_state: DraftState | None = field(default=None, repr=False)
-    last_len: int = 0
 
 
 class _HeadCache(SlotAllocator):
@@ -155,11 +152,9 @@ class FeatureDrafter(Drafter):
     def propose(self, states: Sequence[DraftState], k: int) -> None:
         todo: list[tuple[DraftState, HeadSeq]] = []
         for st in states:
-            seq = st.drafter_state
-            if not isinstance(seq, HeadSeq) or seq.slot < 0:
-                seq = st.drafter_state = HeadSeq(self.cache.new_slot())
-            if seq.last_state is st and seq.last_len == len(st.tokens):
-                continue  # nothing pushed since this drafter's last round in this step
+            seq = seq_to_extend(st, HeadSeq, self.cache.new_slot)
+            if seq is None:
+                continue
             if st.cursor.exhausted or st.slot < 0:
                 continue
             if len(st.context) + len(st.tokens) + k > self.runner.max_context:
