@@ -211,6 +211,19 @@ def greedy_tool_texts(loaded, tools, choice, parallel: bool, prompts) -> tuple[l
     return texts[None], texts[False], stats
 
 
+
+def sampled_tool_values(loaded, tools, parallel: bool, n: int, max_tokens: int) -> list[tuple]:
+    """``n`` sampled (temperature 1, seeds 0..n-1) required tool calls for "Weather?", run in one
+    batch: (request, finalized value or error) per seed."""
+    from constrained_spec.api import Generator
+
+    gen: Generator[Any] = Generator(loaded, tools=tools, tool_choice="required",
+                                    parallel_tool_calls=parallel, max_tokens=max_tokens,
+                                    temperature=1.0, max_retries=0, system_prompt=False)
+    reqs = [gen.make_request("Weather?", seed=s) for s in range(n)]
+    gen.new_engine().run([r for r, _ in reqs])
+    return [(req, gen.finalize(req, spec, return_result=False)) for req, spec in reqs]
+
 @contextlib.contextmanager
 def recording_http_server(body: bytes = b'{"type": "string"}') -> Iterator[tuple[str, list[str]]]:
     """A loopback HTTP server that answers every GET with ``body`` (a JSON Schema) and records

@@ -17,7 +17,13 @@ from typing import Literal
 
 import httpx
 import pytest
-from cs_testlib import bigram_loaded, byte_level_bpe, greedy_tool_texts, tiny_loaded_model
+from cs_testlib import (
+    bigram_loaded,
+    byte_level_bpe,
+    greedy_tool_texts,
+    sampled_tool_values,
+    tiny_loaded_model,
+)
 from pydantic import BaseModel
 
 from constrained_spec import generate
@@ -218,13 +224,8 @@ def test_every_sampled_call_is_one_marker_token_then_a_valid_call(loaded):
     marker = _tool_calls_id(tok)
     v11 = detect_format(tok).name == "mistral_v11"
     for parallel in (False, True):
-        gen = Generator(loaded, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
-                        max_tokens=MAX, temperature=1.0, max_retries=0, system_prompt=False)
-        reqs = [gen.make_request("Weather?", seed=s) for s in range(6)]
-        gen.new_engine().run([r for r, _ in reqs])
         done = 0
-        for req, spec in reqs:
-            value = gen.finalize(req, spec, return_result=False)
+        for req, value in sampled_tool_values(loaded, TOOLS, parallel, 6, MAX):
             if isinstance(value, IncompleteOutputError):  # a random model may add calls to the end
                 assert parallel
                 continue
