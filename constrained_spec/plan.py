@@ -66,9 +66,9 @@ def exact_mode() -> bool:
     be alone, so greedy outputs do not depend on speculation or batching; off (default) lets
     each forward pick its kernel by its rows and attend with all of a verify's queries in one
     SDPA call. Off by default because of what it costs today (quiet machine, embedded model,
-    AVX-512-BF16): a 6-row verify forward 1.8x slower at 200 keys and 3.4x at 1,000 (SDPA's
-    single-query path, which the invariant attention runs once per row, costs as much per
-    query as its multi-query path costs for all of them): speculation would lose its gain."""
+    AVX-512-BF16): a 6-row verify forward 1.2x slower at 200 keys and 2.6x at 1,000 (the
+    invariant attention runs one SDPA batch entry per row, and SDPA's cost is per entry and
+    head, whatever its queries): speculation would lose much of its gain at long context."""
     return settings().exact
 
 
