@@ -117,6 +117,9 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     "ours forced": {"speculative": {"method": None}},
     "ours ngram": {"speculative": {"method": "ngram", "forced": False}},
     "ours forced+ngram": {"speculative": {"method": "ngram"}},
+    # the same with the runner's exactness off (CONSTRAINED_SPEC_EXACT=0 in that worker: the
+    # "exact" key is not a Generator argument): what the default's exactness costs
+    "ours forced+ngram (not exact)": {"speculative": {"method": "ngram"}, "exact": False},
     # the library's defaults for a call that is not streamed: forced+ngram speculation and
     # api.DEFAULT_MAX_RETRIES retries after a failed attempt (the rows above stream for TTFT,
     # and a streamed call has no retries)
@@ -784,7 +787,13 @@ class LlamaCpp(_System):
 class Ours(_System):
     def __init__(self, dtype: str, threads: int, kwargs: dict, model: str | None = None) -> None:
         from constrained_spec import Generator
+        from constrained_spec.settings import reload_settings
 
+        kwargs = dict(kwargs)
+        exact = kwargs.pop("exact", None)  # the runner's setting, read when the model loads
+        if exact is not None:
+            os.environ["CONSTRAINED_SPEC_EXACT"] = "1" if exact else "0"
+            reload_settings()
         self.gen: Generator[Any] = Generator(_load_torch_model(dtype, threads, model=model), **kwargs)
         self.eos = set()
         self.dtype = str(self.gen.model.dtype).removeprefix("torch.")
@@ -1125,7 +1134,9 @@ def report(records: list[dict], notes: dict[str, str], facts: dict[str, dict],
         lines += [
             "", "**All tasks** — " + machine, "", render_table(summary, rss), "",
             f"Best peer by tokens/s: {best or '—'}. Ours: "
-            + "; ".join(f"`{s}` = `Generator(**{json.dumps(v)})`" for s, v in variants.items()) + ".",
+            + "; ".join(f"`{s}` = `Generator(**{json.dumps({k: x for k, x in v.items() if k != 'exact'})})`"
+                        + ("" if "exact" not in v else f" with CONSTRAINED_SPEC_EXACT={int(v['exact'])}")
+                        for s, v in variants.items()) + ".",
         ]
     if ext:
         lines += ["", "**Extraction tasks** (values copied from the prompt) — " + machine, "",

@@ -20,7 +20,7 @@ weights 4-bit and dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` ov
 ``measure`` (measure again) or a fixed plan such as
 ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
 
-Exactness (``CONSTRAINED_SPEC_EXACT=1``; off by default, see `exact_mode`): for speculation
+Exactness (on by default on a CPU; ``CONSTRAINED_SPEC_EXACT=0`` turns it off, see `exact_mode`): for speculation
 and batching never to change a greedy output, every decode / verify row must be computed as
 a 1-row decode of it would be (`runner.LeanRunner`). A plan for an exact runner therefore runs decode and the LM head
 on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8 -- not fp32)
@@ -61,15 +61,26 @@ RESIDENT_PREFILL_GAIN = 0.25
 MEMORY_MODES = ("fast", "lean")  # what a plan holds; CONSTRAINED_SPEC_MEMORY may also say "auto"
 
 
-def exact_mode() -> bool:
-    """``CONSTRAINED_SPEC_EXACT`` (`settings.Settings.exact`): on computes every row as it would
-    be alone, so greedy outputs do not depend on speculation or batching; off (default) lets
-    each forward pick its kernel by its rows and attend with all of a verify's queries in one
-    SDPA call. Off by default because of what it costs today (quiet machine, embedded model,
-    AVX-512-BF16): a 6-row verify forward 1.2x slower at 200 keys and 2.6x at 1,000 (the
-    invariant attention runs one SDPA batch entry per row, and SDPA's cost is per entry and
-    head, whatever its queries): speculation would lose much of its gain at long context."""
-    return settings().exact
+def exact_mode(device: torch.device | None = None) -> bool:
+    """Whether a lean runner on ``device`` (default: the CPU) is exact: ``CONSTRAINED_SPEC_EXACT``
+    (`settings.Settings.exact`) when set, else on for a CPU. Exact computes every decode /
+    verify row as a 1-row decode of it would be, so a greedy output does not depend on
+    speculation or batching; off lets each forward pick its kernels by its rows. What it costs
+    on a CPU (quiet machine, embedded model, AVX-512-BF16; benchmarks/RESULTS.md): within
+    about 10% of a forward either way, from a 1-row decode to 4 requests x 6 rows at 200 and
+    1,000 keys (`exact_attention`).
+
+    Raises
+    ------
+    ConfigError
+        ``CONSTRAINED_SPEC_EXACT=1`` for a device other than the CPU: the query-invariant
+        attention is a CPU kernel, so the guarantee cannot be kept there."""
+    device = torch.device("cpu") if device is None else device
+    asked = settings().exact
+    if asked and device.type != "cpu":
+        raise ConfigError(f"exact decoding is implemented for the CPU only, not {device.type} "
+                          "(unset it or set it to 0 for this device)", option="CONSTRAINED_SPEC_EXACT")
+    return device.type == "cpu" if asked is None else asked
 
 
 _CONTEXT = 128  # context the decode rows attend to while timed
@@ -424,6 +435,36 @@ def _timed(repeats: int, fn: Callable[[], Any], *, warm: bool = True) -> float:
 
 
 # -- choosing and caching ------------------------------------------------------------------
+def plan_key(runner: Any, *, int8: bool = False) -> str:
+    """The key of ``runner``'s plan in a plan file: machine, memory mode, int8, exactness."""
+    exact = bool(getattr(runner, "exact", False))
+    return (machine_key(runner.device) + "|" + settings().memory + ("|int8" if int8 else "")
+            + ("|exact" if exact else ""))
+
+
+def _cached(path: Path | None, key: str) -> KernelPlan | None:
+    if path is None:
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("version") == _PLAN_VERSION and key in stored.get("plans", {}):
+            return KernelPlan.from_json(stored["plans"][key])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        pass
+    return None
+
+
+def plan_to_measure(runner: Any, *, dtype: str, cache: Path | None, int8: bool = False) -> bool:
+    """Whether `choose_plan` would measure a plan now: on a CPU, no dtype or plan fixed, and
+    none cached for this machine (or ``CONSTRAINED_SPEC_PLAN=measure``)."""
+    env = settings().plan or ""
+    if dtype in ("float32", "bfloat16", "float16") or runner.device.type != "cpu" \
+            or (env and env != "measure"):
+        return False
+    return env == "measure" or _cached(None if cache is None else cache / PLAN_FILE,
+                                       plan_key(runner, int8=int8)) is None
+
+
 def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = False,
                 quiet: bool = False) -> KernelPlan:
     """The plan for ``runner``: fixed by an explicit ``dtype`` ("float32" / "bfloat16" /
@@ -443,15 +484,12 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     memory = settings().memory
     if env and env != "measure":
         return KernelPlan.parse(env, memory=_fixed_memory(memory))
-    key = machine_key(runner.device) + "|" + memory + ("|int8" if int8 else "") + ("|exact" if exact else "")
+    key = plan_key(runner, int8=int8)
     path = None if cache is None else cache / PLAN_FILE
-    if path is not None and env != "measure":
-        try:
-            stored = json.loads(path.read_text())
-            if stored.get("version") == _PLAN_VERSION and key in stored.get("plans", {}):
-                return KernelPlan.from_json(stored["plans"][key])
-        except (OSError, ValueError, KeyError, TypeError, ConfigError):
-            pass
+    if env != "measure":
+        cached = _cached(path, key)
+        if cached is not None:
+            return cached
     candidates = [k for k in ("fp32", "bf16", "int4", "int8")
                   if runner.supports_kernel(k) and (k != "int8" or int8)]
     from tqdm.auto import tqdm

@@ -28,25 +28,22 @@ bf16 dense, torch's int4 kernel on the file's own 4-bit values, or int8. The act
 the kernel's dtype; the KV cache has the plan's. Every weight multiply goes through one method,
 `LeanRunner._matmul`.
 
-Row invariance (``exact``; ``CONSTRAINED_SPEC_EXACT=1``): every row of a forward -- a verify
-row, a padded batch
-row, a prompt row -- is computed exactly as a forward of that row alone at the same position
-would compute it, so a greedy output does not depend on speculation or on the other requests
-in the batch. What it takes (measured, `weights.ROW_INVARIANT_KERNELS`): the linears and the
-LM head run a kernel whose per-row reduction does not depend on the number of rows (torch's
-int4 and int8 weight-only kernels; bf16 on oneDNN with a 1-row product padded to 2 rows; not
-MKL's fp32 GEMM), one kernel for every
-decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); attention reads the
-keys from position 0 up to a multiple of `KEY_BLOCK` (padding masked): SDPA's CPU kernel splits
-keys into blocks from the first key and reduces each query on its own, so a query then reduces
-over the same blocks in the same order whatever the number of queries, keys past its own
-block, or the batch (measured in bf16; its float32 path depends on the batch) -- but SDPA
-blocks the queries of a call (a query's bits can depend on the others'), so a decode /
-verify forward folds its row positions into the batch, one query each (costly: 1.2x a 6-row
-verify at 200 keys, 2.6x at 1,000, measured on a quiet 2-core machine; a query-invariant
-attention kernel is what would remove that cost). Prompts
-(``phase="prefill"``) run one per forward in a batch, so a prompt's kernel and query blocks
-come from its own length. RoPE, norms, embeddings and activations are per row already.
+Row invariance (``exact``: the default on a CPU, ``CONSTRAINED_SPEC_EXACT=0`` turns it off):
+every row of a forward -- a verify row, a padded batch row, a prompt row -- is computed exactly
+as a forward of that row alone at the same position would compute it, so a greedy output does
+not depend on speculation or on the other requests in the batch. What it takes: the linears
+and the LM head run a kernel whose per-row reduction does not depend on the number of rows
+(`weights.ROW_INVARIANT_KERNELS`, measured: torch's int4 and int8 weight-only kernels; bf16 on
+oneDNN with a 1-row product padded to 2 rows; not MKL's fp32 GEMM), one kernel for every
+decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); decode / verify
+attention is `exact_attention.chunked_attention`, which calls the CPU flash-attention kernel in
+ONE shape (queries in groups of `exact_attention.QUERY_GROUP`, keys in chunks of `KEY_BLOCK`
+from position 0) and combines the chunks in a fixed order, so a query's bits depend on nothing
+else in the call (SDPA over all of a verify's queries does not give that: its GEMM shapes
+follow the number of queries and keys). Its cost against the not-exact path is within ~10% of a
+forward (benchmarks/RESULTS.md). Prompts (``phase="prefill"``) run one per forward in a batch,
+so a prompt's kernel and SDPA's query blocks come from its own length. RoPE, norms, embeddings
+and activations are per row already.
 """
 
 from __future__ import annotations
@@ -59,6 +56,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from .exact_attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
 from .plan import exact_mode
 from .slots import SlotAllocator
 from .weights import (
@@ -210,11 +208,12 @@ INT4_GROUP = GROUP
 # of the plan for an explicit bfloat16 dtype and for draft models. A measured plan finds its own.
 INT4_MAX_ROWS = 12
 _LINEARS = ("qkv", "o", "gate_up", "down")
-# keys an exact attention reads come in whole blocks of this many positions from position 0
-# (SDPA reduces a query over the same blocks whatever the keys past its own block: measured)
-KEY_BLOCK = 64
-# ... and a sliding-window layer's first key is a multiple of this (SDPA's key split on CPU):
-# from any other first key the blocks, hence the reduction, would shift with the batch
+# keys an exact forward reads come in whole chunks of this many positions from position 0
+# (`exact_attention.chunked_attention` reduces a query chunk by chunk)
+KEY_BLOCK = KEY_CHUNK
+# ... and a sliding-window layer's first key is a multiple of this (a whole number of chunks,
+# and of SDPA's key split on CPU for exact prompts): from any other first key the chunks, hence
+# the reduction, would shift with the batch
 WINDOW_KEY_BLOCK = 512
 
 
@@ -309,16 +308,18 @@ class LeanRunner(Runner):
     slot (every layer keeps every position, sliding-window layers included: only their mask
     differs).
 
-    ``exact`` (default: off unless ``CONSTRAINED_SPEC_EXACT=1``, see `plan.exact_mode`): every
-    row is computed as it
-    would be alone (the module docstring says how); it holds on the row-invariant kernels
-    (`weights.ROW_INVARIANT_KERNELS`), which a plan chosen for an exact runner keeps to.
+    ``exact`` (default: `plan.exact_mode`, on for a CPU unless ``CONSTRAINED_SPEC_EXACT=0``):
+    every row is computed as it would be alone (the module docstring says how); it holds on
+    the row-invariant kernels (`weights.ROW_INVARIANT_KERNELS`), which a plan chosen for an
+    exact runner keeps to, and on the CPU only (its attention is a CPU kernel).
     """
 
     def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device,
                  int4: dict[str, Any] | None = None, exact: bool | None = None) -> None:
         super().__init__()
-        self.exact = exact_mode() if exact is None else bool(exact)
+        self.exact = exact_mode(device) if exact is None else bool(exact)
+        if self.exact and device.type != "cpu":
+            raise ValueError(f"an exact runner runs on the CPU only, not {device}")
         cfg = model.config
         self.family = fam = Family.of(model)
         self.device, self.dtype = device, dtype
@@ -584,29 +585,15 @@ class LeanRunner(Runner):
         return masks
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
-                mask: torch.Tensor, decode: bool = False) -> torch.Tensor:
+                mask: torch.Tensor, chunked: ChunkedMask | None = None) -> torch.Tensor:
         """Attention of q [B, T, H, hd] over keys / vals [B, S, KV, hd] under mask [B, 1, T, S]
-        -> [B, T, H * hd]; ``decode``: decode / verify rows (exact: one query per call)."""
+        -> [B, T, H * hd]; ``chunked``: the same mask for `chunked_attention` (exact decode /
+        verify rows: each row's bits independent of the call)."""
         B, T, H, hd = q.shape
         KV = keys.shape[2]
         fam = self.family
-        if fam.attn_softcap is None and self.exact and decode and T > 1:
-            # SDPA blocks the queries of a call, and a query among others can come out with
-            # other bits than alone (measured in bf16 on an AVX-512 CPU, 9 heads of 64: with
-            # one other query at 704 keys, with three or more at 896, 1,408, ...; at most key
-            # counts it does not); over the batch it does not. So the T row positions are
-            # folded into the batch, one query each (as a 1-row decode), every one over the
-            # same whole KEY_BLOCKs (keys past a query's own block are masked and change
-            # nothing: tests/kernels/test_row_invariance.py). One slot's keys are a stride-0
-            # view; several slots' are copied T times.
-            S = keys.shape[1]
-            kf = keys.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
-            vf = vals.transpose(1, 2)[:, None].expand(B, T, KV, S, hd)
-            kf = kf[0] if B == 1 else kf.reshape(B * T, KV, S, hd)
-            vf = vf[0] if B == 1 else vf.reshape(B * T, KV, S, hd)
-            out = sdpa(q.reshape(B * T, 1, H, hd).transpose(1, 2), kf, vf,
-                       mask.transpose(1, 2).reshape(B * T, 1, 1, S), fam.attn_scale)  # [B * T, H, 1, hd]
-            return out.reshape(B, T, H * hd)
+        if fam.attn_softcap is None and chunked is not None:  # exact decode / verify rows
+            return chunked_attention(q, keys, vals, chunked, fam.attn_scale)
         if fam.attn_softcap is None:
             out = sdpa(q.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), mask, fam.attn_scale)
             return out.transpose(1, 2).reshape(B, T, H * hd)  # out: [B, H, T, hd]
@@ -696,9 +683,13 @@ class LeanRunner(Runner):
             kernel = self.plan.prefill_kernel(lengths[0])
         else:  # one kernel whatever the rows: a verify row as a 1-row decode computes it
             kernel = self.plan.decode_kernel(1)
+        masks = self._masks(pos, starts, Lk)
+        chunked = {} if not self.exact or phase != "decode" else {
+            win: chunk_mask(m[:, 0], heads=self.n_heads, kv_heads=self.n_kv, dtype=ACT_DTYPE[kernel])
+            for win, (_, m) in masks.items()}
         return _ForwardBatch(
             slots=list(slots), lengths=lengths, ends=ends, ids=ids.to(dev), pos=pos, Lk=Lk,
-            masks=self._masks(pos, starts, Lk), slot_t=slot_t,
+            masks=masks, chunked=chunked, slot_t=slot_t,
             write_idx=(slot_t[:, None].expand(B, T), pos),
             contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel, phase=phase)
 
@@ -728,7 +719,7 @@ class LeanRunner(Runner):
             keys = kc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
             vals = vc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
         act = ACT_DTYPE[kernel]
-        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask, fb.phase == "decode"),
+        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask, fb.chunked.get(fam.windows[i])),
                          L, "o", kernel)  # [B, T, D]
         if fam.gemma_norms:
             a = self._rms(a, L["post_attn"])
@@ -767,6 +758,7 @@ class _ForwardBatch:
     pos: torch.Tensor  # long [B, T]: positions
     Lk: int  # keys read: positions 0..Lk-1
     masks: dict[int | None, tuple[int, torch.Tensor]]  # see LeanRunner._masks
+    chunked: dict[int | None, ChunkedMask]  # exact decode / verify: the masks for chunked_attention
     slot_t: torch.Tensor  # long [B]
     write_idx: tuple[torch.Tensor, torch.Tensor]  # (slot, position) [B, T] each: cache rows written
     contiguous: bool  # slots are consecutive: the cache is read by slicing
@@ -790,9 +782,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     as every runner attention call makes it. On the CPU a single query goes in twice: the
     kernel's one-query path is 2-3x slower than two queries in a microbenchmark (bf16, 9
     heads: 170 against 79 us per layer at 150 keys, 730 against 260 at 1,000); in the
-    embedded model that is 9% of a 1-row forward at 1,000 keys (nothing at 150). The copy changes the
-    rounding order at most, and the same way for every single-query call, so an exact
-    runner's 1-row decode and its folded verify rows still agree bit for bit."""
+    embedded model that is 9% of a 1-row forward at 1,000 keys (nothing at 150). (An exact
+    runner's decode rows do not come here: `exact_attention.chunked_attention`.)"""
     T = q.shape[2]
     if T == 1 and q.device.type == "cpu":
         B, H, _, hd = q.shape

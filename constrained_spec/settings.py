@@ -73,10 +73,11 @@ class Settings:
     (``decode=int4:12/bf16`` for row buckets; see ``plan.KernelPlan.parse``) is used as
     written. Default: unset, the plan measured once per machine and cached."""
 
-    exact: bool = False
+    exact: bool | None = None
     """``CONSTRAINED_SPEC_EXACT``: on computes every decode / verify row as a 1-row decode of it
-    would be, so greedy outputs do not depend on speculation or batching (slower; see
-    ``plan.exact_mode``). Default: off."""
+    would be, so greedy outputs do not depend on speculation or batching (see
+    ``plan.exact_mode``); off lets each forward pick its kernels by its rows. Default: unset,
+    which is on for the lean runner on a CPU (where it is implemented) and off elsewhere."""
 
     int4: bool = True
     """``CONSTRAINED_SPEC_INT4``: off keeps exactly-4-bit weights dense instead of running them
@@ -121,7 +122,7 @@ class Settings:
             dtype=cast(DtypeChoice, choice("DTYPE", DTYPE_CHOICES, "auto")),
             memory=cast(MemoryChoice, choice("MEMORY", MEMORY_CHOICES, "auto")),
             plan=plan,
-            exact=parse_bool(PREFIX + "EXACT", raw("EXACT"), default=False),
+            exact=None if raw("EXACT") is None else parse_bool(PREFIX + "EXACT", raw("EXACT"), default=False),
             int4=parse_bool(PREFIX + "INT4", raw("INT4"), default=True),
             debug=parse_bool(PREFIX + "DEBUG", raw("DEBUG"), default=False),
         )

@@ -16,7 +16,7 @@ BOOLEANS = {"EXACT": "exact", "INT4": "int4", "DEBUG": "debug"}
 
 def test_an_empty_environment_gives_the_documented_defaults():
     assert Settings.from_env({}) == Settings(cache=None, smollm2_wheel=None, dtype="auto",
-                                             memory="auto", plan=None, exact=False, int4=True,
+                                             memory="auto", plan=None, exact=None, int4=True,
                                              debug=False)
     # an empty or blank variable is an unset one
     assert Settings.from_env({f"{PREFIX}{n}": " " for n in

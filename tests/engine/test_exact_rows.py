@@ -15,7 +15,7 @@ import torch
 from cs_testlib import tiny_llama
 
 from constrained_spec.plan import KernelPlan
-from constrained_spec.runner import LeanRunner, int4_weights
+from constrained_spec.runner import KEY_BLOCK, LeanRunner, int4_weights
 
 CPU = torch.device("cpu")
 V = 40
@@ -101,7 +101,7 @@ def test_a_runner_that_is_not_exact_reads_only_the_keys_it_needs(model):
     runner.forward([s], [random_tokens(70, 6)], [0])
     assert runner._batch([s], [[1, 2]], "decode").Lk == 72
     runner.exact = True
-    assert runner._batch([s], [[1, 2]], "decode").Lk == 128
+    assert runner._batch([s], [[1, 2]], "decode").Lk == KEY_BLOCK  # whole key chunks
 
 
 def test_an_exact_plan_runs_every_decode_row_count_on_one_row_invariant_kernel():
@@ -175,14 +175,21 @@ def test_the_embedded_model_verifies_rows_as_one_row_decodes_in_its_own_plan(emb
             runner.free_slot(s)
 
 
-def test_exact_is_opt_in_and_a_bad_value_names_the_variable(cs_env):
+def test_exact_is_the_default_on_a_cpu_and_a_bad_value_names_the_variable(cs_env, model):
     from constrained_spec.errors import ConfigError
     from constrained_spec.plan import exact_mode
 
+    cuda = torch.device("cuda")
     cs_env(CONSTRAINED_SPEC_EXACT=None)
-    assert exact_mode() is False
+    assert exact_mode() is True and exact_mode(CPU) is True
+    assert exact_mode(cuda) is False  # the chunked attention is a CPU kernel
+    assert LeanRunner(model, dtype=torch.bfloat16, device=CPU).exact
+    cs_env(CONSTRAINED_SPEC_EXACT="0")  # the opt-out
+    assert exact_mode() is False and not LeanRunner(model, dtype=torch.bfloat16, device=CPU).exact
     cs_env(CONSTRAINED_SPEC_EXACT="1")
     assert exact_mode() is True
+    with pytest.raises(ConfigError, match="CPU only"):
+        exact_mode(cuda)  # asked for where it cannot hold: said, not ignored
     with pytest.raises(ConfigError, match="CONSTRAINED_SPEC_EXACT"):
         cs_env(CONSTRAINED_SPEC_EXACT="yes please")
     with pytest.raises(ConfigError, match="CONSTRAINED_SPEC_EXACT"):

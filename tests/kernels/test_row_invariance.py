@@ -1,11 +1,12 @@
 """Row invariance of the linear kernels and of the exact attention, on the machine the tests run.
 
-An exact runner (`constrained_spec.runner.LeanRunner`) relies on two measured properties of the
-kernels under it: a row multiplied among any number of rows comes out with the same bits as
-alone (`weights.ROW_INVARIANT_KERNELS`), and SDPA reduces a query over keys read in whole
-`runner.KEY_BLOCK` blocks from position 0 the same way whatever the number of queries, the
-masked keys past its own block, or the batch. If a torch build or a CPU breaks either, these
-tests say which (and the exactness guarantee does not hold there).
+An exact runner (`constrained_spec.runner.LeanRunner`) relies on two properties of the kernels
+under it: a row multiplied among any number of rows comes out with the same bits as alone
+(`weights.ROW_INVARIANT_KERNELS`, measured), and `exact_attention.chunked_attention` gives a
+query the same bits whatever the other queries of the call, the batch, the masked key chunks
+past its own or the first key a window layer reads (it calls the kernel in one shape only). If
+a torch build or a CPU breaks either, these tests say which (and the exactness guarantee does
+not hold there).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from constrained_spec.runner import KEY_BLOCK, WINDOW_KEY_BLOCK, sdpa
+from constrained_spec.exact_attention import KEY_CHUNK, QUERY_GROUP, chunk_mask, chunked_attention
+from constrained_spec.runner import WINDOW_KEY_BLOCK, sdpa
 from constrained_spec.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear
 
 ROWS = (1, 2, 3, 6, 7, 13, 24, 33, 64)
@@ -54,62 +56,93 @@ def test_float32_is_not_listed_as_row_invariant():
     assert "fp32" not in ROW_INVARIANT_KERNELS
 
 
-def sdpa_row(q, k, v, pos: int, start: int, keys: int, window: int | None = None):
-    """One query at ``pos`` (a row of ``q`` [H, P, hd]) over keys ``start..keys-1`` of k / v
-    [KV, P, hd], masked causally (and to ``window``), through SDPA as the runner calls it."""
-    j = torch.arange(start, keys)
-    visible = j <= pos if window is None else (j <= pos) & (j > pos - window)
-    return sdpa(q[None, :, pos: pos + 1], k[None, :, start:keys], v[None, :, start:keys],
-                visible[None, None, None])[0, :, 0]
-
-
-def qkv(positions: int, seed: int):
+def qkv(positions: int, seed: int, heads: tuple[int, int, int] = (9, 3, 64)):
+    """q [H, P, hd], k / v [KV, P, hd] in bf16 (default: the embedded model's attention)."""
     g = torch.Generator().manual_seed(seed)
-    H, KV, hd = 6, 2, 16
+    H, KV, hd = heads
     return [torch.randn(n, positions, hd, generator=g).bfloat16() for n in (H, KV, KV)]
 
 
-def test_attention_reduces_a_query_over_the_same_key_blocks_whatever_keys_follow():
-    q, k, v = qkv(1400, seed=3)
-    for pos in (0, 5, 63, 64, 200, 511, 700, 1100):
-        own = -(-(pos + 1) // KEY_BLOCK) * KEY_BLOCK  # a 1-row decode reads up to its own block
-        alone = sdpa_row(q, k, v, pos, 0, own)
-        for extra in (1, 2, 5):  # a verify forward, a longer request in the batch
-            longer = min(own + extra * KEY_BLOCK, 1400 - 1400 % KEY_BLOCK)
-            assert torch.equal(sdpa_row(q, k, v, pos, 0, longer), alone), (pos, extra)
+def attend(q, k, v, positions, keys: int, *, first: int = 0, window: int | None = None, batch: int = 1):
+    """`chunked_attention` of the queries at ``positions`` (rows of one request; ``batch``
+    copies of it) over keys ``first..keys-1``, masked causally (and to ``window``), as the
+    exact runner calls it -> [batch, T, H * hd]."""
+    pos = torch.tensor(positions)
+    j = torch.arange(first, keys)
+    visible = j[None] <= pos[:, None]
+    if window is not None:
+        visible &= j[None] > pos[:, None] - window
+    H, KV = q.shape[0], k.shape[0]
+    qs = q[:, pos].permute(1, 0, 2)[None].expand(batch, -1, -1, -1)  # [B, T, H, hd]
+    ks = k[:, first:keys].permute(1, 0, 2)[None].expand(batch, -1, -1, -1)  # [B, S, KV, hd]
+    vs = v[:, first:keys].permute(1, 0, 2)[None].expand(batch, -1, -1, -1)
+    mask = chunk_mask(visible[None].expand(batch, -1, -1), heads=H, kv_heads=KV, dtype=q.dtype)
+    return chunked_attention(qs, ks, vs, mask)
 
 
-def test_attention_of_a_query_does_not_depend_on_the_other_queries_or_the_batch():
-    q, k, v = qkv(640, seed=4)
-    keys, T = 640, 6
-    pos = torch.arange(300, 300 + T)
-    mask = (torch.arange(keys)[None] <= pos[:, None])[None, None]  # [1, 1, T, keys]
-    together = sdpa(q[None, :, 300:300 + T], k[None, :, :keys], v[None, :, :keys], mask)[0]
-    batched = sdpa(q[None, :, 300:300 + T].expand(3, -1, -1, -1), k[None, :, :keys].expand(3, -1, -1, -1),
-                   v[None, :, :keys].expand(3, -1, -1, -1), mask.expand(3, -1, -1, -1))
-    for t in range(T):
-        alone = sdpa_row(q, k, v, 300 + t, 0, keys)
-        assert torch.equal(together[:, t], alone) and torch.equal(batched[2, :, t], alone), t
+def chunks_to(pos: int) -> int:
+    """Keys a 1-row decode at ``pos`` reads: up to its own chunk's end."""
+    return -(-(pos + 1) // KEY_CHUNK) * KEY_CHUNK
 
 
-def test_window_attention_reduces_the_same_way_from_any_earlier_window_block():
-    q, k, v = qkv(2200, seed=5)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 32), (4, 4, 16)])
+def test_chunked_attention_gives_a_verify_row_the_bits_of_a_one_row_decode(heads):
+    # the rows of a verify (T of them, spanning chunk and query-group boundaries), the same
+    # rows batched with other requests and over more chunks (a longer request in the batch)
+    q, k, v = qkv(1400, seed=3, heads=heads)
+    for start in (0, 5, 250, 700, 1020):
+        for T in (1, 2, 6, QUERY_GROUP, QUERY_GROUP + 5):
+            rows = list(range(start, start + T))
+            alone = torch.cat([attend(q, k, v, [p], chunks_to(p))[0] for p in rows])
+            own = chunks_to(rows[-1])
+            assert torch.equal(attend(q, k, v, rows, own)[0], alone), (start, T)
+            longer = min(own + 2 * KEY_CHUNK, 1400 - 1400 % KEY_CHUNK)
+            assert torch.equal(attend(q, k, v, rows, longer, batch=3)[2], alone), (start, T, "batch")
+
+
+def test_chunked_attention_of_a_window_layer_does_not_depend_on_the_first_key_read():
+    q, k, v = qkv(2600, seed=5)
     window = 300
     for pos in (900, 1300, 2000):
         first = (pos - window + 1) // WINDOW_KEY_BLOCK * WINDOW_KEY_BLOCK
-        own = -(-(pos + 1) // KEY_BLOCK) * KEY_BLOCK
-        alone = sdpa_row(q, k, v, pos, first, own, window)
+        alone = attend(q, k, v, [pos], chunks_to(pos), first=first, window=window)
         for earlier in range(0, first, WINDOW_KEY_BLOCK):  # a batch with an earlier request
-            assert torch.equal(sdpa_row(q, k, v, pos, earlier, own + KEY_BLOCK, window), alone), (pos, earlier)
+            got = attend(q, k, v, [pos], chunks_to(pos) + KEY_CHUNK, first=earlier, window=window)
+            assert torch.equal(got, alone), (pos, earlier)
+
+
+def test_chunked_attention_is_attention():
+    q, k, v = qkv(3 * KEY_CHUNK, seed=7)
+    rows = [3, 130, KEY_CHUNK - 1, KEY_CHUNK, 2 * KEY_CHUNK + 20]
+    got = attend(q, k, v, rows, 3 * KEY_CHUNK)[0].float().view(len(rows), 9, 64)
+    kk, vv = k.float().repeat_interleave(3, 0), v.float().repeat_interleave(3, 0)  # [H, P, hd]
+    for i, p in enumerate(rows):
+        scores = (q[:, p].float()[:, None] * kk[:, : p + 1]).sum(-1) / 8  # [H, p + 1]
+        want = (scores.softmax(-1)[:, :, None] * vv[:, : p + 1]).sum(1)
+        assert torch.allclose(got[i], want, atol=2e-2, rtol=2e-2), p
+
+
+def test_chunk_mask_refuses_keys_that_are_not_whole_chunks():
+    with pytest.raises(ValueError, match="whole chunks"):
+        chunk_mask(torch.ones(1, 1, KEY_CHUNK + 1, dtype=torch.bool), heads=2, kv_heads=1,
+                   dtype=torch.bfloat16)
+
+
+def sdpa_row(q, k, v, pos: int, keys: int):
+    """One query at ``pos`` (a row of ``q`` [H, P, hd]) over keys ``0..keys-1`` of k / v
+    [KV, P, hd], masked causally, through `runner.sdpa` (a not-exact decode's attention)."""
+    visible = torch.arange(keys) <= pos
+    return sdpa(q[None, :, pos: pos + 1], k[None, :, :keys], v[None, :, :keys],
+                visible[None, None, None])[0, :, 0]
 
 
 @pytest.mark.parametrize("keys", [1, 70, 1000])
 def test_a_single_query_padded_to_two_is_its_attention(keys):
     # the runner's sdpa sends one query twice (the CPU kernel's one-query path is slower):
     # the result is that query's attention, to bf16 rounding
-    q, k, v = qkv(keys, seed=6)
+    q, k, v = qkv(keys, seed=6, heads=(6, 2, 16))
     pos = keys - 1
-    got = sdpa_row(q, k, v, pos, 0, keys).float()
+    got = sdpa_row(q, k, v, pos, keys).float()
     G = q.shape[0] // k.shape[0]
     kk, vv = k.float().repeat_interleave(G, 0), v.float().repeat_interleave(G, 0)
     scores = (q[:, pos].float()[:, None] * kk[:, :keys]).sum(-1) / q.shape[-1] ** 0.5  # [H, keys]
