@@ -329,15 +329,26 @@ def _add_info_parser(sub: Any) -> None:
                       help="measure the plan again instead of reading the cached one")
     info.add_argument("--json", action="store_true", dest="as_json", help="one JSON object")
     info.add_argument("--quiet", action="store_true", help="no progress bars")
+    # how a model's first load measures its plan in a child process (models._measure_plan_apart)
+    info.add_argument("--measure-here", action="store_true", help=argparse.SUPPRESS)
+    info.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     info.set_defaults(func=_cmd_info)
 
 
 def _cmd_info(args: argparse.Namespace, out: TextIO) -> int:
     from .plan import machine_info
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"machine": machine_info()}
     if not args.no_model:
+        from . import models
         from .models import load_model
+
+        if args.measure_here:
+            models._MEASURE_APART = False
 
         # --measure is CONSTRAINED_SPEC_PLAN=measure for this load (the plan is chosen when
         # describe_kernels first builds the runner)

@@ -35,7 +35,7 @@ import torch
 
 from .errors import ModelLoadError
 from .settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
-from .settings import settings
+from .settings import overridden, settings
 
 logger = logging.getLogger(__name__)
 
@@ -324,6 +324,9 @@ class LoadedModel:
     # files whose matrices are already quantized at more than 4 bits (`int8_worth_it`)
     int8_plan: bool = False
     quiet: bool = True
+    # what load_model was given ("default" or a path) when another process loading it the same
+    # way builds the same runner: the kernel plan is then measured there (`_measure_plan_apart`)
+    spec: str | None = None
 
     @property
     def runner(self) -> Any:
@@ -335,14 +338,26 @@ class LoadedModel:
             if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
                 release_copied_weights(self.model, _tensors_held(runner))  # before the packs
             if hasattr(runner, "set_plan"):
-                from .plan import choose_plan
-
-                runner.set_plan(choose_plan(runner, dtype=self.dtype_choice, cache=self.plan_cache,
-                                            int8=self.int8_plan,
-                                            quiet=self.quiet))
+                runner.set_plan(self._plan(runner))
                 release_free_memory()
             self._runner = runner
         return self._runner
+
+    def _plan(self, runner: Any) -> Any:
+        """The runner's kernel plan (`plan.choose_plan`). One still to measure is measured in
+        a child process when one can load this model the same way: measuring builds dense
+        copies of the weights for the candidate kernels, and their peak would otherwise stay
+        in this process's peak RSS for good. The child stores the plan; it is read here (and
+        measured here after all if the child failed)."""
+        from .plan import choose_plan, plan_to_measure
+
+        dtype, cache, int8 = self.dtype_choice, self.plan_cache, self.int8_plan
+        if self.spec is not None and _MEASURE_APART \
+                and plan_to_measure(runner, dtype=dtype, cache=cache, int8=int8) \
+                and _measure_plan_apart(self.spec, quiet=self.quiet):
+            with overridden(plan=None if settings().plan == "measure" else settings().plan):
+                return choose_plan(runner, dtype=dtype, cache=cache, int8=int8, quiet=self.quiet)
+        return choose_plan(runner, dtype=dtype, cache=cache, int8=int8, quiet=self.quiet)
 
     def describe_kernels(self) -> dict[str, Any]:
         """What runs this model here: runner, weight formats, the kernel plan and its times."""
@@ -394,6 +409,30 @@ class LoadedModel:
 
 
 _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
+# off in the child process that measures a plan (`constrained-spec info --measure-here`)
+_MEASURE_APART = True
+
+
+def _measure_plan_apart(spec: str, *, quiet: bool) -> bool:
+    """Measure and store ``spec``'s kernel plan in a child process (`LoadedModel._plan`) with
+    this process's settings and torch threads; whether it succeeded."""
+    cmd = [sys.executable, "-m", "constrained_spec", "info", "--measure", "--measure-here",
+           "--quiet", "--json", "--threads", str(torch.get_num_threads())]
+    if spec != "default":
+        cmd += ["--model", spec]
+    if not quiet:
+        print("measuring the kernel plan for this machine (once, in a child process) ...",
+              file=sys.stderr, flush=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("measuring the kernel plan in a child process failed (%s): measuring here", e)
+        return False
+    if done.returncode != 0:
+        logger.warning("measuring the kernel plan in a child process failed (exit %d: %s): "
+                       "measuring here", done.returncode, done.stderr.strip()[-500:])
+        return False
+    return True
 
 
 def load_model(
@@ -437,6 +476,9 @@ def load_model(
     if model is not None and not isinstance(model, (str, os.PathLike)):
         return _wrap_model_object(model, tokenizer)
     spec = "default" if model is None else str(model)
+    # another process loads it the same way from ``spec`` alone (`LoadedModel.spec`)
+    reloadable = dtype == "auto" and int4 in (None, settings().int4) and not full_model \
+        and tokenizer is None and dev.type == "cpu"
     if int4 is None:
         int4 = settings().int4
     key = (spec, f"{dtype}/int4={int4}/full={full_model}", str(dev))
@@ -452,10 +494,12 @@ def load_model(
             if lean is not None:
                 if spec == "default":
                     lean.name, lean.is_default = DEFAULT_MODEL_NAME, True
+                lean.spec = spec if reloadable else None
                 _LOADED[key] = lean
                 return lean
     loaded = _load_with_transformers(spec, tokenizer, dtype=dtype, env_dtype=env_dtype, dev=dev,
                                      int4=int4, full_model=full_model, quiet=quiet)
+    loaded.spec = spec if reloadable else None
     _LOADED[key] = loaded
     return loaded
 

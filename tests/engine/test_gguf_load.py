@@ -114,6 +114,29 @@ def test_info_describes_the_plan_and_weights_of_a_gguf(tiny_gguf, capsys):
     assert d["weights"].startswith("5 of 8 linears exact 4-bit groups")
 
 
+def test_a_first_load_measures_its_plan_in_a_child_process(tiny_gguf, cs_env, monkeypatch):
+    # measuring builds dense copies of the weights for the candidates: in the serving process
+    # their peak would stay in its peak RSS; a child measures and stores, the parent reads
+    from constrained_spec import plan
+
+    cs_env(CONSTRAINED_SPEC_PLAN=None)
+    monkeypatch.setattr(plan, "measure", lambda *a, **k: pytest.fail("measured in this process"))
+    loaded = load_model(tiny_gguf, quiet=True)
+    d = loaded.describe_kernels()
+    assert d["plan_source"] == "measured" and d["times_ms"]
+    assert (loaded.plan_cache / plan.PLAN_FILE).is_file()
+
+
+def test_a_plan_the_child_could_not_measure_is_measured_here(tiny_gguf, cs_env, monkeypatch, caplog):
+    import subprocess
+
+    cs_env(CONSTRAINED_SPEC_PLAN=None)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "boom"))
+    with caplog.at_level("WARNING"):
+        d = load_model(tiny_gguf, quiet=True).describe_kernels()
+    assert d["plan_source"] == "measured" and "boom" in caplog.text
+
+
 def test_generate_on_a_gguf_returns_a_valid_choice(tiny_gguf):
     from constrained_spec import generate
 
