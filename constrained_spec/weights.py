@@ -220,10 +220,21 @@ def int8_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     symmetric round-to-nearest per output row (~1% relative error). None without the kernel."""
     if not int8_kernel_available():
         return None
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    w = weight.detach()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0], dtype=torch.float32)
+    # a block of rows at a time in float32 (each row on its own, so the same values as the
+    # whole matrix at once): a 151,936 x 896 LM head would otherwise take ~1.6 GB of float32
+    # temporaries while it is packed
+    for i in range(0, w.shape[0], _PACK_ROWS):
+        block = w[i: i + _PACK_ROWS].float()
+        s = block.abs().amax(dim=1).clamp_min(1e-12) / 127
+        q[i: i + _PACK_ROWS] = torch.round(block / s[:, None]).clamp_(-127, 127)
+        scales[i: i + _PACK_ROWS] = s
     return q, scales.to(torch.bfloat16)
+
+
+_PACK_ROWS = 4096
 
 
 def packed_matmul(x: torch.Tensor, pack: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -316,7 +327,9 @@ class Linear:
     def _pack(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
         pack = self._packs.get(kernel)
         if pack is None:
-            pack = self._groups.int4_pack() if kernel == "int4" else int8_pack(self.dequantized(torch.float32))
+            # int8 from the dense weight as stored (int8_pack upcasts it a block at a time)
+            pack = self._groups.int4_pack() if kernel == "int4" else int8_pack(
+                self.dense if self.dense is not None else self.dequantized(torch.float32))
             if pack is None:
                 raise ValueError(f"kernel {kernel!r} is not available in this torch build")
             self._packs[kernel] = pack
