@@ -9,8 +9,9 @@ Systems (each in its own persistent worker process, which loads its model once):
   as alternatives; ``\\d \\w \\s``, which that converter lacks, written as classes first). It
   parses the grammar at the start of every request (inside the timed part; no compile column);
 * ``ours ...``: ``constrained_spec.Generator`` with speculation off, each drafter, and the
-  best combination (the table ``OURS_VARIANTS``; ``--ours-variant NAME=JSON`` adds rows with any
-  Generator keyword arguments).
+  best combination, also with the runner's exactness off (``CONSTRAINED_SPEC_EXACT=0`` in that
+  worker: what the default's exactness costs) (the table ``OURS_VARIANTS``; ``--ours-variant
+  NAME=JSON`` adds rows with any Generator keyword arguments, and ``"exact": false``).
 
 The model is the embedded SmolLM2-135M-Instruct GGUF: llama.cpp runs the Q4_1 file as is, the
 torch systems run its dequantised checkpoint (``constrained_spec.load_model``) in one dtype
