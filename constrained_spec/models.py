@@ -424,7 +424,7 @@ def _measure_plan_apart(spec: str, *, quiet: bool) -> bool:
         print("measuring the kernel plan for this machine (once, in a child process) ...",
               file=sys.stderr, flush=True)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600)
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("measuring the kernel plan in a child process failed (%s): measuring here", e)
         return False
