@@ -684,7 +684,8 @@ class LeanRunner(Runner):
         else:  # one kernel whatever the rows: a verify row as a 1-row decode computes it
             kernel = self.plan.decode_kernel(1)
         masks = self._masks(pos, starts, Lk)
-        chunked = {} if not self.exact or phase != "decode" else {
+        # (a soft-capped attention, gemma2, computes its scores itself: no chunks)
+        chunked = {} if not self.exact or phase != "decode" or self.family.attn_softcap is not None else {
             win: chunk_mask(m[:, 0], heads=self.n_heads, kv_heads=self.n_kv, dtype=ACT_DTYPE[kernel])
             for win, (_, m) in masks.items()}
         return _ForwardBatch(
