@@ -53,7 +53,6 @@ class ChunkedMask:
     """One forward's mask in the shape `chunked_attention` calls the kernel with, built once
     per forward (and per window size) and shared by every layer."""
 
-    rows: int  # T: the forward's query rows
     groups: int  # NQ = ceil(T / QUERY_GROUP)
     chunks: int  # nC = keys / KEY_CHUNK
     heads_per_kv: int  # G
@@ -82,7 +81,7 @@ def chunk_mask(visible: torch.Tensor, *, heads: int, kv_heads: int, dtype: torch
         cv = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
         cv = cv[:, :, :, None, None].expand(nC, B, NQ, kv_heads, G, Q0).reshape(nC, -1)
         chunk_visible = F.pad(cv, (0, -cv.shape[1] % _LANES))
-    return ChunkedMask(rows=T, groups=NQ, chunks=nC, heads_per_kv=G, additive=additive,
+    return ChunkedMask(groups=NQ, chunks=nC, heads_per_kv=G, additive=additive,
                        chunk_visible=chunk_visible)
 
 

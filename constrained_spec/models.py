@@ -26,7 +26,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -352,12 +352,13 @@ class LoadedModel:
         from .plan import choose_plan, plan_to_measure
 
         dtype, cache, int8 = self.dtype_choice, self.plan_cache, self.int8_plan
-        if self.spec is not None and _MEASURE_APART \
-                and plan_to_measure(runner, dtype=dtype, cache=cache, int8=int8) \
-                and _measure_plan_apart(self.spec, quiet=self.quiet):
-            with overridden(plan=None if settings().plan == "measure" else settings().plan):
-                return choose_plan(runner, dtype=dtype, cache=cache, int8=int8, quiet=self.quiet)
-        return choose_plan(runner, dtype=dtype, cache=cache, int8=int8, quiet=self.quiet)
+        apart = self.spec is not None and _MEASURE_APART \
+            and plan_to_measure(runner, dtype=dtype, cache=cache, int8=int8) \
+            and _measure_plan_apart(self.spec, quiet=self.quiet)
+        # measured and stored there: read here (a CONSTRAINED_SPEC_PLAN=measure is done)
+        read = overridden(plan=None) if apart and settings().plan == "measure" else nullcontext()
+        with read:
+            return choose_plan(runner, dtype=dtype, cache=cache, int8=int8, quiet=self.quiet)
 
     def describe_kernels(self) -> dict[str, Any]:
         """What runs this model here: runner, weight formats, the kernel plan and its times."""
