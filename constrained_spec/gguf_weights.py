@@ -10,6 +10,8 @@ straight from its blocks:
   ``transformers`` runs), equal to ``transformers``' load of the same file;
 - `QuantTensor.int4_groups` -- ``w = scale * q + min`` per group of 32 inputs, read from the
   blocks without a float round trip, for Q4_0, Q4_1 and Q4_K (None for other types);
+- `QuantTensor.q8_groups` -- ``w = scale * q`` per group of 32 inputs, ``q`` int8, for Q8_0
+  (exact; the LM head of most files: the ``q8`` kernel runs it);
 - `QuantTensor.int8_rows` -- symmetric per-row int8 (torch's ``_weight_int8pack_mm`` layout),
   for any type, re-quantized from the dequantized rows.
 
@@ -166,6 +168,22 @@ class QuantTensor:
             scale[start:stop] = bs.reshape(stop - start, -1)
             mn[start:stop] = bm.reshape(stop - start, -1)
         return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(mn)
+
+    def q8_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Exact 8-bit groups of a Q8_0 matrix: ``(q int8 [N, K], scale float32 [N, K / 32])``
+        with ``w = scale * q`` per group of 32 (the block's float16 ``d``: exact), read from
+        the blocks. None for every other type, a tensor that is not 2-D and one whose fix-up
+        changes values."""
+        if self.ggml_type != "Q8_0" or self._fixup is not None or len(self.shape) != 2:
+            return None
+        N, K = self.shape
+        q = np.empty((N, K), dtype=np.int8)
+        scale = np.empty((N, K // INT4_GROUP), dtype=np.float32)
+        for start, stop in self._chunks():
+            blocks = self._raw_rows(start, stop).reshape(-1, 34)  # d f16, 32 int8
+            q[start:stop] = blocks[:, 2:].view(np.int8).reshape(stop - start, K)
+            scale[start:stop] = _half(blocks[:, :2])[:, 0].reshape(stop - start, -1)
+        return torch.from_numpy(q), torch.from_numpy(scale)
 
     def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Symmetric per-row int8: ``(q int8 [N, K], scale float32 [N])``, ``w ~ q * scale``.

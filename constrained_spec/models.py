@@ -577,8 +577,9 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
 
 
 # -- a GGUF converted once into the lean runner's form -------------------------------------
-_LEAN_VERSION = 2
+_LEAN_VERSION = 3  # 3: the LM head's Q8_0 values
 _GROUP_PARTS = (".nibbles", ".scale", ".min")
+_HEAD_Q8 = ("lm_head.q8_values", "lm_head.q8_scale")  # the LM head's Q8_0 groups (q8 kernel)
 
 
 class _NotLean(Exception):
@@ -736,7 +737,7 @@ def _fused_parts(meta: Any) -> dict[str, list[str]]:
 def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     """Write config, tokenizer and ``weights.safetensors``: exact 4-bit groups for every fused
     linear whose parts all have them, every other tensor dequantized (bf16 for matrices, fp32
-    for vectors)."""
+    for vectors), and the LM head's Q8_0 values too when the file stores it so."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -774,6 +775,10 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
             out[name] = (w.to(torch.bfloat16) if w.dim() == 2 else w).contiguous()
             bar.update(1)
     bar.close()
+    head = g.tensors.get("lm_head.weight") or g.tensors.get("model.embed_tokens.weight")
+    q8 = None if head is None else head.q8_groups()
+    if q8 is not None:
+        out.update(zip(_HEAD_Q8, q8))
     save_file(out, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
     (tmp / _SOURCE).write_text(json.dumps({"int8_worth_it": _int8_worth(g)}))
     config = g.config
@@ -790,21 +795,23 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     from transformers import AutoTokenizer
 
     from .skeleton import light_config
-    from .weights import Int4Groups
+    from .weights import Int4Groups, Q8Groups
 
     config = light_config(folder)
     # read into the process's own memory, not mapped: a mapping's pages stay in the RSS once
     # touched, and packing the 4-bit groups touches every one of them (~110 MB more)
     stored = _read_safetensors(folder / "weights.safetensors")
-    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS)}
+    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS) and k not in _HEAD_Q8}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
     groups = {key: Int4Groups(nibbles=stored[key + ".nibbles"], scale=stored[key + ".scale"],
                               min=stored[key + ".min"])
               for key in fused if key + ".nibbles" in stored}
+    if all(k in stored for k in _HEAD_Q8):  # handed to the runner with the groups (its "lm_head")
+        groups["lm_head"] = Q8Groups(*(stored[k] for k in _HEAD_Q8))  # type: ignore[assignment]
     # a weight in neither form would reach the runner as a meta tensor
     absent = {n for n, p in model.named_parameters() if p.is_meta}
-    absent -= {p for key in groups for p in fused[key]}
+    absent -= {p for key in groups if key in fused for p in fused[key]}
     if absent:
         raise ModelLoadError(f"the converted checkpoint {folder} lacks {len(absent)} weights "
                              f"({sorted(absent)[:4]}); delete that folder to convert the file again")

@@ -11,7 +11,8 @@ memory-bound 1-row decode. So the plan is chosen per phase:
 - ``lm_head``: the logits rows of a decode forward,
 
 each timed at a model's first load on a machine over the kernels the machine and the weights
-offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups; int8, a
+offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups on torch's
+kernel, q4 from the same groups on this package's C kernel where it builds; int8, a
 re-quantization, only when asked for), and cached beside the converted checkpoint keyed by the
 machine (CPU flags, torch's capability, threads) and the memory mode (``CONSTRAINED_SPEC_MEMORY``:
 ``auto``, the default, keeps a dense copy of the 4-bit weights only where it is measured faster
@@ -23,7 +24,7 @@ weights 4-bit and dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` ov
 Exactness (on by default on a CPU; ``CONSTRAINED_SPEC_EXACT=0`` turns it off, see `exact_mode`): for speculation
 and batching never to change a greedy output, every decode / verify row must be computed as
 a 1-row decode of it would be (`runner.LeanRunner`). A plan for an exact runner therefore runs decode and the LM head
-on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8 -- not fp32)
+on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8, q4 -- not fp32)
 whatever the rows: the one closest to the fastest over the measured row counts. Prompts keep
 their row buckets (a prompt's kernel comes from its own length).
 """
@@ -45,7 +46,7 @@ import torch
 
 from .errors import ConfigError
 from .settings import settings
-from .weights import ACT_DTYPE, KERNELS, ROW_INVARIANT_KERNELS
+from .weights import ACT_DTYPE, KERNELS, PACKED_KERNELS, ROW_INVARIANT_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ def exact_mode(device: torch.device | None = None) -> bool:
 
 
 _CONTEXT = 128  # context the decode rows attend to while timed
-_PLAN_VERSION = 4  # 4: "auto" memory, dequantization 2x faster
+HEAD_ONLY_KERNELS = ("q8",)  # kernels for the LM head alone (its Q8_0 values), timed there only
+_PLAN_VERSION = 5  # 4: "auto" memory, dequantization 2x faster; 5: the q4 kernel
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
 
@@ -230,7 +232,7 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
         if dense_margin is not None and k in ("fp32", "bf16"):
             need = dense_margin
             if prev is None:  # the first bucket: against the fastest packed kernel
-                prev = min((p for p in times[r] if p in ("int4", "int8")),
+                prev = min((p for p in times[r] if p in PACKED_KERNELS),
                            key=times[r].__getitem__, default=None)
         if prev in times[r] and times[r][prev] <= (1 + need) * times[r][k]:
             k = prev
@@ -251,7 +253,7 @@ def _decode_buckets(times: dict[int, dict[str, float]], *,
     row-invariant kernel for every row count (switching kernel at a row count would compute a
     verify row differently from a 1-row decode)."""
     kernels = set().union(*(t.keys() for t in times.values()))
-    packed = kernels & {"int4", "int8"}
+    packed = kernels & PACKED_KERNELS
     if exact:
         kernels = (kernels & ROW_INVARIANT_KERNELS) or kernels
         sets = [{k} for k in kernels]
@@ -361,6 +363,11 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
             runner.forward([slot], [prompt[:r]], [0], phase="decode")
         return call
 
+    def head_call(kernel: str) -> Callable[[], Any]:
+        h = torch.randn(max(rows), runner.hidden_size)
+        n = rows[min(1, len(rows) - 1)]  # one request verifying its drafts
+        return lambda: runner.lm_head_linear(h[:n], kernel)
+
     def one_round(kernel: str, warm: bool) -> None:
         # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
         # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
@@ -376,11 +383,10 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
         for r in rows:
             keep(times, f"decode@{r}", kernel, _timed(2, decode_call(r), warm=warm))
-        if runner.lm_head_weight.supports(kernel):
-            h = torch.randn(max(rows), runner.hidden_size)
-            n = rows[min(1, len(rows) - 1)]  # one request verifying its drafts
-            keep(times, "lm_head", kernel,
-                 _timed(2, lambda: runner.lm_head_linear(h[:n], kernel), warm=warm))
+        # the LM head's kernels: this one, and those only an LM head has (q8: its Q8_0 values)
+        for k in (kernel, *(k for k in HEAD_ONLY_KERNELS if kernel == candidates[0])):
+            if runner.lm_head_weight.supports(k):
+                keep(times, "lm_head", k, _timed(2, head_call(k), warm=warm))
 
     try:
         # round-robin over the kernels, keeping each one's best time: a burst of load from
@@ -490,7 +496,7 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
         cached = _cached(path, key)
         if cached is not None:
             return cached
-    candidates = [k for k in ("fp32", "bf16", "int4", "int8")
+    candidates = [k for k in ("fp32", "bf16", "int4", "q4", "int8")
                   if runner.supports_kernel(k) and (k != "int8" or int8)]
     from tqdm.auto import tqdm
 

@@ -36,7 +36,9 @@ and the LM head run a kernel whose per-row reduction does not depend on the numb
 (`weights.ROW_INVARIANT_KERNELS`, measured: torch's int4 and int8 weight-only kernels; bf16 on
 oneDNN with a 1-row product padded to 2 rows; not MKL's fp32 GEMM), one kernel for every
 decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); decode / verify
-attention is `exact_attention.chunked_attention`, which calls the CPU flash-attention kernel in
+attention is this package's C kernel where it builds (`kernels.cpu_native.attention`: each row over
+its own keys, in key order, one instruction sequence per row), else
+`exact_attention.chunked_attention`, which calls the CPU flash-attention kernel in
 ONE shape (queries in groups of `exact_attention.QUERY_GROUP`, keys in chunks of `KEY_BLOCK`
 from position 0) and combines the chunks in a fixed order, so a query's bits depend on nothing
 else in the call (SDPA over all of a verify's queries does not give that: its GEMM shapes
@@ -57,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from .exact_attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
+from .kernels import cpu_native
 from .plan import exact_mode
 from .slots import SlotAllocator
 from .weights import (
@@ -344,7 +347,11 @@ class LeanRunner(Runner):
         self.embed_scale = None if fam.embed_scale is None else \
             torch.tensor(fam.embed_scale).to(device=device, dtype=dtype)
         # the LM head, shaped like a layer for _matmul
-        self.head: dict[str, Any] = {"lm_head": Linear(dense=w(model.get_output_embeddings().weight))}
+        # (with the file's Q8_0 values for the q8 kernel when the int4 dict brings them, under
+        # the key "lm_head": `weights.Q8Groups`)
+        head_q8 = (int4 or {}).get("lm_head") if device.type == "cpu" else None
+        self.head: dict[str, Any] = {"lm_head": Linear(dense=w(model.get_output_embeddings().weight),
+                                                       q8=head_q8)}
         self.norm = norm(inner.norm.weight)
         self.int4_linears = 0
         self.layers: list[dict[str, Any]] = []
@@ -422,10 +429,11 @@ class LeanRunner(Runner):
 
     @staticmethod
     def _kernel(lin: Linear, kernel: str) -> str:
-        # "int8" means weight-only quantized: the exact 4-bit groups where the file has them;
-        # a kernel a weight cannot run (int4 without exact groups) runs its dense bf16 form
+        # "int8" means weight-only quantized: the exact 4-bit groups where the file has them
+        # (on the q4 kernel where it runs); a kernel a weight cannot run (int4 or q4 without
+        # exact groups) runs its dense bf16 form
         if kernel == "int8" and lin.supports("int4"):
-            return "int4"
+            return "q4" if lin.supports("q4") else "int4"
         return kernel if lin.supports(kernel) else "bf16"
 
     def set_plan(self, plan: Any) -> None:
@@ -684,15 +692,34 @@ class LeanRunner(Runner):
         else:  # one kernel whatever the rows: a verify row as a 1-row decode computes it
             kernel = self.plan.decode_kernel(1)
         masks = self._masks(pos, starts, Lk)
+        exact_decode = self.exact and phase == "decode"
+        native = self._native_rows(pos, slot_t, Lk, kernel) if exact_decode else {}
         # (a soft-capped attention, gemma2, computes its scores itself: no chunks)
-        chunked = {} if not self.exact or phase != "decode" or self.family.attn_softcap is not None else {
+        chunked = {} if not exact_decode or native or self.family.attn_softcap is not None else {
             win: chunk_mask(m[:, 0], heads=self.n_heads, kv_heads=self.n_kv, dtype=ACT_DTYPE[kernel])
             for win, (_, m) in masks.items()}
         return _ForwardBatch(
             slots=list(slots), lengths=lengths, ends=ends, ids=ids.to(dev), pos=pos, Lk=Lk,
-            masks=masks, chunked=chunked, slot_t=slot_t,
+            masks=masks, chunked=chunked, native=native, slot_t=slot_t,
             write_idx=(slot_t[:, None].expand(B, T), pos),
             contiguous=list(slots) == list(range(slots[0], slots[0] + B)), kernel=kernel, phase=phase)
+
+    def _native_rows(self, pos: torch.Tensor, slot_t: torch.Tensor, Lk: int,
+                     kernel: str) -> dict[int | None, torch.Tensor]:
+        """Per window size, int32 [3, B * T]: each row's cache slot and the first and past-last
+        key it sees, for `kernels.cpu_native.attention` (exact decode rows in bf16 on a CPU whose
+        build runs it); {} where it cannot run."""
+        if (self.device.type != "cpu" or ACT_DTYPE[kernel] != torch.bfloat16
+                or self.kv_dtype != torch.bfloat16
+                or not cpu_native.attention_supports(self.head_dim, self.n_heads, self.n_kv)):
+            return {}
+        B, T = pos.shape
+        hi = pos.clamp(max=Lk - 1) + 1  # a padded row past Lk reads what the last one does
+        out = {}
+        for win in set(self.family.windows):
+            lo = torch.zeros_like(hi) if win is None else (hi - win).clamp(min=0)
+            out[win] = torch.stack([slot_t[:, None].expand(B, T), lo, hi]).reshape(3, B * T).to(torch.int32)
+        return out
 
     def _layer(self, i: int, L: dict[str, Any], x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
         """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""
@@ -712,6 +739,11 @@ class LeanRunner(Runner):
         kc, vc = self.k_cache[i], self.v_cache[i]
         kc.index_put_(fb.write_idx, k.to(kc.dtype))  # cache layout [S, L, KV, hd]
         vc.index_put_(fb.write_idx, v.to(vc.dtype))
+        if fb.native:  # exact decode rows on the C kernel: straight from the cache
+            att = cpu_native.attention(q.reshape(B * T, H, hd), kc, vc, fb.native[fam.windows[i]],
+                                   hd ** -0.5 if fam.attn_scale is None else fam.attn_scale,
+                                   fam.attn_softcap)
+            return self._layer_rest(L, x, att.view(B, T, H * hd), fb)
         lo, mask = fb.masks[fam.windows[i]]
         if fb.contiguous:
             s0 = fb.slots[0]
@@ -720,8 +752,15 @@ class LeanRunner(Runner):
             keys = kc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
             vals = vc.index_select(0, fb.slot_t)[:, lo:fb.Lk]
         act = ACT_DTYPE[kernel]
-        a = self._matmul(self._attend(q, keys.to(act), vals.to(act), mask, fb.chunked.get(fam.windows[i])),
-                         L, "o", kernel)  # [B, T, D]
+        return self._layer_rest(L, x, self._attend(q, keys.to(act), vals.to(act), mask,
+                                                   fb.chunked.get(fam.windows[i])), fb)
+
+    def _layer_rest(self, L: dict[str, Any], x: torch.Tensor, att: torch.Tensor,
+                    fb: _ForwardBatch) -> torch.Tensor:
+        """The rest of a decoder layer after its attention ``att`` [B, T, H * hd]: the output
+        projection, the residual, the MLP."""
+        fam, kernel = self.family, fb.kernel
+        a = self._matmul(att, L, "o", kernel)  # [B, T, D]
         if fam.gemma_norms:
             a = self._rms(a, L["post_attn"])
         x = x + a
@@ -760,6 +799,7 @@ class _ForwardBatch:
     Lk: int  # keys read: positions 0..Lk-1
     masks: dict[int | None, tuple[int, torch.Tensor]]  # see LeanRunner._masks
     chunked: dict[int | None, ChunkedMask]  # exact decode / verify: the masks for chunked_attention
+    native: dict[int | None, torch.Tensor]  # exact decode / verify: rows for cpu_native.attention
     slot_t: torch.Tensor  # long [B]
     write_idx: tuple[torch.Tensor, torch.Tensor]  # (slot, position) [B, T] each: cache rows written
     contiguous: bool  # slots are consecutive: the cache is read by slicing

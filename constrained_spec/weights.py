@@ -15,6 +15,11 @@ kernel    activations            weights      what it reads per call
 ``int8``  bfloat16               int8 pack    torch's CPU int8 weight-only kernel (per-row
                                               scale: a RE-quantization, ~1% error; opt-in
                                               for targets, default for draft heads)
+``q4``    bfloat16               q4 pack      this package's C kernel for few rows (the
+                                              file's own q, scale and min kept exactly;
+                                              AVX-512-BF16 or AVX2 build, `kernels.cpu_native`)
+``q8``    bfloat16 (out: fp32)   q8 pack      the same for a Q8_0 matrix (`Q8Groups`: the
+                                              LM head of most GGUF files), float32 logits
 ========  =====================  ===========  ============================================
 
 "Dequantized per call" is how a large prompt runs in float32 on a CPU without bf16 units while
@@ -28,26 +33,31 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-Kernel = Literal["fp32", "bf16", "int8", "int4"]
-KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4")
+from constrained_spec.kernels import cpu_native
+
+Kernel = Literal["fp32", "bf16", "int8", "int4", "q4", "q8"]
+KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4", "q4", "q8")
+PACKED_KERNELS: frozenset[str] = frozenset({"int4", "int8", "q4", "q8"})
 # the activation dtype each kernel multiplies in
 ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                                     "int8": torch.bfloat16, "int4": torch.bfloat16}
+                                     "int8": torch.bfloat16, "int4": torch.bfloat16,
+                                     "q4": torch.bfloat16, "q8": torch.bfloat16}
 GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 kernel group)
 # Kernels whose result rows do not depend on the number of rows multiplied (each row reduced in
 # the same order whether it is multiplied alone or among 2..256 others; measured on x86 with
 # AVX-512, tests/kernels/test_row_invariance.py checks it on the machine it runs on): torch's
-# int4 / int8 weight-only kernels, and oneDNN's bf16 GEMM from 2 rows on -- its 1-row product
+# int4 / int8 weight-only kernels, this package's q4 kernel (each row its own accumulators and
+# instruction sequence, `kernels.cpu_native`), and oneDNN's bf16 GEMM from 2 rows on -- its 1-row product
 # (a GEMV) reduces differently once K > ~1024 (576x1536: every row of a 3..256-row product
 # differs from the row alone), so an exact 1-row bf16 product is padded to 2 rows
 # (`Linear.__call__`). MKL's fp32 GEMM picks its blocking by shape (a row among 2, 4, 6, ...
 # differs), so float32 is not row-invariant, through F.linear or oneDNN's fp32 linear alike.
-ROW_INVARIANT_KERNELS: frozenset[str] = frozenset({"bf16", "int4", "int8"})
+ROW_INVARIANT_KERNELS: frozenset[str] = frozenset({"bf16", "int4", "int8", "q4", "q8"})
 
 
 # cached: asked on every weight multiply (through Linear.supports), and an op lookup on
@@ -69,8 +79,9 @@ class Int4Groups:
 
     ``q`` is held ONCE: as ``nibbles`` in row order (as loaded), or -- after `keep_packed_only`, when
     torch's CPU int4 kernel uses a layout `pack_block` recognises -- only as that kernel's own
-    pack, from which `values` and `dequantize` read it back (the kernel and the dense paths
-    then share one copy of the 4-bit weights instead of two).
+    pack, or -- after `keep_q4_only` -- only as the q4 kernel's tiles; `values` and `dequantize`
+    read it back from there (the kernel and the dense paths then share one copy of the 4-bit
+    weights instead of two).
     """
 
     nibbles: torch.Tensor | None  # uint8 [N, K // 2]: q[:, 2j] in the low nibble, q[:, 2j + 1] high
@@ -79,6 +90,8 @@ class Int4Groups:
     # torch's CPU int4 pack (uint8 [N, K // 2] in blocks of `block` rows), when nibbles is None
     packed: torch.Tensor | None = None
     block: int = 0
+    # the q4 kernel's pack (`kernels.cpu_native.pack`), when nibbles is None
+    q4: cpu_native.Q4Pack | None = None
 
     @property
     def _q(self) -> torch.Tensor:
@@ -91,6 +104,8 @@ class Int4Groups:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.nibbles is None and self.packed is None and self.q4 is not None:
+            return self.q4.n, self.q4.k
         q = self._q
         return int(q.shape[0]), int(q.shape[1]) * 2
 
@@ -127,6 +142,9 @@ class Int4Groups:
             pairs = out.view(N, K // 2, 2)
             torch.bitwise_and(nb, 15, out=pairs[..., 0])
             torch.bitwise_right_shift(nb, 4, out=pairs[..., 1])
+            return
+        if self.packed is None and self.q4 is not None:
+            out.view(N, K).copy_(cpu_native.unpack_q(self.q4))
             return
         # the kernel's layout: for rows b*B..b*B+B-1 and each input k, B/2 bytes whose low
         # nibbles are rows b*B + j and high nibbles rows b*B + B/2 + j
@@ -166,6 +184,12 @@ class Int4Groups:
             return
         self.packed, self.block, self.nibbles = packed, B, None
 
+    def keep_q4_only(self, pack: cpu_native.Q4Pack) -> None:
+        """Hold q only in ``pack`` (this weight's q4 kernel pack) from now on, when it is still
+        held as nibbles (in place, as `keep_packed_only`)."""
+        if self.nibbles is not None and (pack.n, pack.k) == self.shape:
+            self.q4, self.nibbles = pack, None
+
     def int4_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel, or None without it. The
         kernel computes ``(q - 8) * scale + zero`` with bf16 scale and zero."""
@@ -184,7 +208,19 @@ class Int4Groups:
         return packed, sz.contiguous().to(torch.bfloat16)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self._q, self.scale, self.min))
+        held = [t for t in (self.nibbles, self.packed, self.scale, self.min) if t is not None]
+        if self.q4 is not None:
+            held.append(self.q4.data)
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+@dataclass
+class Q8Groups:
+    """A Q8_0 matrix as the file holds it: ``w = scale * q`` per group of `GROUP` inputs
+    (`gguf_weights.QuantTensor.q8_groups`), for the q8 kernel."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K // GROUP]
 
 
 _PACK_BLOCK: int | None = None
@@ -257,13 +293,16 @@ class Linear:
     """
 
     def __init__(self, *, dense: torch.Tensor | None = None, int4: Int4Groups | None = None,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, q8: Q8Groups | None = None) -> None:
         if (dense is None) == (int4 is None):
             raise ValueError("a Linear holds either a dense weight or 4-bit groups")
+        # the file's Q8_0 values of a dense weight (the LM head), for the q8 kernel: handed to
+        # its pack when built (the pack is then their only form, never dropped)
+        self.q8 = q8
         self.dense = None if dense is None else dense.detach()
         self.int4 = int4
         self.bias = None if bias is None else bias.detach().float()
-        self._packs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._packs: dict[str, Any] = {}  # kernel -> its pack (a tensor pair, or a Q4Pack)
         self._dense: dict[torch.dtype, torch.Tensor] = {}
 
     # exactly one of dense and int4 is set (checked in __init__); these read the one expected
@@ -292,7 +331,7 @@ class Linear:
 
     @property
     def packed_kernels(self) -> tuple[str, ...]:
-        """The packed kernels built so far ("int4", "int8")."""
+        """The packed kernels built so far ("int4", "int8", "q4")."""
         return tuple(sorted(self._packs))
 
     def supports(self, kernel: str) -> bool:
@@ -303,6 +342,10 @@ class Linear:
             return False
         if kernel == "int4":
             return self.int4 is not None and int4_kernel_available() and self.shape[0] % 16 == 0
+        if kernel == "q4":
+            return self.int4 is not None and cpu_native.supports(*self.shape)
+        if kernel == "q8":
+            return "q8" in self._packs or (self.q8 is not None and cpu_native.supports(*self.shape))
         return kernel == "int8" and int8_kernel_available()
 
     def prepare(self, kernels: Iterable[str], *, resident: bool = False) -> None:
@@ -310,22 +353,31 @@ class Linear:
         what no kernel in ``kernels`` uses any more."""
         kernels = set(kernels)
         for k in list(self._packs):
-            if k not in kernels:
+            if k not in kernels and k != "q8":  # the q8 pack is the only form of its values
                 del self._packs[k]
         self._dense = {dt: t for dt, t in self._dense.items()
                        if resident and any(ACT_DTYPE[k] == dt for k in kernels if k in ("fp32", "bf16"))}
         for k in kernels:
             if not self.supports(k):
                 raise ValueError(f"kernel {k!r} cannot run this {self.shape} weight")
-            if k in ("int4", "int8"):
+            if k in PACKED_KERNELS:
                 self._pack(k)
             elif k in ("fp32", "bf16") and resident:
                 dt = ACT_DTYPE[k]
                 if dt not in self._dense:
                     self._dense[dt] = self.dequantized(dt)
 
-    def _pack(self, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, kernel: str) -> Any:
         pack = self._packs.get(kernel)
+        if pack is None and kernel == "q4":
+            g = self._groups
+            pack = self._packs[kernel] = cpu_native.pack(g.values(), g.scale, g.min)
+            g.keep_q4_only(pack)  # from now on q lives only in the q4 pack (if nowhere else)
+        if pack is None and kernel == "q8":
+            if self.q8 is None:
+                raise ValueError("this Linear holds no Q8_0 values: the q8 kernel cannot run it")
+            pack = self._packs[kernel] = cpu_native.pack_q8(self.q8.q, self.q8.scale)
+            self.q8 = None
         if pack is None:
             # int8 from the dense weight as stored (int8_pack upcasts it a block at a time)
             pack = self._groups.int4_pack() if kernel == "int4" else int8_pack(
@@ -347,12 +399,14 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, kernel: str, *, row_invariant: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)`` with ``kernel``; ``x`` is cast to the kernel's activation dtype
-        and the result comes back in it. ``row_invariant``: a row's result has the same bits
-        whatever the number of rows (see `ROW_INVARIANT_KERNELS`; fp32 cannot)."""
+        and the result comes back in it (q8: in float32). ``row_invariant``: a row's result has
+        the same bits whatever the number of rows (see `ROW_INVARIANT_KERNELS`; fp32 cannot)."""
         act = ACT_DTYPE[kernel]
         x = x.to(act)
-        if kernel in ("int4", "int8"):
-            y = packed_matmul(x, self._pack(kernel))  # built on first use when not prepared
+        if kernel in ("q4", "q8"):
+            y = cpu_native.matmul(x, self._pack(kernel))  # built on first use when not prepared
+        elif kernel in ("int4", "int8"):
+            y = packed_matmul(x, self._pack(kernel))
         elif row_invariant and kernel == "bf16" and x.numel() == x.shape[-1]:
             # one row: padded to two, so oneDNN runs its GEMM (as for every other row count)
             # rather than its GEMV, which reduces in another order
@@ -366,8 +420,11 @@ class Linear:
         """Bytes held: the resident form, packs and dense copies (a tensor shared between them,
         as the int4 pack and the packed 4-bit groups are, counted once)."""
         own = [self._dense_weight] if self.int4 is None else [
-            t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min)
+            t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min,
+                        None if self.int4.q4 is None else self.int4.q4.data)
             if t is not None]
-        tensors = own + [t for p in self._packs.values() for t in p] + list(self._dense.values())
+        packs = [t for p in self._packs.values() for t in ((p.data,) if isinstance(p, cpu_native.Q4Pack) else p)]
+        source = [] if self.q8 is None else [self.q8.q, self.q8.scale]
+        tensors = own + packs + source + list(self._dense.values())
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
         return sum(seen.values())

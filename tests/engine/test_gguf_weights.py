@@ -556,3 +556,18 @@ def test_embedded_gguf_linears_are_exact_int4_and_equal_transformers_load(embedd
                  "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight",
                  "model.layers.3.input_layernorm.weight", "model.norm.weight"):
         assert torch.equal(m.tensors[name].dequantize(), theirs[name]), name
+
+
+def test_q8_groups_reproduce_dequantize_bit_exactly_and_only_for_q8_0(model):
+    found = 0
+    for name, t in model.tensors.items():
+        groups = t.q8_groups()
+        if t.ggml_type != "Q8_0" or len(t.shape) != 2:
+            assert groups is None, name
+            continue
+        q, scale = groups
+        assert q.dtype == torch.int8 and scale.shape == (t.shape[0], t.shape[1] // 32)
+        w = (q.float().view(t.shape[0], -1, 32) * scale[..., None]).view(t.shape)
+        assert torch.equal(w, t.dequantize()), name
+        found += 1
+    assert found == 2  # ffn_gate of layer 0, ffn_down of layer 2

@@ -16,7 +16,7 @@ import torch
 
 from constrained_spec.exact_attention import KEY_CHUNK, QUERY_GROUP, chunk_mask, chunked_attention
 from constrained_spec.runner import WINDOW_KEY_BLOCK, sdpa
-from constrained_spec.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear
+from constrained_spec.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear, Q8Groups
 
 ROWS = (1, 2, 3, 6, 7, 13, 24, 33, 64)
 
@@ -29,9 +29,18 @@ def exact_int4_linear(n: int, k: int, seed: int) -> Linear:
     return Linear(int4=Int4Groups.from_values(q, scale, minimum))
 
 
+def exact_q8_linear(n: int, k: int, seed: int) -> Linear:
+    """A dense weight carrying its Q8_0 values (as a GGUF's LM head does): for the q8 kernel."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    w = (q.float().view(n, -1, 32) * scale[..., None]).view(n, k)
+    return Linear(dense=w.bfloat16(), q8=Q8Groups(q, scale))
+
+
 @pytest.mark.parametrize("kernel", sorted(ROW_INVARIANT_KERNELS))
 def test_row_invariant_kernels_give_a_row_the_same_bits_among_any_number_of_rows(kernel):
-    lin = exact_int4_linear(96, 128, seed=1)
+    lin = exact_q8_linear(96, 128, seed=1) if kernel == "q8" else exact_int4_linear(96, 128, seed=1)
     if not lin.supports(kernel):
         pytest.skip(f"no {kernel} kernel in this torch build")
     x = torch.randn(max(ROWS), 128, generator=torch.Generator().manual_seed(2))

@@ -1,0 +1,410 @@
+/* Few-row products with 4-bit and 8-bit group weights on an x86 CPU (see cpu_native.py).
+
+   q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, a GGUF Q8_0 matrix such as an LM head) at the end.
+
+   y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / 32,
+   q in 0..15, x bfloat16, y bfloat16 (round to nearest even) or float32.
+
+   Per output row and group the kernel computes  d = sum_k x[k] * q[n, k]  (fp32 accumulation of
+   exact products), then  y += scale * d  and  y += min * sum_k x[k]  (two fused multiply-adds),
+   group after group. The instruction sequence of one row does not depend on the other rows of
+   the call: rows go in blocks of up to MAXB, each row with its own accumulators, so a row's
+   bits are the same whether it is multiplied alone or among any number of rows.
+
+   Two builds of this file (the build flags choose one):
+   - __AVX512BF16__: 16 output columns per tile; q goes to bfloat16 through a 16-entry table and
+     vdpbf16ps multiplies two k at a time. Pack: per tile, per 4 k, 32 bytes; byte 2c + p holds
+     q[k + p] of column c in its low nibble and q[k + 2 + p] in its high nibble.
+   - AVX2 + FMA: 8 columns per tile, q converted to fp32, x converted to fp32 once. Pack: per
+     tile, per 2 k, 8 bytes; byte c holds q[k] of column c (low nibble) and q[k + 1] (high).
+   The scale and min of a group follow its 4-bit values in the tile (one sequential stream per
+   tile): TILE scales then TILE mins, float32, or float16 when `half` (a file whose scales are
+   float16, as Q4_0 / Q4_1 store them, keeps them so: exact, and 1/4 fewer bytes to read). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define GROUP 32
+/* bytes of one group of one tile: its 4-bit values, then its scales and mins */
+#define GROUP_BYTES(half) (GROUP * TILE / 2 + 2 * TILE * ((half) ? 2 : 4))
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch's cast */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512BF16__)
+#define TILE 16
+#define MAXB 8
+typedef uint16_t xelem;
+#define DEF_BLOCK(MB)                                                                            \
+static inline void block_##MB(const uint8_t *wp, int half, const xelem *x, const float *sx,     \
+                              int K, float *out) {                                               \
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,      \
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,                          \
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);                         \
+    const __m512i low4 = _mm512_set1_epi16(0xF);                                                 \
+    const int G = K / GROUP;                                                                     \
+    __m512 tot[MB];                                                                              \
+    for (int m = 0; m < MB; m++) tot[m] = _mm512_setzero_ps();                                   \
+    for (int g = 0; g < G; g++) {                                                                \
+        __m512 acc[MB];                                                                          \
+        for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();                               \
+        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);                                  \
+        for (int s = 0; s < GROUP / 4; s++) {                                                    \
+            const int k = g * GROUP + s * 4;                                                     \
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(gp + s * 32))); \
+            __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), table);  \
+            __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);    \
+            for (int m = 0; m < MB; m++) {                                                       \
+                uint32_t p0, p1;                                                                 \
+                memcpy(&p0, x + (size_t)m * K + k, 4);                                           \
+                memcpy(&p1, x + (size_t)m * K + k + 2, 4);                                       \
+                acc[m] = _mm512_dpbf16_ps(acc[m], lo, (__m512bh)_mm512_set1_epi32((int)p0));     \
+                acc[m] = _mm512_dpbf16_ps(acc[m], hi, (__m512bh)_mm512_set1_epi32((int)p1));     \
+            }                                                                                    \
+        }                                                                                        \
+        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
+        const __m512 s16 = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp))       \
+                                : _mm512_loadu_ps((const float *)sp);                            \
+        const __m512 m16 = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32))) \
+                                : _mm512_loadu_ps((const float *)(sp + 64));                     \
+        for (int m = 0; m < MB; m++) {                                                           \
+            tot[m] = _mm512_fmadd_ps(acc[m], s16, tot[m]);                                       \
+            tot[m] = _mm512_fmadd_ps(m16, _mm512_set1_ps(sx[(size_t)m * G + g]), tot[m]);        \
+        }                                                                                        \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + m * TILE, tot[m]);                       \
+}
+#else
+#define TILE 8
+#define MAXB 4
+typedef float xelem;
+#define DEF_BLOCK(MB)                                                                            \
+static inline void block_##MB(const uint8_t *wp, int half, const xelem *x, const float *sx,     \
+                              int K, float *out) {                                               \
+    const __m256i low4 = _mm256_set1_epi32(0xF);                                                 \
+    const int G = K / GROUP;                                                                     \
+    __m256 tot[MB];                                                                              \
+    for (int m = 0; m < MB; m++) tot[m] = _mm256_setzero_ps();                                   \
+    for (int g = 0; g < G; g++) {                                                                \
+        __m256 acc[MB];                                                                          \
+        for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();                               \
+        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);                                  \
+        for (int s = 0; s < GROUP / 2; s++) {                                                    \
+            const int k = g * GROUP + s * 2;                                                     \
+            __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(gp + s * 8))); \
+            __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(w, low4));                           \
+            __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));                             \
+            for (int m = 0; m < MB; m++) {                                                       \
+                const float *xr = x + (size_t)m * K + k;                                         \
+                acc[m] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xr), acc[m]);                   \
+                acc[m] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xr + 1), acc[m]);               \
+            }                                                                                    \
+        }                                                                                        \
+        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
+        const __m256 s8 = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp))           \
+                               : _mm256_loadu_ps((const float *)sp);                             \
+        const __m256 m8 = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 16)))   \
+                               : _mm256_loadu_ps((const float *)(sp + 32));                      \
+        for (int m = 0; m < MB; m++) {                                                           \
+            tot[m] = _mm256_fmadd_ps(acc[m], s8, tot[m]);                                        \
+            tot[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[(size_t)m * G + g]), tot[m]);         \
+        }                                                                                        \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out + m * TILE, tot[m]);                       \
+}
+#endif
+
+DEF_BLOCK(1) DEF_BLOCK(2) DEF_BLOCK(3) DEF_BLOCK(4)
+#if MAXB > 4
+DEF_BLOCK(5) DEF_BLOCK(6) DEF_BLOCK(7) DEF_BLOCK(8)
+#endif
+
+typedef void (*block_fn)(const uint8_t *, int, const xelem *, const float *, int, float *);
+static const block_fn BLOCKS[MAXB + 1] = {
+    0, block_1, block_2, block_3, block_4,
+#if MAXB > 4
+    block_5, block_6, block_7, block_8,
+#endif
+};
+
+int cs_q4_tile(void) { return TILE; }
+
+/* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (GROUP_BYTES each); y: [M, N], bf16
+   bits when out_bf16, else fp32. Returns 0, or -1 when out of memory. */
+int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
+               int out_bf16) {
+    const int G = K / GROUP, T = N / TILE;
+    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
+#if defined(__AVX512BF16__)
+    const xelem *x = xb;
+    float *xf = 0;
+#else
+    float *xf = (float *)malloc(sizeof(float) * (size_t)M * K);
+    const xelem *x = xf;
+#endif
+    if (!sx || (!x && M)) { free(sx); free(xf); return -1; }
+    for (int m = 0; m < M; m++) {
+        for (int g = 0; g < G; g++) {  /* group sums of each row, in one fixed order */
+            float s = 0.f;
+            for (int j = 0; j < GROUP; j++) {
+                const float v = bf16_to_f32(xb[(size_t)m * K + g * GROUP + j]);
+                s += v;
+                if (xf) xf[(size_t)m * K + g * GROUP + j] = v;
+            }
+            sx[(size_t)m * G + g] = s;
+        }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
+        float out[MAXB * TILE];
+        for (int m0 = 0; m0 < M; m0 += MAXB) {
+            const int mb = M - m0 < MAXB ? M - m0 : MAXB;
+            BLOCKS[mb](wp, half, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+            for (int m = 0; m < mb; m++) {
+                const size_t at = (size_t)(m0 + m) * N + (size_t)t * TILE;
+                if (out_bf16)
+                    for (int c = 0; c < TILE; c++) ((uint16_t *)y)[at + c] = f32_to_bf16(out[m * TILE + c]);
+                else
+                    memcpy((float *)y + at, out + m * TILE, sizeof(float) * TILE);
+            }
+        }
+    }
+    free(sx);
+    free(xf);
+    return 0;
+}
+
+/* q8: y[M, N] = x[M, K] @ W^T with W[n, k] = scale[g, n] * q[n, k], q int8 (GGUF's Q8_0), y
+   float32. Per row and group: d = sum_k x[k] * q[n, k] in float32 FMAs (x as float32, q exact),
+   then y += scale * d. Pack: per tile, per group, 32 x TILE int8 (k-major: the TILE columns of
+   one k together), then the TILE scales (float16 when `half`, else float32). Row-invariant as
+   q4 (each row its own accumulators and instruction sequence). */
+#define Q8_GROUP_BYTES(half) (GROUP * TILE + TILE * ((half) ? 2 : 4))
+#if defined(__AVX512BF16__)
+#define Q8_LOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define Q8_SCALE(p, half) ((half) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))) \
+                                  : _mm512_loadu_ps((const float *)(p)))
+#define VEC __m512
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#define VSTORE _mm512_storeu_ps
+#else
+#define Q8_LOAD(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define Q8_SCALE(p, half) ((half) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))) \
+                                  : _mm256_loadu_ps((const float *)(p)))
+#define VEC __m256
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
+#define VSTORE _mm256_storeu_ps
+#endif
+
+#define DEF_Q8_BLOCK(MB)                                                                         \
+static inline void q8_block_##MB(const uint8_t *wp, int half, const float *x, int K, float *out) { \
+    VEC tot[MB];                                                                                 \
+    for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
+    for (int g = 0; g < K / GROUP; g++) {                                                        \
+        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(half);                               \
+        VEC acc[MB];                                                                             \
+        for (int m = 0; m < MB; m++) acc[m] = VZERO();                                           \
+        for (int j = 0; j < GROUP; j++) {                                                        \
+            const VEC w = Q8_LOAD(gp + j * TILE);                                                \
+            for (int m = 0; m < MB; m++)                                                         \
+                acc[m] = VFMA(w, VSET1(x[(size_t)m * K + g * GROUP + j]), acc[m]);               \
+        }                                                                                        \
+        const VEC sc = Q8_SCALE(gp + GROUP * TILE, half);                                        \
+        for (int m = 0; m < MB; m++) tot[m] = VFMA(acc[m], sc, tot[m]);                          \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
+}
+DEF_Q8_BLOCK(1) DEF_Q8_BLOCK(2) DEF_Q8_BLOCK(3) DEF_Q8_BLOCK(4)
+#if MAXB > 4
+DEF_Q8_BLOCK(5) DEF_Q8_BLOCK(6) DEF_Q8_BLOCK(7) DEF_Q8_BLOCK(8)
+#endif
+
+typedef void (*q8_block_fn)(const uint8_t *, int, const float *, int, float *);
+static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
+    0, q8_block_1, q8_block_2, q8_block_3, q8_block_4,
+#if MAXB > 4
+    q8_block_5, q8_block_6, q8_block_7, q8_block_8,
+#endif
+};
+
+/* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (Q8_GROUP_BYTES each); y: float32
+   [M, N]. Returns 0, or -1 when out of memory. */
+int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, float *y) {
+    const int G = K / GROUP, T = N / TILE;
+    float *xf = (float *)malloc(sizeof(float) * ((size_t)M * K + 1));
+    if (!xf) return -1;
+    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(xb[i]);
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wp = pack + (size_t)t * G * Q8_GROUP_BYTES(half);
+        float out[MAXB * TILE];
+        for (int m0 = 0; m0 < M; m0 += MAXB) {
+            const int mb = M - m0 < MAXB ? M - m0 : MAXB;
+            Q8_BLOCKS[mb](wp, half, xf + (size_t)m0 * K, K, out);
+            for (int m = 0; m < mb; m++)
+                memcpy(y + (size_t)(m0 + m) * N + (size_t)t * TILE, out + m * TILE, sizeof(float) * TILE);
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* Exact decode attention. Row r (one query position of one request) attends over the keys
+   [lo[r], hi[r]) of cache slot slot[r], in key order: scores s = (q . k) * scale (soft-capped
+   when softcap > 0), p = exp(s - max) with a fixed polynomial exp, o = sum p v / sum p, all in
+   float32 from bfloat16 q, k, v. Each (row, kv head) is computed alone with one instruction
+   sequence that depends only on its own key count, so a row's bits depend on nothing else in
+   the call: a verify row gets exactly the bits of the 1-row decode of the same token. */
+#if defined(__AVX512BF16__)
+#define W 16
+static inline VEC vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline float vsum(VEC v) { return _mm512_reduce_add_ps(v); }
+static inline VEC vexp(VEC x) {  /* exp(x); exactly 0 below -87.3 (and for -inf) */
+    const VEC lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const VEC n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    VEC r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    VEC p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+}
+#define VLOADU _mm512_loadu_ps
+#define VMUL _mm512_mul_ps
+#define VSUB _mm512_sub_ps
+#define VADD _mm512_add_ps
+#else
+#define W 8
+static inline VEC vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline float vsum(VEC v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline VEC vexp(VEC x) {
+    const VEC lo = _mm256_set1_ps(-87.3f);
+    const VEC keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    const VEC n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    VEC r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    VEC p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#define VLOADU _mm256_loadu_ps
+#define VMUL _mm256_mul_ps
+#define VSUB _mm256_sub_ps
+#define VADD _mm256_add_ps
+#endif
+
+#define MAX_HD 256
+#define MAX_G 16
+
+int cs_attention_width(void) { return W; }
+
+/* q: bf16 [R, H, hd]; k_cache, v_cache: bf16 [slots, L, KV, hd]; slot, lo, hi: [R];
+   out: bf16 [R, H, hd]. hd a multiple of W, at most MAX_HD; H / KV at most MAX_G.
+   Returns 0, -1 when out of memory, -2 for a shape it does not take. */
+int cs_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int L,
+                 const int32_t *slot, const int32_t *lo, const int32_t *hi, int R, int H, int KV,
+                 int hd, float scale, float softcap, uint16_t *out) {
+    const int G = H / KV, C = hd / W;
+    if (hd % W || hd > MAX_HD || G > MAX_G || G * KV != H) return -2;
+    int failed = 0;
+    #pragma omp parallel for schedule(static)
+    for (int task = 0; task < R * KV; task++) {
+        const int r = task / KV, kv = task % KV, n = hi[r] - lo[r];
+        uint16_t *o = out + ((size_t)r * H + (size_t)kv * G) * hd;
+        if (n <= 0) { memset(o, 0, sizeof(uint16_t) * G * hd); continue; }
+        const int np = (n + W - 1) / W * W;  /* scores padded with -inf to whole vectors */
+        float *s = (float *)malloc(sizeof(float) * (size_t)G * np);
+        if (!s) { failed = 1; continue; }
+        VEC qv[MAX_G][MAX_HD / W];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) qv[g][c] = vload_bf16(q + ((size_t)r * H + kv * G + g) * hd + c * W);
+        const size_t base = ((size_t)slot[r] * L) * KV + kv, stride = (size_t)KV * hd;
+        float mx[MAX_G];
+        for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+        for (int j = 0; j < n; j++) {
+            const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
+            VEC kf[MAX_HD / W];
+            for (int c = 0; c < C; c++) kf[c] = vload_bf16(kp + c * W);
+            for (int g = 0; g < G; g++) {
+                VEC acc = VMUL(qv[g][0], kf[0]);
+                for (int c = 1; c < C; c++) acc = VFMA(qv[g][c], kf[c], acc);
+                float v = vsum(acc) * scale;
+                if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+                s[(size_t)g * np + j] = v;
+                if (v > mx[g]) mx[g] = v;
+            }
+        }
+        (void)stride;
+        float inv[MAX_G];
+        for (int g = 0; g < G; g++) {
+            float *sg = s + (size_t)g * np;
+            for (int j = n; j < np; j++) sg[j] = -INFINITY;
+            const VEC m = VSET1(mx[g]);
+            VEC tot = VZERO();
+            for (int j = 0; j < np; j += W) {
+                const VEC e = vexp(VSUB(VLOADU(sg + j), m));
+                VSTORE(sg + j, e);
+                tot = VADD(tot, e);
+            }
+            inv[g] = 1.0f / vsum(tot);
+        }
+        float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
+        for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * hd);
+        for (int j = 0; j < n; j++) {
+            const uint16_t *vp = v_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
+            VEC vf[MAX_HD / W];
+            for (int c = 0; c < C; c++) vf[c] = vload_bf16(vp + c * W);
+            for (int g = 0; g < G; g++) {
+                const VEC p = VSET1(s[(size_t)g * np + j]);
+                for (int c = 0; c < C; c++) VSTORE(acc[g] + c * W, VFMA(p, vf[c], VLOADU(acc[g] + c * W)));
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int d = 0; d < hd; d++) o[(size_t)g * hd + d] = f32_to_bf16(acc[g][d] * inv[g]);
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
