@@ -280,6 +280,21 @@ static inline VEC vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline float vsum(VEC v) { return _mm512_reduce_add_ps(v); }
+/* lane j of the result: the sum of a[j]'s lanes (16 horizontal sums in ~30 shuffles and adds) */
+static inline VEC vsum_each(const VEC *a) {
+    VEC b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const VEC e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const VEC e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 static inline VEC vexp(VEC x) {  /* exp(x); exactly 0 below -87.3 (and for -inf) */
     const VEC lo = _mm512_set1_ps(-87.3f);
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
@@ -312,6 +327,16 @@ static inline float vsum(VEC v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+/* lane j of the result: the sum of a[j]'s lanes */
+static inline VEC vsum_each(const VEC *a) {
+    VEC b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
 static inline VEC vexp(VEC x) {
     const VEC lo = _mm256_set1_ps(-87.3f);
     const VEC keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
@@ -341,6 +366,19 @@ static inline VEC vexp(VEC x) {
 
 int cs_attention_width(void) { return W; }
 
+#define PV_HEADS(CC)                                                                             \
+    for (int g = 0; g < G; g++) {                                                                \
+        VEC a[CC];                                                                               \
+        for (int c = 0; c < CC; c++) a[c] = VZERO();                                             \
+        const float *pg = s + (size_t)g * np;                                                    \
+        for (int j = 0; j < n; j++) {                                                            \
+            const uint16_t *vp = v_cache + (base + (size_t)(lo[r] + j) * KV) * hd;               \
+            const VEC p = VSET1(pg[j]);                                                          \
+            for (int c = 0; c < CC; c++) a[c] = VFMA(p, vload_bf16(vp + c * W), a[c]);          \
+        }                                                                                        \
+        for (int c = 0; c < CC; c++) VSTORE(acc[g] + c * W, a[c]);                               \
+    }
+
 /* q: bf16 [R, H, hd]; k_cache, v_cache: bf16 [slots, L, KV, hd]; slot, lo, hi: [R];
    out: bf16 [R, H, hd]. hd a multiple of W, at most MAX_HD; H / KV at most MAX_G.
    Returns 0, -1 when out of memory, -2 for a shape it does not take. */
@@ -364,16 +402,40 @@ int cs_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
         const size_t base = ((size_t)slot[r] * L) * KV + kv, stride = (size_t)KV * hd;
         float mx[MAX_G];
         for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-        for (int j = 0; j < n; j++) {
+        /* q . k: W keys at a time (their W horizontal sums at once), then the keys left one by
+           one; which keys go which way depends only on n */
+        const int nb = n / W * W;
+        for (int j = 0; j < nb; j += W) {
+            VEC kf[W][MAX_HD / W];
+            for (int jj = 0; jj < W; jj++) {
+                const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j + jj) * KV) * hd;
+                for (int c = 0; c < C; c++) kf[jj][c] = vload_bf16(kp + c * W);
+            }
+            for (int g = 0; g < G; g++) {
+                VEC acc[W];
+                for (int jj = 0; jj < W; jj++) {
+                    acc[jj] = VMUL(qv[g][0], kf[jj][0]);
+                    for (int c = 1; c < C; c++) acc[jj] = VFMA(qv[g][c], kf[jj][c], acc[jj]);
+                }
+                VSTORE(s + (size_t)g * np + j, vsum_each(acc));
+            }
+        }
+        for (int j = nb; j < n; j++) {
             const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
             VEC kf[MAX_HD / W];
             for (int c = 0; c < C; c++) kf[c] = vload_bf16(kp + c * W);
             for (int g = 0; g < G; g++) {
                 VEC acc = VMUL(qv[g][0], kf[0]);
                 for (int c = 1; c < C; c++) acc = VFMA(qv[g][c], kf[c], acc);
-                float v = vsum(acc) * scale;
+                s[(size_t)g * np + j] = vsum(acc);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float *sg = s + (size_t)g * np;
+            for (int j = 0; j < n; j++) {
+                float v = sg[j] * scale;
                 if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
-                s[(size_t)g * np + j] = v;
+                sg[j] = v;
                 if (v > mx[g]) mx[g] = v;
             }
         }
@@ -392,14 +454,23 @@ int cs_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
             inv[g] = 1.0f / vsum(tot);
         }
         float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
-        for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * hd);
-        for (int j = 0; j < n; j++) {
-            const uint16_t *vp = v_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
-            VEC vf[MAX_HD / W];
-            for (int c = 0; c < C; c++) vf[c] = vload_bf16(vp + c * W);
-            for (int g = 0; g < G; g++) {
-                const VEC p = VSET1(s[(size_t)g * np + j]);
-                for (int c = 0; c < C; c++) VSTORE(acc[g] + c * W, VFMA(p, vf[c], VLOADU(acc[g] + c * W)));
+        /* sum_j p_j v_j: acc = fma(p_j, v_j, acc) in key order; one head at a time with its
+           accumulators in registers for the common head sizes */
+        switch (C) {
+        case 2: PV_HEADS(2); break;
+        case 4: PV_HEADS(4); break;
+        case 8: PV_HEADS(8); break;
+        case 16: PV_HEADS(16); break;
+        default:
+            for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * hd);
+            for (int j = 0; j < n; j++) {
+                const uint16_t *vp = v_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
+                VEC vf[MAX_HD / W];
+                for (int c = 0; c < C; c++) vf[c] = vload_bf16(vp + c * W);
+                for (int g = 0; g < G; g++) {
+                    const VEC p = VSET1(s[(size_t)g * np + j]);
+                    for (int c = 0; c < C; c++) VSTORE(acc[g] + c * W, VFMA(p, vf[c], VLOADU(acc[g] + c * W)));
+                }
             }
         }
         for (int g = 0; g < G; g++)
