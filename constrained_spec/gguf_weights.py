@@ -10,8 +10,9 @@ straight from its blocks:
   ``transformers`` runs), equal to ``transformers``' load of the same file;
 - `QuantTensor.int4_groups` -- ``w = scale * q + min`` per group of 32 inputs, read from the
   blocks without a float round trip, for Q4_0, Q4_1 and Q4_K (None for other types);
-- `QuantTensor.q8_groups` -- ``w = scale * q`` per group of 32 inputs, ``q`` int8, for Q8_0
-  (exact; the LM head of most files: the ``q8`` kernel runs it);
+- `QuantTensor.q8_groups` -- ``w = scale * q (+ min)`` per group of 32 inputs, ``q`` int8, for
+  Q8_0, Q5_0 and Q5_1 (exact; the LM head of most files and the 5-bit matrices of Q4_K_M
+  mixes: the ``q8`` kernel runs them);
 - `QuantTensor.int8_rows` -- symmetric per-row int8 (torch's ``_weight_int8pack_mm`` layout),
   for any type, re-quantized from the dequantized rows.
 
@@ -106,6 +107,7 @@ SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"
                                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Types whose blocks are 4-bit groups of 32 with one scale and one min each.
 INT4_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q5_0", "Q5_1")  # exact as int8 groups (q8_groups)
 # Rows are unpacked in chunks of about this many elements (4 MB of float32).
 _CHUNK_ELEMENTS = 1 << 20
 
@@ -169,21 +171,26 @@ class QuantTensor:
             mn[start:stop] = bm.reshape(stop - start, -1)
         return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(mn)
 
-    def q8_groups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Exact 8-bit groups of a Q8_0 matrix: ``(q int8 [N, K], scale float32 [N, K / 32])``
-        with ``w = scale * q`` per group of 32 (the block's float16 ``d``: exact), read from
-        the blocks. None for every other type, a tensor that is not 2-D and one whose fix-up
-        changes values."""
-        if self.ggml_type != "Q8_0" or self._fixup is not None or len(self.shape) != 2:
+    def q8_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Exact 8-bit groups: ``(q int8 [N, K], scale, min)`` (float32 [N, K / 32]; min None
+        for Q8_0 and Q5_0) with ``w = scale * q (+ min)`` per group of 32, read from the blocks
+        (the blocks' float16 ``d`` and ``m``: exact): Q8_0 (``q`` as stored), Q5_0 (``q - 16``)
+        and Q5_1 (``q`` in 0..31, ``min = m``). None for every other type, a tensor that is not
+        2-D and one whose fix-up changes values."""
+        if self.ggml_type not in INT8_TYPES or self._fixup is not None or len(self.shape) != 2:
             return None
         N, K = self.shape
         q = np.empty((N, K), dtype=np.int8)
         scale = np.empty((N, K // INT4_GROUP), dtype=np.float32)
+        mn = np.empty_like(scale) if self.ggml_type == "Q5_1" else None
+        unpack = _UNPACK_INT8[self.ggml_type]
         for start, stop in self._chunks():
-            blocks = self._raw_rows(start, stop).reshape(-1, 34)  # d f16, 32 int8
-            q[start:stop] = blocks[:, 2:].view(np.int8).reshape(stop - start, K)
-            scale[start:stop] = _half(blocks[:, :2])[:, 0].reshape(stop - start, -1)
-        return torch.from_numpy(q), torch.from_numpy(scale)
+            bq, bs, bm = unpack(self._raw_rows(start, stop))
+            q[start:stop] = bq.reshape(stop - start, K)
+            scale[start:stop] = bs.reshape(stop - start, -1)
+            if mn is not None:
+                mn[start:stop] = bm.reshape(stop - start, -1)
+        return torch.from_numpy(q), torch.from_numpy(scale), None if mn is None else torch.from_numpy(mn)
 
     def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Symmetric per-row int8: ``(q int8 [N, K], scale float32 [N])``, ``w ~ q * scale``.
@@ -290,6 +297,36 @@ def _unpack_q4_k(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 _UNPACK_INT4: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {
     "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q4_K": _unpack_q4_k}
+
+
+# -- unpacking 8-bit and 5-bit blocks (to int8 groups) -------------------------------------------
+
+def _unpack_q8_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    blocks = rows.reshape(-1, 34)  # d f16, 32 int8
+    return blocks[:, 2:].view(np.int8), _half(blocks[:, :2])[:, 0], None
+
+
+def _five_bits(blocks: np.ndarray, at: int) -> np.ndarray:
+    """32 values in 0..31: 4 bytes of high bits (bit j: element j) at ``at``, then 16 bytes of
+    nibbles (low: elements 0..15, high: 16..31)."""
+    qh = np.ascontiguousarray(blocks[:, at: at + 4]).view(np.uint32)  # [n, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, 32]
+    return _nibbles(blocks[:, at + 4: at + 20]) | (high << 4)
+
+
+def _unpack_q5_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    blocks = rows.reshape(-1, 22)  # d f16, 4 bytes of high bits, 16 bytes of nibbles
+    return (_five_bits(blocks, 2).astype(np.int8) - np.int8(16)), _half(blocks[:, :2])[:, 0], None
+
+
+def _unpack_q5_1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = rows.reshape(-1, 24)  # d f16, m f16, 4 bytes of high bits, 16 bytes of nibbles
+    return (_five_bits(blocks, 4).astype(np.int8), _half(blocks[:, :2])[:, 0],
+            _half(blocks[:, 2:4])[:, 0])
+
+
+_UNPACK_INT8: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = {
+    "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1}
 
 
 # -- reading a file -------------------------------------------------------------------------------

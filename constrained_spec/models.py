@@ -373,8 +373,9 @@ class LoadedModel:
             return out
         linears = [L[n] for L in runner.layers for n in ("qkv", "o", "gate_up", "down")]
         four = sum(lin.int4 is not None for lin in linears)
-        out.update(weights=f"{four} of {len(linears)} linears exact 4-bit groups, the rest dense "
-                           f"{str(self.dtype).removeprefix('torch.')}",
+        eight = sum(lin.int4 is None and lin.dense is None for lin in linears)
+        out.update(weights=f"{four} of {len(linears)} linears exact 4-bit groups, {eight} exact "
+                           f"8-bit groups, the rest dense {str(self.dtype).removeprefix('torch.')}",
                    plan=plan.describe(), plan_source=plan.source, times_ms=plan.times_ms,
                    resident_bytes=runner.resident_bytes())
         return out
@@ -577,9 +578,9 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
 
 
 # -- a GGUF converted once into the lean runner's form -------------------------------------
-_LEAN_VERSION = 3  # 3: the LM head's Q8_0 values
+_LEAN_VERSION = 3  # 3: 8-bit groups (the LM head's Q8_0, Q8_0 / Q5_0 / Q5_1 linears)
 _GROUP_PARTS = (".nibbles", ".scale", ".min")
-_HEAD_Q8 = ("lm_head.q8_values", "lm_head.q8_scale")  # the LM head's Q8_0 groups (q8 kernel)
+_Q8_PARTS = (".q8_values", ".q8_scale", ".q8_min")  # 8-bit groups (weights.Q8Groups), min optional
 
 
 class _NotLean(Exception):
@@ -736,8 +737,9 @@ def _fused_parts(meta: Any) -> dict[str, list[str]]:
 
 def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     """Write config, tokenizer and ``weights.safetensors``: exact 4-bit groups for every fused
-    linear whose parts all have them, every other tensor dequantized (bf16 for matrices, fp32
-    for vectors), and the LM head's Q8_0 values too when the file stores it so."""
+    linear whose parts all have them, exact 8-bit groups for one whose parts all have 8-bit or
+    4-bit ones (Q8_0, Q5_0, Q5_1 with Q4_x), every other tensor dequantized (bf16 for
+    matrices, fp32 for vectors), and the LM head's 8-bit groups too when the file has them."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -769,6 +771,9 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
         for part, tensor in zip(_GROUP_PARTS, (packed.nibbles, packed.scale, packed.min)):
             out[key + part] = tensor
         bar.update(len(parts))
+    eight = _store_q8_linears(g, meta, set(fused), out)
+    grouped |= eight
+    bar.update(len(eight))
     for name, t in g.tensors.items():
         if name not in grouped:
             w = t.dequantize(torch.float32)
@@ -777,8 +782,8 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     bar.close()
     head = g.tensors.get("lm_head.weight") or g.tensors.get("model.embed_tokens.weight")
     q8 = None if head is None else head.q8_groups()
-    if q8 is not None:
-        out.update(zip(_HEAD_Q8, q8))
+    if q8 is not None:  # beside its dense form (the embedding, the drafters read it)
+        out.update({"lm_head" + part: t for part, t in zip(_Q8_PARTS, q8) if t is not None})
     save_file(out, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
     (tmp / _SOURCE).write_text(json.dumps({"int8_worth_it": _int8_worth(g)}))
     config = g.config
@@ -788,6 +793,38 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
 
 
+def _store_q8_linears(g: Any, meta: Any, done: set[str], out: dict[str, torch.Tensor]) -> set[str]:
+    """Into ``out``: the exact 8-bit groups of every fused linear not in ``done`` whose parts
+    all have 8-bit or 4-bit groups (a 4-bit part's q fits in int8; parts without a min get a
+    zero one when another part has one). Returns the parts stored so."""
+    from .gguf_weights import INT4_TYPES, INT8_TYPES
+
+    stored: set[str] = set()
+    for key, parts in _fused_parts(meta).items():
+        ts = [g.tensors.get(p) for p in parts]
+        if key in done or any(t is None or t.ggml_type not in INT8_TYPES + INT4_TYPES
+                              or t.shape[1] % 32 for t in ts):
+            continue
+        found = [t.q8_groups() if t.ggml_type in INT8_TYPES else t.int4_groups() for t in ts]
+        if any(f is None for f in found):
+            continue
+        with_min = any(f[2] is not None for f in found)
+        q = torch.cat([f[0].to(torch.int8) for f in found])
+        scale = torch.cat([f[1] for f in found])
+        out[key + _Q8_PARTS[0]], out[key + _Q8_PARTS[1]] = q, scale
+        if with_min:
+            out[key + _Q8_PARTS[2]] = torch.cat([f[2] if f[2] is not None else torch.zeros_like(f[1])
+                                                 for f in found])
+        stored |= set(parts)
+    return stored
+
+
+def _q8_groups(stored: dict[str, torch.Tensor], key: str) -> Any:
+    from .weights import Q8Groups
+
+    return Q8Groups(stored[key + _Q8_PARTS[0]], stored[key + _Q8_PARTS[1]], stored.get(key + _Q8_PARTS[2]))
+
+
 def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> LoadedModel:
     """A LoadedModel over a converted folder: dense tensors memory-mapped into the lean
     runner's view of the model (`skeleton.skeleton_model`: no transformers modeling code is
@@ -795,20 +832,22 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     from transformers import AutoTokenizer
 
     from .skeleton import light_config
-    from .weights import Int4Groups, Q8Groups
+    from .weights import Int4Groups
 
     config = light_config(folder)
     # read into the process's own memory, not mapped: a mapping's pages stay in the RSS once
     # touched, and packing the 4-bit groups touches every one of them (~110 MB more)
     stored = _read_safetensors(folder / "weights.safetensors")
-    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS) and k not in _HEAD_Q8}
+    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS + _Q8_PARTS)}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
-    groups = {key: Int4Groups(nibbles=stored[key + ".nibbles"], scale=stored[key + ".scale"],
-                              min=stored[key + ".min"])
-              for key in fused if key + ".nibbles" in stored}
-    if all(k in stored for k in _HEAD_Q8):  # handed to the runner with the groups (its "lm_head")
-        groups["lm_head"] = Q8Groups(*(stored[k] for k in _HEAD_Q8))  # type: ignore[assignment]
+    groups: dict[str, Any] = {
+        key: Int4Groups(nibbles=stored[key + ".nibbles"], scale=stored[key + ".scale"],
+                        min=stored[key + ".min"])
+        for key in fused if key + ".nibbles" in stored}
+    # 8-bit groups go to the runner with the 4-bit ones (the LM head's under "lm_head")
+    groups.update({key: _q8_groups(stored, key) for key in [*fused, "lm_head"]
+                   if key + _Q8_PARTS[0] in stored})
     # a weight in neither form would reach the runner as a meta tensor
     absent = {n for n, p in model.named_parameters() if p.is_meta}
     absent -= {p for key in groups if key in fused for p in fused[key]}

@@ -67,6 +67,7 @@ from .weights import (
     GROUP,
     Int4Groups,
     Linear,
+    Q8Groups,
     int4_kernel_available,
     int8_kernel_available,
     int8_pack,
@@ -351,7 +352,7 @@ class LeanRunner(Runner):
         # the key "lm_head": `weights.Q8Groups`)
         head_q8 = (int4 or {}).get("lm_head") if device.type == "cpu" else None
         self.head: dict[str, Any] = {"lm_head": Linear(dense=w(model.get_output_embeddings().weight),
-                                                       q8=head_q8)}
+                                                       q8=head_q8, float_out=True)}
         self.norm = norm(inner.norm.weight)
         self.int4_linears = 0
         self.layers: list[dict[str, Any]] = []
@@ -373,9 +374,12 @@ class LeanRunner(Runner):
                 # exact 4-bit weights keep their groups (their dense parts are meta tensors: a
                 # torch.cat of those would import torch._dynamo, triton and sympy, ~100 MB);
                 # the rest stay dense in the runner's dtype (bf16 by default: half the bytes)
-                L[name] = Linear(int4=groups, bias=biases[name]) if groups is not None else \
-                    Linear(dense=w(_fused_weight(lins)), bias=biases[name])
-                self.int4_linears += groups is not None
+                if isinstance(groups, Q8Groups):  # the file's 8-bit groups (Q8_0, Q5_x)
+                    L[name] = Linear(q8=groups, bias=biases[name])
+                else:
+                    L[name] = Linear(int4=groups, bias=biases[name]) if groups is not None else \
+                        Linear(dense=w(_fused_weight(lins)), bias=biases[name])
+                    self.int4_linears += groups is not None
             self.layers.append(L)
         self.vocab_size = int(self.lm_head.shape[0])
         self.hidden_size = int(self.embed.shape[1])
@@ -424,16 +428,24 @@ class LeanRunner(Runner):
         return [L[n] for L in self.layers for n in _LINEARS]
 
     def supports_kernel(self, kernel: str) -> bool:
-        """Whether ``kernel`` runs any of this runner's linears (the others fall back)."""
+        """Whether ``kernel`` runs any of this runner's linears (the others fall back; "q4"
+        and "q8" stand for the native kernels, each weight on the one its groups fit)."""
+        if kernel in ("q4", "q8"):
+            return any(lin.supports("q4") or lin.supports("q8") for lin in self._linears())
         return any(lin.supports(kernel) for lin in self._linears())
 
     @staticmethod
     def _kernel(lin: Linear, kernel: str) -> str:
-        # "int8" means weight-only quantized: the exact 4-bit groups where the file has them
-        # (on the q4 kernel where it runs); a kernel a weight cannot run (int4 or q4 without
-        # exact groups) runs its dense bf16 form
-        if kernel == "int8" and lin.supports("int4"):
-            return "q4" if lin.supports("q4") else "int4"
+        # "int8" means weight-only quantized: the file's own groups where it has them (4-bit on
+        # q4 where it runs, else int4; 8-bit on q8); "q4" and "q8" mean the native kernels,
+        # each weight on the one its groups fit; a kernel a weight cannot run (int4 or q4
+        # without 4-bit groups) runs its dense bf16 form
+        if kernel in ("int8", "q4", "q8"):
+            for native in ("q4", "q8"):
+                if lin.supports(native):
+                    return native
+            if kernel == "int8" and lin.supports("int4"):
+                return "int4"
         return kernel if lin.supports(kernel) else "bf16"
 
     def set_plan(self, plan: Any) -> None:

@@ -216,11 +216,22 @@ class Int4Groups:
 
 @dataclass
 class Q8Groups:
-    """A Q8_0 matrix as the file holds it: ``w = scale * q`` per group of `GROUP` inputs
-    (`gguf_weights.QuantTensor.q8_groups`), for the q8 kernel."""
+    """A matrix whose every group of `GROUP` inputs is exactly ``scale * q (+ min)`` with ``q``
+    in int8, as the file holds it (`gguf_weights.QuantTensor.q8_groups`: Q8_0 and Q5_0 without
+    a min, Q5_1 and Q5_K with one), for the q8 kernel."""
 
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K // GROUP]
+    min: torch.Tensor | None = None  # float32 [N, K // GROUP]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] ``scale * q (+ min)`` in float32 (the file's own expression), cast to ``dtype``."""
+        N, K = self.q.shape
+        w = self.q.float().view(N, K // GROUP, GROUP).mul_(self.scale[..., None])
+        if self.min is not None:
+            w.add_(self.min[..., None])
+        w = w.view(N, K)
+        return w if dtype == torch.float32 else w.to(dtype)
 
 
 _PACK_BLOCK: int | None = None
@@ -293,12 +304,14 @@ class Linear:
     """
 
     def __init__(self, *, dense: torch.Tensor | None = None, int4: Int4Groups | None = None,
-                 bias: torch.Tensor | None = None, q8: Q8Groups | None = None) -> None:
-        if (dense is None) == (int4 is None):
-            raise ValueError("a Linear holds either a dense weight or 4-bit groups")
-        # the file's Q8_0 values of a dense weight (the LM head), for the q8 kernel: handed to
-        # its pack when built (the pack is then their only form, never dropped)
+                 bias: torch.Tensor | None = None, q8: Q8Groups | None = None,
+                 float_out: bool = False) -> None:
+        if (dense is not None and int4 is not None) or (dense is None and int4 is None and q8 is None):
+            raise ValueError("a Linear holds a dense weight, 4-bit groups or 8-bit groups")
+        # the file's 8-bit groups (alone, or beside a dense LM head), for the q8 kernel: handed
+        # to its pack when built (the pack is then their only form, never dropped)
         self.q8 = q8
+        self.float_out = float_out  # q8 results in float32 (an LM head's logits), else bf16
         self.dense = None if dense is None else dense.detach()
         self.int4 = int4
         self.bias = None if bias is None else bias.detach().float()
@@ -309,8 +322,18 @@ class Linear:
     @property
     def _dense_weight(self) -> torch.Tensor:
         if self.dense is None:
-            raise ValueError("this Linear holds 4-bit groups, not a dense weight")
+            raise ValueError("this Linear holds quantized groups, not a dense weight")
         return self.dense
+
+    @property
+    def _q8_groups(self) -> Q8Groups:
+        """The 8-bit groups: as given, or read back from the q8 pack once built."""
+        if self.q8 is not None:
+            return self.q8
+        pack = self._packs.get("q8")
+        if pack is None:
+            raise ValueError("this Linear holds no 8-bit groups")
+        return Q8Groups(*cpu_native.unpack_q8(pack))
 
     @property
     def _groups(self) -> Int4Groups:
@@ -323,10 +346,15 @@ class Linear:
     def shape(self) -> tuple[int, int]:
         if self.int4 is not None:
             return self.int4.shape
+        if self.dense is None:
+            pack = self._packs.get("q8")
+            return (pack.n, pack.k) if pack is not None else tuple(self._q8_groups.q.shape)  # type: ignore[return-value]
         return int(self._dense_weight.shape[0]), int(self._dense_weight.shape[1])
 
     @property
     def device(self) -> torch.device:
+        if self.dense is None and self.int4 is None:
+            return torch.device("cpu")  # 8-bit groups live on the CPU
         return (self.dense if self.dense is not None else self._groups.scale).device
 
     @property
@@ -376,7 +404,7 @@ class Linear:
         if pack is None and kernel == "q8":
             if self.q8 is None:
                 raise ValueError("this Linear holds no Q8_0 values: the q8 kernel cannot run it")
-            pack = self._packs[kernel] = cpu_native.pack_q8(self.q8.q, self.q8.scale)
+            pack = self._packs[kernel] = cpu_native.pack_q8(self.q8.q, self.q8.scale, self.q8.min)
             self.q8 = None
         if pack is None:
             # int8 from the dense weight as stored (int8_pack upcasts it a block at a time)
@@ -395,16 +423,19 @@ class Linear:
             return self._dense[dtype]
         if self.dense is not None:
             return self.dense if self.dense.dtype == dtype else self.dense.to(dtype)
+        if self.int4 is None:
+            return self._q8_groups.dequantize(dtype)
         return self._groups.dequantize(dtype)
 
     def __call__(self, x: torch.Tensor, kernel: str, *, row_invariant: bool = False) -> torch.Tensor:
         """``x @ W.T (+ bias)`` with ``kernel``; ``x`` is cast to the kernel's activation dtype
-        and the result comes back in it (q8: in float32). ``row_invariant``: a row's result has
+        and the result comes back in it (q8 with ``float_out``: in float32). ``row_invariant``: a row's result has
         the same bits whatever the number of rows (see `ROW_INVARIANT_KERNELS`; fp32 cannot)."""
         act = ACT_DTYPE[kernel]
         x = x.to(act)
-        if kernel in ("q4", "q8"):
-            y = cpu_native.matmul(x, self._pack(kernel))  # built on first use when not prepared
+        if kernel in ("q4", "q8"):  # built on first use when not prepared
+            out = torch.float32 if kernel == "q8" and self.float_out else torch.bfloat16
+            y = cpu_native.matmul(x, self._pack(kernel), out_dtype=out)
         elif kernel in ("int4", "int8"):
             y = packed_matmul(x, self._pack(kernel))
         elif row_invariant and kernel == "bf16" and x.numel() == x.shape[-1]:
@@ -419,12 +450,13 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes held: the resident form, packs and dense copies (a tensor shared between them,
         as the int4 pack and the packed 4-bit groups are, counted once)."""
-        own = [self._dense_weight] if self.int4 is None else [
+        own = ([] if self.dense is None else [self.dense]) if self.int4 is None else [
             t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min,
                         None if self.int4.q4 is None else self.int4.q4.data)
             if t is not None]
         packs = [t for p in self._packs.values() for t in ((p.data,) if isinstance(p, cpu_native.Q4Pack) else p)]
-        source = [] if self.q8 is None else [self.q8.q, self.q8.scale]
+        source = [] if self.q8 is None else [t for t in (self.q8.q, self.q8.scale, self.q8.min)
+                                              if t is not None]
         tensors = own + packs + source + list(self._dense.values())
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
         return sum(seen.values())

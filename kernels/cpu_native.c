@@ -189,12 +189,13 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
     return 0;
 }
 
-/* q8: y[M, N] = x[M, K] @ W^T with W[n, k] = scale[g, n] * q[n, k], q int8 (GGUF's Q8_0), y
-   float32. Per row and group: d = sum_k x[k] * q[n, k] in float32 FMAs (x as float32, q exact),
-   then y += scale * d. Pack: per tile, per group, 32 x TILE int8 (k-major: the TILE columns of
-   one k together), then the TILE scales (float16 when `half`, else float32). Row-invariant as
-   q4 (each row its own accumulators and instruction sequence). */
-#define Q8_GROUP_BYTES(half) (GROUP * TILE + TILE * ((half) ? 2 : 4))
+/* q8: y[M, N] = x[M, K] @ W^T with W[n, k] = scale[g, n] * q[n, k] (+ min[g, n]), q int8: GGUF's
+   Q8_0, and Q5_0 / Q5_1 / Q5_K (5-bit values, exact in int8), y float32 or bf16. Per row and
+   group: d = sum_k x[k] * q[n, k] in float32 FMAs (x as float32, q exact), then y += scale * d
+   (and y += min * sum_k x[k] when the pack has mins). Pack: per tile, per group, 32 x TILE int8
+   (k-major: the TILE columns of one k together), then the TILE scales and, with `has_min`, the
+   TILE mins (float16 when `half`, else float32). Row-invariant as q4. */
+#define Q8_GROUP_BYTES(half, has_min) (GROUP * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))
 #if defined(__AVX512BF16__)
 #define Q8_LOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define Q8_SCALE(p, half) ((half) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))) \
@@ -215,12 +216,47 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
 #define VSTORE _mm256_storeu_ps
 #endif
 
+#if defined(__AVX512BF16__)
+/* AVX-512-BF16: the int8 values go to bf16 (exact) and vdpbf16ps multiplies two k at a time, x
+   as bf16; per 2 k, 32 bytes: byte 2c + p holds q[k + p] of column c. */
 #define DEF_Q8_BLOCK(MB)                                                                         \
-static inline void q8_block_##MB(const uint8_t *wp, int half, const float *x, int K, float *out) { \
+static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const uint16_t *x,  \
+                                 const float *sx, int K, float *out) {                           \
     VEC tot[MB];                                                                                 \
     for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
     for (int g = 0; g < K / GROUP; g++) {                                                        \
-        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(half);                               \
+        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(half, has_min);                      \
+        VEC acc[MB];                                                                             \
+        for (int m = 0; m < MB; m++) acc[m] = VZERO();                                           \
+        for (int s = 0; s < GROUP / 2; s++) {                                                    \
+            const int k = g * GROUP + s * 2;                                                     \
+            const __m512bh w = _mm512_cvtne2ps_pbh(Q8_LOAD(gp + s * 32 + 16), Q8_LOAD(gp + s * 32)); \
+            for (int m = 0; m < MB; m++) {                                                       \
+                uint32_t p0;                                                                     \
+                memcpy(&p0, x + (size_t)m * K + k, 4);                                           \
+                acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32((int)p0));      \
+            }                                                                                    \
+        }                                                                                        \
+        const VEC sc = Q8_SCALE(gp + GROUP * TILE, half);                                        \
+        for (int m = 0; m < MB; m++) tot[m] = VFMA(acc[m], sc, tot[m]);                          \
+        if (has_min) {                                                                           \
+            const VEC mn = Q8_SCALE(gp + GROUP * TILE + TILE * ((half) ? 2 : 4), half);          \
+            for (int m = 0; m < MB; m++)                                                         \
+                tot[m] = VFMA(mn, VSET1(sx[(size_t)m * (K / GROUP) + g]), tot[m]);               \
+        }                                                                                        \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
+}
+typedef uint16_t q8_x;
+#else
+typedef float q8_x;
+#define DEF_Q8_BLOCK(MB)                                                                         \
+static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const float *x,     \
+                                 const float *sx, int K, float *out) {                           \
+    VEC tot[MB];                                                                                 \
+    for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
+    for (int g = 0; g < K / GROUP; g++) {                                                        \
+        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(half, has_min);                      \
         VEC acc[MB];                                                                             \
         for (int m = 0; m < MB; m++) acc[m] = VZERO();                                           \
         for (int j = 0; j < GROUP; j++) {                                                        \
@@ -230,15 +266,21 @@ static inline void q8_block_##MB(const uint8_t *wp, int half, const float *x, in
         }                                                                                        \
         const VEC sc = Q8_SCALE(gp + GROUP * TILE, half);                                        \
         for (int m = 0; m < MB; m++) tot[m] = VFMA(acc[m], sc, tot[m]);                          \
+        if (has_min) {                                                                           \
+            const VEC mn = Q8_SCALE(gp + GROUP * TILE + TILE * ((half) ? 2 : 4), half);          \
+            for (int m = 0; m < MB; m++)                                                         \
+                tot[m] = VFMA(mn, VSET1(sx[(size_t)m * (K / GROUP) + g]), tot[m]);               \
+        }                                                                                        \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
+#endif
 DEF_Q8_BLOCK(1) DEF_Q8_BLOCK(2) DEF_Q8_BLOCK(3) DEF_Q8_BLOCK(4)
 #if MAXB > 4
 DEF_Q8_BLOCK(5) DEF_Q8_BLOCK(6) DEF_Q8_BLOCK(7) DEF_Q8_BLOCK(8)
 #endif
 
-typedef void (*q8_block_fn)(const uint8_t *, int, const float *, int, float *);
+typedef void (*q8_block_fn)(const uint8_t *, int, int, const q8_x *, const float *, int, float *);
 static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
     0, q8_block_1, q8_block_2, q8_block_3, q8_block_4,
 #if MAXB > 4
@@ -246,22 +288,42 @@ static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
 #endif
 };
 
-/* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (Q8_GROUP_BYTES each); y: float32
-   [M, N]. Returns 0, or -1 when out of memory. */
-int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, float *y) {
+/* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (Q8_GROUP_BYTES each); y: [M, N],
+   bf16 bits when out_bf16, else float32. Returns 0, or -1 when out of memory. */
+int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, int has_min,
+               void *y, int out_bf16) {
     const int G = K / GROUP, T = N / TILE;
-    float *xf = (float *)malloc(sizeof(float) * ((size_t)M * K + 1));
+    float *xf = (float *)malloc(sizeof(float) * ((size_t)M * K + (size_t)M * G + 1));
     if (!xf) return -1;
-    for (size_t i = 0; i < (size_t)M * K; i++) xf[i] = bf16_to_f32(xb[i]);
+    float *sx = xf + (size_t)M * K;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {  /* x as float32, and its group sums in one fixed order */
+            float s = 0.f;
+            for (int j = 0; j < GROUP; j++) {
+                const float v = bf16_to_f32(xb[(size_t)m * K + g * GROUP + j]);
+                xf[(size_t)m * K + g * GROUP + j] = v;
+                s += v;
+            }
+            sx[(size_t)m * G + g] = s;
+        }
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
-        const uint8_t *wp = pack + (size_t)t * G * Q8_GROUP_BYTES(half);
+        const uint8_t *wp = pack + (size_t)t * G * Q8_GROUP_BYTES(half, has_min);
         float out[MAXB * TILE];
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
-            Q8_BLOCKS[mb](wp, half, xf + (size_t)m0 * K, K, out);
-            for (int m = 0; m < mb; m++)
-                memcpy(y + (size_t)(m0 + m) * N + (size_t)t * TILE, out + m * TILE, sizeof(float) * TILE);
+#if defined(__AVX512BF16__)
+            Q8_BLOCKS[mb](wp, half, has_min, xb + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+#else
+            Q8_BLOCKS[mb](wp, half, has_min, xf + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+#endif
+            for (int m = 0; m < mb; m++) {
+                const size_t at = (size_t)(m0 + m) * N + (size_t)t * TILE;
+                if (out_bf16)
+                    for (int c = 0; c < TILE; c++) ((uint16_t *)y)[at + c] = f32_to_bf16(out[m * TILE + c]);
+                else
+                    memcpy((float *)y + at, out + m * TILE, sizeof(float) * TILE);
+            }
         }
     }
     free(xf);

@@ -119,7 +119,7 @@ def _library(build: str | None) -> tuple[ctypes.CDLL, int] | None:
     lib.cs_q4_tile.restype = i
     lib.cs_q4_gemm.argtypes = [vp, i, i, i, vp, i, vp, i]
     lib.cs_q4_gemm.restype = i
-    lib.cs_q8_gemm.argtypes = [vp, i, i, i, vp, i, vp]
+    lib.cs_q8_gemm.argtypes = [vp, i, i, i, vp, i, i, vp, i]
     lib.cs_q8_gemm.restype = i
     f = ctypes.c_float
     lib.cs_attention.argtypes = [vp, vp, vp, i, vp, vp, vp, i, i, i, i, f, f, vp]
@@ -168,11 +168,12 @@ class Q4Pack:
     half: bool
     build: str
     bits: int = 4
+    has_min: bool = True  # 8 bits: whether groups carry a min (Q5_1, Q5_K; not Q8_0, Q5_0)
 
 
-def _group_bytes(T: int, half: bool, bits: int = 4) -> int:
+def _group_bytes(T: int, half: bool, bits: int = 4, has_min: bool = True) -> int:
     per = 2 if half else 4
-    return GROUP * T // 2 + 2 * T * per if bits == 4 else GROUP * T + T * per
+    return GROUP * T // 2 + 2 * T * per if bits == 4 else GROUP * T + (2 if has_min else 1) * T * per
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:
@@ -216,17 +217,45 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
     return Q4Pack(data.contiguous().view(-1), N, K, half, b)
 
 
-def pack_q8(q: torch.Tensor, scale: torch.Tensor, *, build: str | None = None) -> Q4Pack:
-    """The q8 form of ``w = scale * q``: ``q`` int8 [N, K], ``scale`` [N, K / 32] (GGUF's
-    Q8_0), kept exactly (float16 when every scale is one, as Q8_0's are)."""
+def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None, *,
+            build: str | None = None) -> Q4Pack:
+    """The q8 form of ``w = scale * q (+ min)``: ``q`` int8 [N, K], ``scale`` (and ``minimum``)
+    [N, K / 32] (GGUF's Q8_0 and Q5_0 without a min, Q5_1 and Q5_K with one), kept exactly
+    (float16 when every one is a float16 value, as Q8_0's, Q5_0's and Q5_1's are)."""
     N, K = q.shape
     b, T = _check(N, K, build)
     G = K // GROUP
     vals = q.to(torch.int8).view(N // T, T, G, GROUP).permute(0, 2, 3, 1)  # [tile, G, k, column]
-    half = _exact_in_half(scale)
-    data = torch.cat([vals.reshape(N // T, G, GROUP * T).view(torch.uint8),
-                      _per_tile(scale, T, torch.float16 if half else torch.float32)], -1)
-    return Q4Pack(data.contiguous().view(-1), N, K, half, b, bits=8)
+    if T == 16:  # pairs of k per column: [tile, G, k / 2, column, 2] (bf16 dot products)
+        vals = vals.reshape(N // T, G, GROUP // 2, 2, T).transpose(3, 4)
+    half = _exact_in_half(scale) and (minimum is None or _exact_in_half(minimum))
+    dt = torch.float16 if half else torch.float32
+    parts = [vals.reshape(N // T, G, GROUP * T).view(torch.uint8), _per_tile(scale, T, dt)]
+    if minimum is not None:
+        parts.append(_per_tile(minimum, T, dt))
+    return Q4Pack(torch.cat(parts, -1).contiguous().view(-1), N, K, half, b, bits=8,
+                  has_min=minimum is not None)
+
+
+def unpack_q8(packed: Q4Pack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q int8 [N, K], scale float32 [N, K / 32], min or None)`` back from a `pack_q8`."""
+    N, K, T = packed.n, packed.k, tile(packed.build)
+    G = K // GROUP
+    per = 2 if packed.half else 4
+    g = packed.data.view(N // T, G, _group_bytes(T, packed.half, 8, packed.has_min))
+    v = g[..., : GROUP * T]
+    if T == 16:
+        v = v.reshape(N // T, G, GROUP // 2, T, 2).transpose(3, 4)
+    q = v.reshape(N // T, G, GROUP, T).permute(0, 3, 1, 2).reshape(N, K)
+    dt = torch.float16 if packed.half else torch.float32
+
+    def per_row(lo: int) -> torch.Tensor:  # bytes [N / T, G, T * per] -> float32 [N, G]
+        v = g[..., lo: lo + T * per].contiguous().view(dt).float()  # [N / T, G, T]
+        return v.permute(0, 2, 1).reshape(N, G)
+
+    base = GROUP * T
+    return (q.contiguous().view(torch.int8), per_row(base),
+            per_row(base + T * per) if packed.has_min else None)
 
 
 def unpack_q(packed: Q4Pack) -> torch.Tensor:
@@ -250,8 +279,7 @@ def unpack_q(packed: Q4Pack) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, packed: Q4Pack, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x @ W.T`` for a `pack` or `pack_q8`: ``x`` [..., K] (cast to bfloat16), the result
-    [..., N] in ``out_dtype`` (bfloat16, rounded to nearest even, or float32; a q8 pack gives
-    float32 always)."""
+    [..., N] in ``out_dtype`` (bfloat16, rounded to nearest even, or float32)."""
     lib = _lib(packed.build)[0]
     N, K = packed.n, packed.k
     if x.shape[-1] != K:
@@ -260,12 +288,12 @@ def matmul(x: torch.Tensor, packed: Q4Pack, *, out_dtype: torch.dtype = torch.bf
         raise ValueError(f"out_dtype must be bfloat16 or float32, not {out_dtype}")
     x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
     M = x2.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype)
     if packed.bits == 8:
-        y = torch.empty(M, N, dtype=torch.float32)
         failed = M and lib.cs_q8_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
-                                      int(packed.half), y.data_ptr())
+                                      int(packed.half), int(packed.has_min), y.data_ptr(),
+                                      int(out_dtype == torch.bfloat16))
     else:
-        y = torch.empty(M, N, dtype=out_dtype)
         failed = M and lib.cs_q4_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
                                       int(packed.half), y.data_ptr(), int(out_dtype == torch.bfloat16))
     if failed:

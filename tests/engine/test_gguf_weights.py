@@ -558,16 +558,20 @@ def test_embedded_gguf_linears_are_exact_int4_and_equal_transformers_load(embedd
         assert torch.equal(m.tensors[name].dequantize(), theirs[name]), name
 
 
-def test_q8_groups_reproduce_dequantize_bit_exactly_and_only_for_q8_0(model):
-    found = 0
+def test_q8_groups_reproduce_dequantize_bit_exactly_for_q8_0_q5_0_and_q5_1(model):
+    from constrained_spec.gguf_weights import INT8_TYPES
+    from constrained_spec.weights import Q8Groups
+
+    seen = set()
     for name, t in model.tensors.items():
         groups = t.q8_groups()
-        if t.ggml_type != "Q8_0" or len(t.shape) != 2:
+        if t.ggml_type not in INT8_TYPES or len(t.shape) != 2:
             assert groups is None, name
             continue
-        q, scale = groups
+        q, scale, mn = groups
         assert q.dtype == torch.int8 and scale.shape == (t.shape[0], t.shape[1] // 32)
-        w = (q.float().view(t.shape[0], -1, 32) * scale[..., None]).view(t.shape)
-        assert torch.equal(w, t.dequantize()), name
-        found += 1
-    assert found == 2  # ffn_gate of layer 0, ffn_down of layer 2
+        assert (mn is not None) == (t.ggml_type == "Q5_1")
+        assert int(q.min()) >= (-128 if t.ggml_type == "Q8_0" else -16 if t.ggml_type == "Q5_0" else 0)
+        assert torch.equal(Q8Groups(q, scale, mn).dequantize(), t.dequantize()), name
+        seen.add(t.ggml_type)
+    assert seen == set(INT8_TYPES)

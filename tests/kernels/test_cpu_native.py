@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from constrained_spec.kernels import cpu_native
 from constrained_spec.weights import Int4Groups, Linear, Q8Groups
@@ -56,8 +57,9 @@ def test_q8_equals_the_float32_product_of_the_q8_0_values(build):
     p = cpu_native.pack_q8(q, scale, build=build)
     w = (q.float().view(160, -1, 32) * scale[..., None]).view(160, 128)
     x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
-    y = cpu_native.matmul(x, p)
+    y = cpu_native.matmul(x, p, out_dtype=torch.float32)
     assert y.dtype == torch.float32 and rel_err(y, x.float() @ w.T) < 1e-5
+    assert torch.equal(cpu_native.matmul(x, p), y.bfloat16())  # bf16 by default
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -104,10 +106,44 @@ def test_4_bit_groups_read_back_from_the_q4_pack_once_their_nibbles_are_dropped(
     assert torch.equal(lin.int4.values(), q)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+def test_q8_with_mins_equals_the_float32_product_and_its_pack_reads_back(build):
+    g = torch.Generator().manual_seed(16)
+    q = torch.randint(0, 32, (96, 128), generator=g).to(torch.int8)  # Q5_1 / Q5_K-like values
+    scale = (torch.rand(96, 4, generator=g) * 0.01).half().float()
+    minimum = (-torch.rand(96, 4, generator=g) * 0.1).half().float()
+    p = cpu_native.pack_q8(q, scale, minimum, build=build)
+    assert p.has_min and p.half
+    back = cpu_native.unpack_q8(p)
+    assert torch.equal(back[0], q) and torch.equal(back[1], scale) and torch.equal(back[2], minimum)
+    w = Q8Groups(q, scale, minimum).dequantize()
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    y = cpu_native.matmul(x, p, out_dtype=torch.float32)
+    assert rel_err(y, x.float() @ w.T) < 1e-5
+    assert torch.equal(cpu_native.matmul(x, p), y.bfloat16())
+
+
+def test_a_linear_of_8_bit_groups_alone_runs_q8_and_reads_back_from_its_pack():
+    g = torch.Generator().manual_seed(17)
+    q = torch.randint(-16, 16, (64, 96), generator=g).to(torch.int8)  # Q5_0-like
+    groups = Q8Groups(q, (torch.rand(64, 3, generator=g) * 0.01).half().float())
+    w = groups.dequantize()
+    lin = Linear(q8=groups)
+    assert lin.shape == (64, 96) and lin.supports("q8") and not lin.supports("q4")
+    x = torch.randn(3, 96, generator=g).bfloat16()
+    y = lin(x, "q8")
+    assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.T) < 1e-2
+    assert lin.q8 is None  # the pack holds the values now: the dense paths read them back
+    assert torch.equal(lin.dequantized(torch.float32), w) and lin.shape == (64, 96)
+    assert torch.equal(lin(x, "bf16"), F.linear(x, w.bfloat16()))
+    with pytest.raises(ValueError, match="dense weight, 4-bit groups or 8-bit groups"):
+        Linear()
+
+
 def test_an_lm_head_with_q8_0_values_runs_q8_and_keeps_its_pack():
     q, scale = q8_groups(64, 96, seed=9)
     w = (q.float().view(64, -1, 32) * scale[..., None]).view(64, 96)
-    lin = Linear(dense=w.bfloat16(), q8=Q8Groups(q, scale))
+    lin = Linear(dense=w.bfloat16(), q8=Q8Groups(q, scale), float_out=True)
     plain = Linear(dense=w.bfloat16())
     assert lin.supports("q8") and not plain.supports("q8") and not lin.supports("q4")
     lin.prepare({"q8"})
