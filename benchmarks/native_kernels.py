@@ -37,12 +37,12 @@ ROWS = (1, 4, 7, 16)
 HEADING = "## Native CPU kernels against torch's"
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
+def _median_ms(fn: Callable[..., object], repeats: int, *args: object) -> float:
+    fn(*args)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -55,12 +55,14 @@ def linears(repeats: int) -> list[list[str]]:
         scale = (torch.rand(n, k // 32, generator=gen) * 0.02).half().float()
         minimum = (-torch.rand(n, k // 32, generator=gen) * 0.1).half().float()
         g = Int4Groups.from_values(q, scale, minimum)
-        weights.append((cpu_native.pack(q, scale, minimum), g.int4_pack(), k))
+        pack = g.int4_pack()
+        assert pack is not None, "this torch build has no CPU int4 kernel"
+        weights.append((cpu_native.pack(q, scale, minimum), pack, k))
     rows = []
     for m in ROWS:
         x = {k: torch.randn(m, k, generator=gen).bfloat16() for k in (576, 1536)}
-        ours = _median_ms(lambda: [cpu_native.matmul(x[k], p) for p, _, k in weights], repeats)
-        theirs = _median_ms(lambda: [packed_matmul(x[k], t) for _, t, k in weights], repeats)
+        ours = _median_ms(lambda x: [cpu_native.matmul(x[k], p) for p, _, k in weights], repeats, x)
+        theirs = _median_ms(lambda x: [packed_matmul(x[k], t) for _, t, k in weights], repeats, x)
         rows.append([f"120 linears, {m} rows", f"{ours:.1f}", f"{theirs:.1f} (int4)", f"{theirs / ours:.2f}x"])
     return rows
 
@@ -76,8 +78,8 @@ def lm_head(repeats: int) -> list[list[str]]:
     rows = []
     for m in (1, 4, 8):
         x = torch.randn(max(m, 2), K, generator=gen).bfloat16()  # bf16: 2 rows (exact pads 1 to 2)
-        ours = _median_ms(lambda: cpu_native.matmul(x[:m], packed), repeats)
-        theirs = _median_ms(lambda: F.linear(x, dense), repeats)
+        ours = _median_ms(lambda x: cpu_native.matmul(x, packed), repeats, x[:m])
+        theirs = _median_ms(lambda x: F.linear(x, dense), repeats, x)
         rows.append([f"LM head 49152x576, {m} rows", f"{ours:.2f}", f"{theirs:.2f} (bf16)", f"{theirs / ours:.2f}x"])
     return rows
 
@@ -97,8 +99,9 @@ def attention(repeats: int) -> list[list[str]]:
         mask = chunk_mask((torch.arange(Lk)[None, :] <= pos[:, None])[None], heads=H, kv_heads=KV,
                           dtype=torch.bfloat16)
         keys, vals = kc[:, :Lk], vc[:, :Lk]
-        ours = _median_ms(lambda: cpu_native.attention(q, kc, vc, spans, hd ** -0.5), repeats)
-        theirs = _median_ms(lambda: chunked_attention(q[None], keys, vals, mask, hd ** -0.5), repeats)
+        ours = _median_ms(lambda spans: cpu_native.attention(q, kc, vc, spans, hd ** -0.5), repeats, spans)
+        theirs = _median_ms(lambda keys, vals, mask: chunked_attention(q[None], keys, vals, mask, hd ** -0.5),
+                            repeats, keys, vals, mask)
         rows.append([f"attention, {T} rows, {n} keys (per layer)", f"{ours * 1e3:.0f} us",
                      f"{theirs * 1e3:.0f} us (chunked flash)", f"{theirs / ours:.2f}x"])
     return rows

@@ -188,7 +188,7 @@ class QuantTensor:
             bq, bs, bm = unpack(self._raw_rows(start, stop))
             q[start:stop] = bq.reshape(stop - start, K)
             scale[start:stop] = bs.reshape(stop - start, -1)
-            if mn is not None:
+            if mn is not None and bm is not None:
                 mn[start:stop] = bm.reshape(stop - start, -1)
         return torch.from_numpy(q), torch.from_numpy(scale), None if mn is None else torch.from_numpy(mn)
 
