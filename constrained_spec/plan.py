@@ -363,11 +363,6 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
             runner.forward([slot], [prompt[:r]], [0], phase="decode")
         return call
 
-    def head_call(kernel: str) -> Callable[[], Any]:
-        h = torch.randn(max(rows), runner.hidden_size)
-        n = rows[min(1, len(rows) - 1)]  # one request verifying its drafts
-        return lambda: runner.lm_head_linear(h[:n], kernel)
-
     def one_round(kernel: str, warm: bool) -> None:
         # a prompt runs as it would next to a 4-bit decode: in lean memory its dense forms
         # are dequantized per call (no resident dense copy); the cache in the kernel's dtype
@@ -386,7 +381,7 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         # the LM head's kernels: this one, and those only an LM head has (q8: its Q8_0 values)
         for k in (kernel, *(k for k in HEAD_ONLY_KERNELS if kernel == candidates[0])):
             if runner.lm_head_weight.supports(k):
-                keep(times, "lm_head", k, _timed(2, head_call(k), warm=warm))
+                keep(times, "lm_head", k, _timed(2, _head_call(runner, rows, k), warm=warm))
 
     try:
         # round-robin over the kernels, keeping each one's best time: a burst of load from
@@ -415,6 +410,13 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     return KernelPlan(prefill=_merge(prefill), decode=decode, lm_head=_best(head),
                       kv="fp32" if first == "fp32" else "bf16", source="measured", memory=memory,
                       times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()})
+
+
+def _head_call(runner: Any, rows: Sequence[int], kernel: str) -> Callable[[], Any]:
+    """The LM head of one request verifying its drafts (the second measured row count)."""
+    h = torch.randn(max(rows), runner.hidden_size)
+    n = rows[min(1, len(rows) - 1)]
+    return lambda: runner.lm_head_linear(h[:n], kernel)
 
 
 def _auto_memory(decode: list[tuple[int, str]], per_call: dict[int, dict[str, float]],
