@@ -45,6 +45,40 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     return (uint16_t)(u >> 16);
 }
 
+/* vectors of this build, and the group epilogue every product shares */
+#if defined(__AVX512BF16__)
+#define Q8_LOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VLOAD_SCALES(p, half) ((half) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))) \
+                                  : _mm512_loadu_ps((const float *)(p)))
+#define VEC __m512
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#define VSTORE _mm512_storeu_ps
+#else
+#define Q8_LOAD(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VLOAD_SCALES(p, half) ((half) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))) \
+                                  : _mm256_loadu_ps((const float *)(p)))
+#define VEC __m256
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
+#define VSTORE _mm256_storeu_ps
+#endif
+
+/* After a group of every row of a block: tot += scale * acc, then (with mins) tot += min * the
+   row's sum of x over the group; scales and mins TILE values each at sp, float16 when half. */
+#define GROUP_EPILOGUE(MB, sp, half, has_min, sx, G, g)                                          \
+    do {                                                                                         \
+        const VEC sc_ = VLOAD_SCALES(sp, half);                                                  \
+        for (int m = 0; m < MB; m++) tot[m] = VFMA(acc[m], sc_, tot[m]);                         \
+        if (has_min) {                                                                           \
+            const VEC mn_ = VLOAD_SCALES((sp) + TILE * ((half) ? 2 : 4), half);                  \
+            for (int m = 0; m < MB; m++)                                                         \
+                tot[m] = VFMA(mn_, VSET1((sx)[(size_t)m * (G) + (g)]), tot[m]);                  \
+        }                                                                                        \
+    } while (0)
+
 #if defined(__AVX512BF16__)
 #define TILE 16
 #define MAXB 8
@@ -76,15 +110,7 @@ static inline void block_##MB(const uint8_t *wp, int half, const xelem *x, const
                 acc[m] = _mm512_dpbf16_ps(acc[m], hi, (__m512bh)_mm512_set1_epi32((int)p1));     \
             }                                                                                    \
         }                                                                                        \
-        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
-        const __m512 s16 = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp))       \
-                                : _mm512_loadu_ps((const float *)sp);                            \
-        const __m512 m16 = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 32))) \
-                                : _mm512_loadu_ps((const float *)(sp + 64));                     \
-        for (int m = 0; m < MB; m++) {                                                           \
-            tot[m] = _mm512_fmadd_ps(acc[m], s16, tot[m]);                                       \
-            tot[m] = _mm512_fmadd_ps(m16, _mm512_set1_ps(sx[(size_t)m * G + g]), tot[m]);        \
-        }                                                                                        \
+        GROUP_EPILOGUE(MB, gp + GROUP * TILE / 2, half, 1, sx, G, g);                           \
     }                                                                                            \
     for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + m * TILE, tot[m]);                       \
 }
@@ -114,15 +140,7 @@ static inline void block_##MB(const uint8_t *wp, int half, const xelem *x, const
                 acc[m] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xr + 1), acc[m]);               \
             }                                                                                    \
         }                                                                                        \
-        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
-        const __m256 s8 = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp))           \
-                               : _mm256_loadu_ps((const float *)sp);                             \
-        const __m256 m8 = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + 16)))   \
-                               : _mm256_loadu_ps((const float *)(sp + 32));                      \
-        for (int m = 0; m < MB; m++) {                                                           \
-            tot[m] = _mm256_fmadd_ps(acc[m], s8, tot[m]);                                        \
-            tot[m] = _mm256_fmadd_ps(m8, _mm256_set1_ps(sx[(size_t)m * G + g]), tot[m]);         \
-        }                                                                                        \
+        GROUP_EPILOGUE(MB, gp + GROUP * TILE / 2, half, 1, sx, G, g);                           \
     }                                                                                            \
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out + m * TILE, tot[m]);                       \
 }
@@ -196,25 +214,6 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
    (k-major: the TILE columns of one k together), then the TILE scales and, with `has_min`, the
    TILE mins (float16 when `half`, else float32). Row-invariant as q4. */
 #define Q8_GROUP_BYTES(half, has_min) (GROUP * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))
-#if defined(__AVX512BF16__)
-#define Q8_LOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define Q8_SCALE(p, half) ((half) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p))) \
-                                  : _mm512_loadu_ps((const float *)(p)))
-#define VEC __m512
-#define VZERO _mm512_setzero_ps
-#define VFMA _mm512_fmadd_ps
-#define VSET1 _mm512_set1_ps
-#define VSTORE _mm512_storeu_ps
-#else
-#define Q8_LOAD(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-#define Q8_SCALE(p, half) ((half) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))) \
-                                  : _mm256_loadu_ps((const float *)(p)))
-#define VEC __m256
-#define VZERO _mm256_setzero_ps
-#define VFMA _mm256_fmadd_ps
-#define VSET1 _mm256_set1_ps
-#define VSTORE _mm256_storeu_ps
-#endif
 
 #if defined(__AVX512BF16__)
 /* AVX-512-BF16: the int8 values go to bf16 (exact) and vdpbf16ps multiplies two k at a time, x
@@ -237,13 +236,7 @@ static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const
                 acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32((int)p0));      \
             }                                                                                    \
         }                                                                                        \
-        const VEC sc = Q8_SCALE(gp + GROUP * TILE, half);                                        \
-        for (int m = 0; m < MB; m++) tot[m] = VFMA(acc[m], sc, tot[m]);                          \
-        if (has_min) {                                                                           \
-            const VEC mn = Q8_SCALE(gp + GROUP * TILE + TILE * ((half) ? 2 : 4), half);          \
-            for (int m = 0; m < MB; m++)                                                         \
-                tot[m] = VFMA(mn, VSET1(sx[(size_t)m * (K / GROUP) + g]), tot[m]);               \
-        }                                                                                        \
+        GROUP_EPILOGUE(MB, gp + GROUP * TILE, half, has_min, sx, K / GROUP, g);                 \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
@@ -264,13 +257,7 @@ static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const
             for (int m = 0; m < MB; m++)                                                         \
                 acc[m] = VFMA(w, VSET1(x[(size_t)m * K + g * GROUP + j]), acc[m]);               \
         }                                                                                        \
-        const VEC sc = Q8_SCALE(gp + GROUP * TILE, half);                                        \
-        for (int m = 0; m < MB; m++) tot[m] = VFMA(acc[m], sc, tot[m]);                          \
-        if (has_min) {                                                                           \
-            const VEC mn = Q8_SCALE(gp + GROUP * TILE + TILE * ((half) ? 2 : 4), half);          \
-            for (int m = 0; m < MB; m++)                                                         \
-                tot[m] = VFMA(mn, VSET1(sx[(size_t)m * (K / GROUP) + g]), tot[m]);               \
-        }                                                                                        \
+        GROUP_EPILOGUE(MB, gp + GROUP * TILE, half, has_min, sx, K / GROUP, g);                 \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
