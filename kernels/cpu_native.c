@@ -53,6 +53,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 #define VEC __m512
 #define VZERO _mm512_setzero_ps
 #define VFMA _mm512_fmadd_ps
+#define VFNMADD _mm512_fnmadd_ps
+#define VMUL_ _mm512_mul_ps
+#define VADD_ _mm512_add_ps
 #define VSET1 _mm512_set1_ps
 #define VSTORE _mm512_storeu_ps
 #else
@@ -62,6 +65,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 #define VEC __m256
 #define VZERO _mm256_setzero_ps
 #define VFMA _mm256_fmadd_ps
+#define VFNMADD _mm256_fnmadd_ps
+#define VMUL_ _mm256_mul_ps
+#define VADD_ _mm256_add_ps
 #define VSET1 _mm256_set1_ps
 #define VSTORE _mm256_storeu_ps
 #endif
@@ -323,6 +329,19 @@ int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
    float32 from bfloat16 q, k, v. Each (row, kv head) is computed alone with one instruction
    sequence that depends only on its own key count, so a row's bits depend on nothing else in
    the call: a verify row gets exactly the bits of the 1-row decode of the same token. */
+/* exp(x) = 2^n * p(r), r = x - n ln 2 (Cephes' expf polynomial): the part both builds share */
+static inline VEC exp_poly(VEC x, VEC n) {
+    VEC r = VFNMADD(n, VSET1(0.693359375f), x);
+    r = VFNMADD(n, VSET1(-2.12194440e-4f), r);
+    VEC p = VSET1(1.9875691500E-4f);
+    p = VFMA(p, r, VSET1(1.3981999507E-3f));
+    p = VFMA(p, r, VSET1(8.3334519073E-3f));
+    p = VFMA(p, r, VSET1(4.1665795894E-2f));
+    p = VFMA(p, r, VSET1(1.6666665459E-1f));
+    p = VFMA(p, r, VSET1(5.0000001201E-1f));
+    return VFMA(p, VMUL_(r, r), VADD_(r, VSET1(1.0f)));
+}
+
 #if defined(__AVX512BF16__)
 #define W 16
 static inline VEC vload_bf16(const uint16_t *p) {
@@ -350,16 +369,7 @@ static inline VEC vexp(VEC x) {  /* exp(x); exactly 0 below -87.3 (and for -inf)
     x = _mm512_max_ps(x, lo);
     const VEC n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    VEC r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    VEC p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(exp_poly(x, n), n));
 }
 #define VLOADU _mm512_loadu_ps
 #define VMUL _mm512_mul_ps
@@ -392,15 +402,7 @@ static inline VEC vexp(VEC x) {
     x = _mm256_max_ps(x, lo);
     const VEC n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    VEC r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    VEC p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const VEC p = exp_poly(x, n);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
