@@ -450,7 +450,7 @@ int cs_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
         VEC qv[MAX_G][MAX_HD / W];
         for (int g = 0; g < G; g++)
             for (int c = 0; c < C; c++) qv[g][c] = vload_bf16(q + ((size_t)r * H + kv * G + g) * hd + c * W);
-        const size_t base = ((size_t)slot[r] * L) * KV + kv, stride = (size_t)KV * hd;
+        const size_t base = ((size_t)slot[r] * L) * KV + kv;
         float mx[MAX_G];
         for (int g = 0; g < G; g++) mx[g] = -INFINITY;
         /* q . k: W keys at a time (their W horizontal sums at once), then the keys left one by
@@ -490,7 +490,6 @@ int cs_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_c
                 if (v > mx[g]) mx[g] = v;
             }
         }
-        (void)stride;
         float inv[MAX_G];
         for (int g = 0; g < G; g++) {
             float *sg = s + (size_t)g * np;
