@@ -753,7 +753,8 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
         meta = AutoModelForCausalLM.from_config(g.config)
     if not lean_runner_supports(meta):
         raise _NotLean(f"architecture {g.arch!r} is not one the lean runner runs")
-    fused = {key: parts for key, parts in _fused_parts(meta).items()
+    every = _fused_parts(meta)
+    fused = {key: parts for key, parts in every.items()
              if all(p in g.tensors and g.tensors[p].ggml_type in ("Q4_0", "Q4_1", "Q4_K")
                     and g.tensors[p].shape[1] % 32 == 0 for p in parts)}
     grouped = {p for parts in fused.values() for p in parts}
@@ -771,7 +772,7 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
         for part, tensor in zip(_GROUP_PARTS, (packed.nibbles, packed.scale, packed.min)):
             out[key + part] = tensor
         bar.update(len(parts))
-    eight = _store_q8_linears(g, meta, set(fused), out)
+    eight = _store_q8_linears(g, {k: v for k, v in every.items() if k not in fused}, out)
     grouped |= eight
     bar.update(len(eight))
     for name, t in g.tensors.items():
@@ -793,16 +794,17 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
 
 
-def _store_q8_linears(g: Any, meta: Any, done: set[str], out: dict[str, torch.Tensor]) -> set[str]:
-    """Into ``out``: the exact 8-bit groups of every fused linear not in ``done`` whose parts
-    all have 8-bit or 4-bit groups (a 4-bit part's q fits in int8; parts without a min get a
-    zero one when another part has one). Returns the parts stored so."""
+def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.Tensor]) -> set[str]:
+    """Into ``out``: the exact 8-bit groups of every linear of ``fused`` (runner key -> the
+    file's parts it concatenates) whose parts all have 8-bit or 4-bit groups (a 4-bit part's q
+    fits in int8; parts without a min get a zero one when another part has one). Returns the
+    parts stored so."""
     from .gguf_weights import INT4_TYPES, INT8_TYPES
 
     stored: set[str] = set()
-    for key, parts in _fused_parts(meta).items():
+    for key, parts in fused.items():
         ts = [g.tensors.get(p) for p in parts]
-        if key in done or any(t is None or t.ggml_type not in INT8_TYPES + INT4_TYPES
+        if any(t is None or t.ggml_type not in INT8_TYPES + INT4_TYPES
                               or t.shape[1] % 32 for t in ts):
             continue
         found = [t.q8_groups() if t.ggml_type in INT8_TYPES else t.int4_groups() for t in ts]

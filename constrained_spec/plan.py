@@ -12,19 +12,20 @@ memory-bound 1-row decode. So the plan is chosen per phase:
 
 each timed at a model's first load on a machine over the kernels the machine and the weights
 offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups on torch's
-kernel, q4 from the same groups on this package's C kernel where it builds; int8, a
-re-quantization, only when asked for), and cached beside the converted checkpoint keyed by the
-machine (CPU flags, torch's capability, threads) and the memory mode (``CONSTRAINED_SPEC_MEMORY``:
-``auto``, the default, keeps a dense copy of the 4-bit weights only where it is measured faster
-by a margin, ``fast`` keeps the dense copies the fastest kernels need, ``lean`` keeps 4-bit
-weights 4-bit and dequantizes a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
+kernel, q4 from the same groups on this package's C kernel where it builds, q8 for the file's
+8-bit groups, the LM head's among them; int8, a re-quantization, only when asked for), and
+cached beside the converted checkpoint keyed by the machine (CPU flags, torch's capability,
+threads) and the memory mode (``CONSTRAINED_SPEC_MEMORY``: ``auto``, the default, keeps a
+dense copy of the 4-bit weights only where it is measured faster by a margin, ``fast`` keeps
+the dense copies the fastest kernels need, ``lean`` keeps 4-bit weights 4-bit and dequantizes
+a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
 ``measure`` (measure again) or a fixed plan such as
 ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
 
 Exactness (on by default on a CPU; ``CONSTRAINED_SPEC_EXACT=0`` turns it off, see `exact_mode`): for speculation
 and batching never to change a greedy output, every decode / verify row must be computed as
 a 1-row decode of it would be (`runner.LeanRunner`). A plan for an exact runner therefore runs decode and the LM head
-on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8, q4 -- not fp32)
+on ONE row-invariant kernel (`weights.ROW_INVARIANT_KERNELS`: bf16, int4, int8, q4, q8 -- not fp32)
 whatever the rows: the one closest to the fastest over the measured row counts. Prompts keep
 their row buckets (a prompt's kernel comes from its own length).
 """
@@ -86,7 +87,7 @@ def exact_mode(device: torch.device | None = None) -> bool:
 
 _CONTEXT = 128  # context the decode rows attend to while timed
 HEAD_ONLY_KERNELS = ("q8",)  # kernels for the LM head alone (its Q8_0 values), timed there only
-_PLAN_VERSION = 5  # 4: "auto" memory, dequantization 2x faster; 5: the q4 kernel
+_PLAN_VERSION = 5  # 4: "auto" memory, dequantization 2x faster; 5: the q4 and q8 kernels
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
 

@@ -34,7 +34,7 @@ as a forward of that row alone at the same position would compute it, so a greed
 not depend on speculation or on the other requests in the batch. What it takes: the linears
 and the LM head run a kernel whose per-row reduction does not depend on the number of rows
 (`weights.ROW_INVARIANT_KERNELS`, measured: torch's int4 and int8 weight-only kernels; bf16 on
-oneDNN with a 1-row product padded to 2 rows; not MKL's fp32 GEMM), one kernel for every
+oneDNN with a 1-row product padded to 2 rows; this package's q4 and q8; not MKL's fp32 GEMM), one kernel for every
 decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); decode / verify
 attention is this package's C kernel where it builds (`kernels.cpu_native.attention`: each row over
 its own keys, in key order, one instruction sequence per row), else

@@ -18,8 +18,9 @@ kernel    activations            weights      what it reads per call
 ``q4``    bfloat16               q4 pack      this package's C kernel for few rows (the
                                               file's own q, scale and min kept exactly;
                                               AVX-512-BF16 or AVX2 build, `kernels.cpu_native`)
-``q8``    bfloat16 (out: fp32)   q8 pack      the same for a Q8_0 matrix (`Q8Groups`: the
-                                              LM head of most GGUF files), float32 logits
+``q8``    bfloat16               q8 pack      the same for 8-bit groups (`Q8Groups`: Q8_0,
+                                              Q5_0, Q5_1; the LM head of most GGUF files,
+                                              whose logits come back in float32)
 ========  =====================  ===========  ============================================
 
 "Dequantized per call" is how a large prompt runs in float32 on a CPU without bf16 units while
@@ -51,10 +52,10 @@ GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 ker
 # Kernels whose result rows do not depend on the number of rows multiplied (each row reduced in
 # the same order whether it is multiplied alone or among 2..256 others; measured on x86 with
 # AVX-512, tests/kernels/test_row_invariance.py checks it on the machine it runs on): torch's
-# int4 / int8 weight-only kernels, this package's q4 kernel (each row its own accumulators and
-# instruction sequence, `kernels.cpu_native`), and oneDNN's bf16 GEMM from 2 rows on -- its 1-row product
-# (a GEMV) reduces differently once K > ~1024 (576x1536: every row of a 3..256-row product
-# differs from the row alone), so an exact 1-row bf16 product is padded to 2 rows
+# int4 / int8 weight-only kernels, this package's q4 and q8 kernels (each row its own
+# accumulators and instruction sequence, `kernels.cpu_native`), and oneDNN's bf16 GEMM from
+# 2 rows on -- its 1-row product (a GEMV) reduces differently once K > ~1024 (576x1536: every
+# row of a 3..256-row product differs from the row alone), so an exact 1-row bf16 product is padded to 2 rows
 # (`Linear.__call__`). MKL's fp32 GEMM picks its blocking by shape (a row among 2, 4, 6, ...
 # differs), so float32 is not row-invariant, through F.linear or oneDNN's fp32 linear alike.
 ROW_INVARIANT_KERNELS: frozenset[str] = frozenset({"bf16", "int4", "int8", "q4", "q8"})
@@ -218,7 +219,7 @@ class Int4Groups:
 class Q8Groups:
     """A matrix whose every group of `GROUP` inputs is exactly ``scale * q (+ min)`` with ``q``
     in int8, as the file holds it (`gguf_weights.QuantTensor.q8_groups`: Q8_0 and Q5_0 without
-    a min, Q5_1 and Q5_K with one), for the q8 kernel."""
+    a min, Q5_1 with one), for the q8 kernel."""
 
     q: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K // GROUP]
@@ -318,7 +319,8 @@ class Linear:
         self._packs: dict[str, Any] = {}  # kernel -> its pack (a tensor pair, or a Q4Pack)
         self._dense: dict[torch.dtype, torch.Tensor] = {}
 
-    # exactly one of dense and int4 is set (checked in __init__); these read the one expected
+    # at most one of dense and int4 is set, and q8 where neither is (checked in __init__);
+    # these read the one expected
     @property
     def _dense_weight(self) -> torch.Tensor:
         if self.dense is None:
@@ -348,7 +350,9 @@ class Linear:
             return self.int4.shape
         if self.dense is None:
             pack = self._packs.get("q8")
-            return (pack.n, pack.k) if pack is not None else tuple(self._q8_groups.q.shape)  # type: ignore[return-value]
+            if pack is not None:
+                return pack.n, pack.k
+            return int(self._q8_groups.q.shape[0]), int(self._q8_groups.q.shape[1])
         return int(self._dense_weight.shape[0]), int(self._dense_weight.shape[1])
 
     @property
@@ -359,7 +363,7 @@ class Linear:
 
     @property
     def packed_kernels(self) -> tuple[str, ...]:
-        """The packed kernels built so far ("int4", "int8", "q4")."""
+        """The packed kernels built so far ("int4", "int8", "q4", "q8")."""
         return tuple(sorted(self._packs))
 
     def supports(self, kernel: str) -> bool:

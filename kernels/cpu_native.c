@@ -169,29 +169,50 @@ int cs_q4_tile(void) { return TILE; }
 
 /* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (GROUP_BYTES each); y: [M, N], bf16
    bits when out_bf16, else fp32. Returns 0, or -1 when out of memory. */
-int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
-               int out_bf16) {
-    const int G = K / GROUP, T = N / TILE;
-    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
+/* What the products read of x: each row's group sums (one fixed order) into *sx, and x as the
+   blocks take it into *x (the bf16 bits as given on AVX-512-BF16; float32 in *xf on AVX2).
+   Returns 0, or -1 when out of memory (nothing left allocated). */
+static int rows_in(const uint16_t *xb, int M, int K, float **sx, float **xf, const xelem **x) {
+    const int G = K / GROUP;
+    *sx = (float *)malloc(sizeof(float) * ((size_t)M * G + 1));
 #if defined(__AVX512BF16__)
-    const xelem *x = xb;
-    float *xf = 0;
+    *xf = 0;
+    *x = xb;
 #else
-    float *xf = (float *)malloc(sizeof(float) * (size_t)M * K);
-    const xelem *x = xf;
+    *xf = (float *)malloc(sizeof(float) * ((size_t)M * K + 1));
+    *x = *xf;
 #endif
-    if (!sx || (!x && M)) { free(sx); free(xf); return -1; }
-    for (int m = 0; m < M; m++) {
-        for (int g = 0; g < G; g++) {  /* group sums of each row, in one fixed order */
+    if (!*sx || !*x) { free(*sx); free(*xf); return -1; }
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
             float s = 0.f;
             for (int j = 0; j < GROUP; j++) {
                 const float v = bf16_to_f32(xb[(size_t)m * K + g * GROUP + j]);
                 s += v;
-                if (xf) xf[(size_t)m * K + g * GROUP + j] = v;
+                if (*xf) (*xf)[(size_t)m * K + g * GROUP + j] = v;
             }
-            sx[(size_t)m * G + g] = s;
+            (*sx)[(size_t)m * G + g] = s;
         }
+    return 0;
+}
+
+/* A block's results (mb rows of TILE columns from column t * TILE) into y, bf16 or float32. */
+static void rows_out(const float *out, int mb, int m0, int N, int t, void *y, int out_bf16) {
+    for (int m = 0; m < mb; m++) {
+        const size_t at = (size_t)(m0 + m) * N + (size_t)t * TILE;
+        if (out_bf16)
+            for (int c = 0; c < TILE; c++) ((uint16_t *)y)[at + c] = f32_to_bf16(out[m * TILE + c]);
+        else
+            memcpy((float *)y + at, out + m * TILE, sizeof(float) * TILE);
     }
+}
+
+int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
+               int out_bf16) {
+    const int G = K / GROUP, T = N / TILE;
+    float *sx, *xf;
+    const xelem *x;
+    if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
@@ -199,13 +220,7 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
             BLOCKS[mb](wp, half, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
-            for (int m = 0; m < mb; m++) {
-                const size_t at = (size_t)(m0 + m) * N + (size_t)t * TILE;
-                if (out_bf16)
-                    for (int c = 0; c < TILE; c++) ((uint16_t *)y)[at + c] = f32_to_bf16(out[m * TILE + c]);
-                else
-                    memcpy((float *)y + at, out + m * TILE, sizeof(float) * TILE);
-            }
+            rows_out(out, mb, m0, N, t, y, out_bf16);
         }
     }
     free(sx);
@@ -214,7 +229,7 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
 }
 
 /* q8: y[M, N] = x[M, K] @ W^T with W[n, k] = scale[g, n] * q[n, k] (+ min[g, n]), q int8: GGUF's
-   Q8_0, and Q5_0 / Q5_1 / Q5_K (5-bit values, exact in int8), y float32 or bf16. Per row and
+   Q8_0, and Q5_0 / Q5_1 (5-bit values, exact in int8), y float32 or bf16. Per row and
    group: d = sum_k x[k] * q[n, k] in float32 FMAs (x as float32, q exact), then y += scale * d
    (and y += min * sum_k x[k] when the pack has mins). Pack: per tile, per group, 32 x TILE int8
    (k-major: the TILE columns of one k together), then the TILE scales and, with `has_min`, the
@@ -246,9 +261,7 @@ static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
-typedef uint16_t q8_x;
 #else
-typedef float q8_x;
 #define DEF_Q8_BLOCK(MB)                                                                         \
 static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const float *x,     \
                                  const float *sx, int K, float *out) {                           \
@@ -273,7 +286,7 @@ DEF_Q8_BLOCK(1) DEF_Q8_BLOCK(2) DEF_Q8_BLOCK(3) DEF_Q8_BLOCK(4)
 DEF_Q8_BLOCK(5) DEF_Q8_BLOCK(6) DEF_Q8_BLOCK(7) DEF_Q8_BLOCK(8)
 #endif
 
-typedef void (*q8_block_fn)(const uint8_t *, int, int, const q8_x *, const float *, int, float *);
+typedef void (*q8_block_fn)(const uint8_t *, int, int, const xelem *, const float *, int, float *);
 static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
     0, q8_block_1, q8_block_2, q8_block_3, q8_block_4,
 #if MAXB > 4
@@ -286,39 +299,20 @@ static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
 int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, int has_min,
                void *y, int out_bf16) {
     const int G = K / GROUP, T = N / TILE;
-    float *xf = (float *)malloc(sizeof(float) * ((size_t)M * K + (size_t)M * G + 1));
-    if (!xf) return -1;
-    float *sx = xf + (size_t)M * K;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {  /* x as float32, and its group sums in one fixed order */
-            float s = 0.f;
-            for (int j = 0; j < GROUP; j++) {
-                const float v = bf16_to_f32(xb[(size_t)m * K + g * GROUP + j]);
-                xf[(size_t)m * K + g * GROUP + j] = v;
-                s += v;
-            }
-            sx[(size_t)m * G + g] = s;
-        }
+    float *sx, *xf;
+    const xelem *x;
+    if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = pack + (size_t)t * G * Q8_GROUP_BYTES(half, has_min);
         float out[MAXB * TILE];
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
-#if defined(__AVX512BF16__)
-            Q8_BLOCKS[mb](wp, half, has_min, xb + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
-#else
-            Q8_BLOCKS[mb](wp, half, has_min, xf + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
-#endif
-            for (int m = 0; m < mb; m++) {
-                const size_t at = (size_t)(m0 + m) * N + (size_t)t * TILE;
-                if (out_bf16)
-                    for (int c = 0; c < TILE; c++) ((uint16_t *)y)[at + c] = f32_to_bf16(out[m * TILE + c]);
-                else
-                    memcpy((float *)y + at, out + m * TILE, sizeof(float) * TILE);
-            }
+            Q8_BLOCKS[mb](wp, half, has_min, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+            rows_out(out, mb, m0, N, t, y, out_bf16);
         }
     }
+    free(sx);
     free(xf);
     return 0;
 }
