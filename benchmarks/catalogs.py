@@ -64,7 +64,7 @@ _SPECIAL = ['"', "\\", "\n", "\t", "/", "é", "中", "😀"]
 
 def package_cache() -> Path:
     """Where fetched wheels are kept: beside the model cache, outside any checkout."""
-    from constrained_spec.models import cache_dir
+    from constrained_spec.cache import cache_dir
 
     return cache_dir() / "bench-packages"
 

@@ -444,7 +444,8 @@ def tokenizer_vocab(which: str) -> tuple[str, list[bytes], int, list[int]]:
     from constrained_spec.grammar import TokenizerData
 
     if which in ("auto", "embedded"):
-        from constrained_spec.models import _CACHE_VERSION, DEFAULT_MODEL_NAME, cache_dir
+        from constrained_spec.cache import cache_dir
+        from constrained_spec.model.embedded import _CACHE_VERSION, DEFAULT_MODEL_NAME
 
         path = cache_dir() / f"{DEFAULT_MODEL_NAME}-v{_CACHE_VERSION}"
         if (path / "done").exists() or which == "embedded":

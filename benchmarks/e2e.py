@@ -629,7 +629,7 @@ def _load_torch_model(dtype: str, threads: int, *, full_model: bool = False,
     import torch
 
     from constrained_spec import load_model
-    from constrained_spec.models import DtypeChoice
+    from constrained_spec.model.loading import DtypeChoice
 
     torch.set_num_threads(threads)
     # transformers' generate needs the complete transformers model (ours runs the lean one);
@@ -879,9 +879,9 @@ def _decode(system: _System, ids: list[int]) -> str:
 
 
 def _check_torch_isa(spec: dict) -> dict:
-    """This torch worker's :func:`constrained_spec.plan.machine_info` (the first import of torch
+    """This torch worker's :func:`constrained_spec.model.plan.machine_info` (the first import of torch
     in the process, so the environment's caps apply); :class:`Skip` when ``--isa`` did not take."""
-    from constrained_spec.plan import machine_info
+    from constrained_spec.model.plan import machine_info
 
     info = machine_info()
     problem = torch_isa_problem(spec.get("isa", "native"), info["capability"], info["mkldnn_bf16"])
@@ -987,12 +987,13 @@ def prompt_builder(model: str | None = None) -> Callable[[dict], dict]:
     tokenizer of ``model``, a --gguf file, or of the embedded model)."""
     from transformers import AutoTokenizer
 
-    from constrained_spec.models import _converted_default_dir, load_model
-    from constrained_spec.prompts import build_messages, encode_prompt
+    from constrained_spec.frontend.prompts import build_messages, encode_prompt
+    from constrained_spec.model.embedded import converted_default_dir
+    from constrained_spec.model.loading import load_model
     from constrained_spec.schemas import normalize_schema
 
     tok = load_model(model, quiet=True).tokenizer if model else \
-        AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
+        AutoTokenizer.from_pretrained(str(converted_default_dir(quiet=True)))
 
     def build(t: dict) -> dict:
         messages = build_messages(t["prompt"], normalize_schema(_speculation().task_schema(t)))
@@ -1119,7 +1120,7 @@ def report(records: list[dict], notes: dict[str, str], facts: dict[str, dict],
     variants = {s: v for s, v in args.variants.items() if s in systems}
     seen = next((f["machine"] for f in facts.values() if (f.get("machine") or {}).get("cpu")), None)
     if seen is None:  # no torch worker ran: the parent reads the same /proc/cpuinfo
-        from constrained_spec.plan import machine_info
+        from constrained_spec.model.plan import machine_info
 
         seen = machine_info()
     machine = machine_line(seen["cpu"], seen["flags"], args.isa, facts)
@@ -1227,7 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             ap.error(f"unknown systems: {', '.join(sorted(unknown))}; known: {', '.join(systems)}")
         systems = [s for s in systems if s in chosen]
-    from constrained_spec.models import fetch_default_gguf
+    from constrained_spec.model.embedded import fetch_default_gguf
 
     # resolved here: the llama.cpp worker imports no torch
     gguf = str(args.gguf.resolve()) if args.gguf else str(fetch_default_gguf(quiet=True))

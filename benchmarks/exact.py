@@ -21,7 +21,7 @@ import torch
 
 from benchmarks._results import write_section
 from constrained_spec import load_model
-from constrained_spec.plan import machine_info
+from constrained_spec.model.plan import machine_info
 
 CASES = (("1 row", 1, 1), ("6-row verify", 1, 6), ("4 requests x 6 rows", 4, 6))
 HEADING = "## Exact runner: its cost with query-invariant chunked attention"

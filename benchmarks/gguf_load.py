@@ -45,7 +45,7 @@ def run_mode(mode: str, gguf: Path) -> dict:
     read_seconds = None
     t0 = time.perf_counter()
     if mode in ("int4", "int4+rest"):
-        from constrained_spec.gguf_weights import read_gguf
+        from constrained_spec.model.gguf import read_gguf
 
         model = read_gguf(gguf)
         read_seconds = time.perf_counter() - t0
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child process
     args = parser.parse_args()
     if args.gguf is None:
-        from constrained_spec.models import fetch_default_gguf
+        from constrained_spec.model.embedded import fetch_default_gguf
 
         args.gguf = fetch_default_gguf()
     if args.mode:

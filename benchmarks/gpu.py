@@ -33,7 +33,7 @@ from benchmarks import kernels as kernel_bench
 from benchmarks import speculation
 from constrained_spec import GenerationResult, Generator, IncompleteOutputError, load_model
 from constrained_spec import kernels as ks
-from constrained_spec.plan import machine_info
+from constrained_spec.model.plan import machine_info
 
 K = 5
 
@@ -51,7 +51,7 @@ def check_kernels(dev: torch.device, batch: int = 8, vocab: int = 128256,
     drafts = torch.randint(0, vocab, (batch * K,), generator=g)
     half = torch.arange(0, batch * K, 2)  # every other draft is the target's argmax
     drafts[half] = logits[half + half // K].argmax(-1)
-    rej = dict(draft_tokens=drafts, cu_num_drafts=torch.arange(0, batch * K + 1, K),
+    rej: dict[str, Any] = dict(draft_tokens=drafts, cu_num_drafts=torch.arange(0, batch * K + 1, K),
                uniform=torch.rand(batch * K, generator=g),
                exp_noise=torch.empty(rows, vocab).exponential_(generator=g))
 

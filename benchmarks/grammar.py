@@ -56,7 +56,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from benchmarks import coverage
 from benchmarks._results import write_section
@@ -251,7 +251,7 @@ class Context:
         # build the per-tokenizer objects (compiler, outlines Vocabulary) outside the timings
         warm = normalize_schema({"type": "object", "properties": {"a": {"type": "string"}}})
         for backend in backends:
-            compile_spec(warm, self.tok, backend=backend, timeout_s=None)
+            compile_spec(warm, self.tok, backend=cast("Literal['xgrammar', 'outlines']", backend), timeout_s=None)
         clear_compile_cache()
 
     def encode(self, text: str) -> tuple[list[int], bool]:
@@ -277,7 +277,7 @@ def compile_within(spec: Any, tok: Any, backend: str, cpu_limit: float, poll_s: 
     t0, c0 = time.perf_counter(), time.process_time()
     while True:
         try:
-            return compile_spec(spec, tok, backend=backend, timeout_s=poll_s)
+            return compile_spec(spec, tok, backend=cast("Literal['xgrammar', 'outlines']", backend), timeout_s=poll_s)
         except SchemaError as exc:
             if "took longer than" not in str(exc):
                 raise
@@ -393,9 +393,9 @@ def select_rows(splits: list[str], *, limit: int | None = None, sample: int | No
 
 def tokenizer_file() -> Path:
     """The embedded model's ``tokenizer.json`` (fetching / converting the model once if needed)."""
-    from constrained_spec.models import _converted_default_dir
+    from constrained_spec.model.embedded import converted_default_dir
 
-    return _converted_default_dir(quiet=False) / "tokenizer.json"
+    return converted_default_dir(quiet=False) / "tokenizer.json"
 
 
 def run(rows: list[dict], *, backends: tuple[str, ...] = BACKENDS, k: int = K,
@@ -439,7 +439,7 @@ def measure_forward(k: int, threads: int, context: int = 200, repeats: int = 30)
 
     import torch
 
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     torch.set_num_threads(threads)
     model = load_model(None, quiet=True)

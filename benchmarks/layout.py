@@ -32,7 +32,7 @@ from typing import Any
 from benchmarks._results import write_section
 from benchmarks.speculation import DEFAULT_TASKS, hardware
 from constrained_spec import Generator, IncompleteOutputError, JsonLayout, load_model
-from constrained_spec.prompts import describe_schema
+from constrained_spec.frontend.prompts import describe_schema
 from constrained_spec.schemas import normalize_schema
 
 FREE_MAX_TOKENS = 160  # enough to see the layout of the first object: its first lines

@@ -23,7 +23,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from constrained_spec.loops import MAX_PERIOD, MIN_LENGTH, MIN_REPEATS, find_loop
+from constrained_spec.generation.loops import MAX_PERIOD, MIN_LENGTH, MIN_REPEATS, find_loop
 from constrained_spec.schemas import JsonLayout
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench" / "jsonschemabench"
@@ -46,9 +46,9 @@ LOOPS = [
 def embedded_tokenizer():
     from transformers import AutoTokenizer
 
-    from constrained_spec.models import _converted_default_dir
+    from constrained_spec.model.embedded import converted_default_dir
 
-    return AutoTokenizer.from_pretrained(str(_converted_default_dir(quiet=True)))
+    return AutoTokenizer.from_pretrained(str(converted_default_dir(quiet=True)))
 
 
 def encode(tok, text: str) -> list[int]:

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._results import write_section
-from constrained_spec.exact_attention import chunk_mask, chunked_attention
 from constrained_spec.kernels import cpu_native
-from constrained_spec.plan import machine_info
-from constrained_spec.weights import Int4Groups, packed_matmul
+from constrained_spec.model.attention import chunk_mask, chunked_attention
+from constrained_spec.model.plan import machine_info
+from constrained_spec.model.weights import Int4Groups, packed_matmul
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
 ROWS = (1, 4, 7, 16)

@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.loops import BENCH, embedded_tokenizer
 from benchmarks.validity import prompt_for
 from constrained_spec import ConstrainedSpecError, SpeculativeConfig
-from constrained_spec.prompts import SCHEMA_PROMPT_SHARE, encode_prompt
+from constrained_spec.frontend.prompts import SCHEMA_PROMPT_SHARE, encode_prompt
 from constrained_spec.schemas import normalize_schema
 
 

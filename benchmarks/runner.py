@@ -1,4 +1,4 @@
-"""Target forward cost by rows: dense bf16 weights vs the exact int4 path (constrained_spec.runner).
+"""Target forward cost by rows: dense bf16 weights vs the exact int4 path (constrained_spec.model.runner).
 
 One process, the embedded model loaded twice (``int4=False`` / ``int4=True``), a slot holding
 ``--context`` cached tokens; for each row count T (tokens appended in one forward, as in a
@@ -23,7 +23,7 @@ import torch
 
 from benchmarks._results import write_section
 from constrained_spec import load_model
-from constrained_spec.runner import INT4_MAX_ROWS
+from constrained_spec.model.runner import INT4_MAX_ROWS
 
 ROWS = (1, 2, 4, 6, 8, 10, 12, 13, 16, 22)
 

@@ -31,7 +31,7 @@ from benchmarks._results import write_section
 from constrained_spec import Generator, Regex, SpeculativeConfig, load_model
 from constrained_spec.config import SpeculativeMethod
 from constrained_spec.drafters import make_drafter
-from constrained_spec.stats import SpecStats
+from constrained_spec.generation.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"

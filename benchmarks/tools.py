@@ -128,7 +128,7 @@ class Ours:
 
     def run(self, request: dict[str, Any]) -> dict[str, Any]:
         from constrained_spec.errors import ConstrainedSpecError
-        from constrained_spec.tools import ToolCall, ToolSet
+        from constrained_spec.frontend.tools import ToolCall, ToolSet
 
         try:
             toolset = ToolSet(request["tools"], "required", False)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         try:
             if s == "llama.cpp":
-                from constrained_spec.models import fetch_default_gguf
+                from constrained_spec.model.embedded import fetch_default_gguf
 
                 gguf = str(args.gguf or fetch_default_gguf(quiet=True))
                 runners[s] = LlamaCpp(gguf, args.threads, args.max_tokens)

@@ -162,7 +162,7 @@ def run(rows: list[dict], *, max_tokens: int = 256, batch_size: int = 8, out: Pa
     from tqdm.auto import tqdm
 
     from constrained_spec import Generator
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     loaded = load_model(None, quiet=not progress)
     gen: Generator[Any] = Generator(loaded, schema=None, max_tokens=max_tokens)

@@ -5,11 +5,9 @@ speculative decoding that respects the grammar at every draft position.
     person = generate(None, "Ada Lovelace, 36, mathematician", schema=Person)
 """
 
-from constrained_spec.schemas import Grammar, JsonLayout, Regex
-
-from .api import GenerationResult, Generator, generate
-from .config import SamplingParams, SpeculativeConfig
-from .errors import (
+from constrained_spec.api import GenerationResult, Generator, generate
+from constrained_spec.config import SamplingParams, SpeculativeConfig
+from constrained_spec.errors import (
     ConfigError,
     ConstrainedSpecError,
     GenerationError,
@@ -20,8 +18,9 @@ from .errors import (
     RepetitionLoopError,
     SchemaError,
 )
-from .models import LoadedModel, load_model
-from .stats import SpecStats
+from constrained_spec.generation.stats import SpecStats
+from constrained_spec.model.loading import LoadedModel, load_model
+from constrained_spec.schemas import Grammar, JsonLayout, Regex
 
 __version__ = "0.1.0"
 

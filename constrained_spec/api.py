@@ -21,20 +21,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Literal, TypeVar, cast, overload
 
-from constrained_spec.grammar import compile_spec
-from constrained_spec.schemas import (
-    JsonLayout,
-    SchemaSpec,
-    bound_schema,
-    check_schema,
-    normalize_schema,
-    parse_output,
-)
-
-from .config import SamplingParams, SpeculativeConfig, _is_real, resolve_speculative
-from .drafters import Drafter, make_drafter
-from .engine import Engine, Request
-from .errors import (
+from constrained_spec.config import SamplingParams, SpeculativeConfig, _is_real, resolve_speculative
+from constrained_spec.drafters import Drafter, make_drafter
+from constrained_spec.errors import (
     ConfigError,
     ConstrainedSpecError,
     GenerationError,
@@ -44,9 +33,8 @@ from .errors import (
     RepetitionLoopError,
     SchemaError,
 )
-from .models import LoadedModel, load_model
-from .prompts import Messages, check_text, encode_prompt
-from .reasoning import (
+from constrained_spec.frontend.prompts import Messages, check_text, encode_prompt
+from constrained_spec.frontend.reasoning import (
     ReasoningMatcher,
     ReasoningOption,
     check_reasoning_budget,
@@ -54,8 +42,19 @@ from .reasoning import (
     resolve_reasoning,
     split_reasoning,
 )
-from .stats import SpecStats
-from .tools import ToolParser, ToolSet, detect_format
+from constrained_spec.frontend.tools import ToolParser, ToolSet, detect_format
+from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.stats import SpecStats
+from constrained_spec.grammar import compile_spec
+from constrained_spec.model.loading import LoadedModel, load_model
+from constrained_spec.schemas import (
+    JsonLayout,
+    SchemaSpec,
+    bound_schema,
+    check_schema,
+    normalize_schema,
+    parse_output,
+)
 
 T = TypeVar("T")
 
@@ -127,8 +126,8 @@ def _resolve_layout(layout: Any) -> JsonLayout | None:
     if isinstance(layout, dict) and set(layout) <= {"indent", "separators"}:
         seps = layout.get("separators")
         try:
-            return JsonLayout(indent=layout.get("indent"),
-                              separators=tuple(seps) if isinstance(seps, list) else seps)
+            separators = cast("tuple[str, str]", tuple(seps) if isinstance(seps, list) else seps)
+            return JsonLayout(indent=layout.get("indent"), separators=separators)
         except SchemaError as e:
             raise ConfigError(str(e), option="layout") from None
     raise ConfigError(f"must be a JsonLayout or a dict of its fields (indent, separators), got "
@@ -363,10 +362,10 @@ class Generator(Generic[T]):
         Thinking tokens before the end marker is forced (``None``: no budget). ``max_tokens``
         counts the reasoning too.
     tools, tool_choice, parallel_tool_calls:
-        Tool calling (``constrained_spec.tools``): ``tools`` are typed Python functions,
+        Tool calling (``constrained_spec.frontend.tools``): ``tools`` are typed Python functions,
         Pydantic models or OpenAI tool dicts; ``tool_choice`` is ``"auto"`` (the model answers
         in text or calls), ``"required"``, ``"none"`` or a tool's name. The value is a
-        :class:`~constrained_spec.tools.ToolCall` (a list of them with ``parallel_tool_calls``),
+        :class:`~constrained_spec.frontend.tools.ToolCall` (a list of them with ``parallel_tool_calls``),
         or the text under ``"auto"``. Under ``"none"`` the ``schema`` applies as usual; with
         calls possible, ``schema`` must be None.
     """
@@ -555,7 +554,7 @@ class Generator(Generic[T]):
         (compiles are cached). Raises :class:`ConstrainedSpecError` subclasses for bad input,
         before any compute. ``overrides``: any :class:`SamplingParams` field,
         ``max_string_length``, ``max_items``, ``reasoning``, ``max_reasoning_tokens``. ``tools``:
-        this request's :class:`~constrained_spec.tools.ToolSet` (or a list of tools, under
+        this request's :class:`~constrained_spec.frontend.tools.ToolSet` (or a list of tools, under
         ``"auto"``; default the Generator's; None: no tools); while calls are possible, its
         grammar replaces ``schema``.
         """
@@ -596,6 +595,7 @@ class Generator(Generic[T]):
             compiled = self._compile(spec, bounds)
         ids = _encode_with_check(self.model, prompt, None if calls else spec, self.system_prompt,
                                  params.max_tokens, toolset)
+        matcher: Any
         if markers is not None:  # the grammar starts after the reasoning
             matcher = reasoning_matcher(self.model, compiled, markers, ids, budget)
         else:
@@ -720,7 +720,7 @@ def generate(model: Any, prompt: Any, *, schema: Any = None, max_tokens: int = 5
     Returns the validated value: a Pydantic instance for a Pydantic model, a dict for a JSON
     Schema, the string for a regex or grammar, the chosen value for choices; or a
     :class:`GenerationResult` with ``return_result=True``. With ``tools=[...]`` (and
-    ``tool_choice``, ``parallel_tool_calls``): a :class:`~constrained_spec.tools.ToolCall`, a
+    ``tool_choice``, ``parallel_tool_calls``): a :class:`~constrained_spec.frontend.tools.ToolCall`, a
     list of them, or the text (``tool_choice="auto"``).
     """
     gen: Generator[Any] = Generator(model, schema=schema, max_tokens=max_tokens,

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import ConfigError
+from constrained_spec.errors import ConfigError
 
 SpeculativeMethod = Literal["ngram", "eagle3", "mtp", "draft_model"]
 METHODS: tuple[str, ...] = ("ngram", "eagle3", "mtp", "draft_model")

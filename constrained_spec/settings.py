@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
-from .errors import ConfigError
+from constrained_spec.errors import ConfigError
 
 DtypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
 MemoryChoice = Literal["auto", "fast", "lean"]
@@ -149,9 +149,9 @@ def parse_bool(name: str, value: str | None, *, default: bool) -> bool:
 
 def _check_plan(text: str) -> None:
     """A fixed ``CONSTRAINED_SPEC_PLAN`` must parse (its own errors name the variable)."""
-    from .plan import KernelPlan  # imports torch: only when a fixed plan is set
+    from constrained_spec.plan_syntax import parse_plan
 
-    KernelPlan.parse(text, memory="fast")
+    parse_plan(text)
 
 
 _current: Settings | None = None

@@ -15,15 +15,17 @@ it in a larger ASGI app). It takes the flags of ``constrained-spec serve``:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from typing import Any
 
 import uvicorn
 
-from constrained_spec.cli import build_parser
-from constrained_spec.models import load_model
-from constrained_spec.server import ServerConfig, create_app
+from constrained_spec import load_model
+from constrained_spec.cli.args import server_config_from_args
+from constrained_spec.cli.parser import build_parser
+from constrained_spec.server import create_app
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,8 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
 
+    config = server_config_from_args(args)  # bad flags fail before the model loads
     model = load_model(args.model)  # loaded once: every request shares its weights and drafter
-    config = ServerConfig.from_args(args, model.name)
+    config = dataclasses.replace(config, model_name=config.model_name or model.name)
     app = create_app(model, config)  # the engine loop starts and stops with the app's lifespan
     server = app.state.server  # the state behind the routes: generator, engine loop, threads
 

@@ -104,7 +104,7 @@ def _compile(build: str, out: Path) -> bool:
 def _library(build: str | None) -> tuple[ctypes.CDLL, int] | None:
     if build is None:
         return None
-    from constrained_spec.models import cache_dir
+    from constrained_spec.cache import cache_dir
 
     key = hashlib.sha256(SOURCE.read_bytes() + repr((_CFLAGS, BUILDS[build])).encode()).hexdigest()[:16]
     path = cache_dir() / "kernels" / f"cpu_native-{build}-{key}.so"

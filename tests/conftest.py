@@ -75,7 +75,7 @@ def tiny_loaded():
 @pytest.fixture(scope="session")
 def embedded():
     """The embedded default model, loaded once for the whole session."""
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     return load_model(None, quiet=True)
 
@@ -88,6 +88,6 @@ def embedded_fp32():
     near-tie differently from a single run (with or without speculation); fp32 does not show
     this on the benchmark tasks.
     """
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     return load_model(None, dtype="float32", quiet=True)

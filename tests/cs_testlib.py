@@ -68,7 +68,7 @@ def tiny_loaded_model(seed: int = 0, tok=None):
     """A LoadedModel over a tiny random Llama and :func:`byte_level_bpe` (or ``tok``, one with
     added tokens or a chat template) (fp32, CPU): the whole public API and the server run on
     it in milliseconds per token, on any prompt text."""
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     tok = byte_level_bpe() if tok is None else tok
     model = tiny_llama(vocab_size=len(tok) + 2, seed=seed, max_positions=2048)
@@ -108,7 +108,7 @@ def exact_distribution(model, compiled, params, vocab: int, prompt: list[int]) -
     """P(sequence) for every complete token sequence after ``prompt``, by walking the grammar:
     grammar mask, then the repetition guard when ``params`` sets one, then temperature / top-k /
     top-p (``sampling.py``, the one definition the engine uses). Token 0 (EOS) is left out."""
-    from constrained_spec.sampling import apply_repetition_guard, process_logits
+    from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
 
     out: dict[tuple, float] = {}
     words = (vocab + 31) // 32
@@ -167,7 +167,7 @@ def bigram_loaded(edges: dict[tuple[str, str], float], tok=None):
     `byte_level_bpe` (or ``tok``, one with added tokens or a chat template), built from
     ``edges`` {(token, next token): logit} (others -10): a model whose greedy behaviour, e.g. a
     repetition loop, is fixed by construction."""
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     tok = byte_level_bpe() if tok is None else tok
     V = len(tok) + 2
@@ -184,7 +184,7 @@ def greedy_outputs(runner, compiled, prompts, spec=None, drafter=None, max_token
     """Greedy output ids of ``prompts`` (token lists) under ``compiled``, batched through an
     Engine over ``runner`` with speculation ``spec`` / ``drafter`` (None: off)."""
     from constrained_spec.config import SamplingParams
-    from constrained_spec.engine import Engine, Request
+    from constrained_spec.generation.engine import Engine, Request
 
     eng = Engine(runner, speculative=spec, drafter=drafter)
     reqs = [Request(list(p), compiled.new_matcher(), SamplingParams(max_tokens=max_tokens), (0,))

@@ -90,19 +90,21 @@ def test_overridden_changes_a_field_for_a_block_only(cs_env):
 
 def test_the_command_line_reports_a_bad_variable_as_a_usage_error(cs_env, capsys):
     from constrained_spec import cli
+    from constrained_spec.cli import exit_codes
 
     with pytest.raises(ConfigError):
         cs_env(CONSTRAINED_SPEC_DEBUG="maybe")
     code = cli.main(["info", "--no-model", "--json"])
-    assert code == cli.exit_code_for(ConfigError("x")) and code != cli.EXIT_OK
+    assert code == exit_codes.exit_code_for(ConfigError("x")) and code != exit_codes.EXIT_OK
     err = capsys.readouterr().err
     assert "CONSTRAINED_SPEC_DEBUG" in err and "'maybe'" in err
 
 
 def test_info_measure_asks_for_a_measured_plan_without_touching_the_environment(cs_env, monkeypatch,
                                                                                 capsys):
-    from constrained_spec import cli, models
-
+    from constrained_spec import cli
+    from constrained_spec.cli import exit_codes
+    from constrained_spec.model import loading as models
     cs_env(CONSTRAINED_SPEC_PLAN=None)
     seen = []
 
@@ -112,8 +114,8 @@ def test_info_measure_asks_for_a_measured_plan_without_touching_the_environment(
             return {"plan": "fixed"}
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: Loaded())
-    assert cli.main(["info", "--measure", "--json"]) == cli.EXIT_OK
-    assert cli.main(["info", "--json"]) == cli.EXIT_OK
+    assert cli.main(["info", "--measure", "--json"]) == exit_codes.EXIT_OK
+    assert cli.main(["info", "--json"]) == exit_codes.EXIT_OK
     assert seen == ["measure", None]
     assert "CONSTRAINED_SPEC_PLAN" not in os.environ and settings().plan is None
     capsys.readouterr()

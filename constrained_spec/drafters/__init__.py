@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import SpeculativeConfig
-from ..errors import ConfigError
-from .base import Drafter, DraftState, GrammarCursor
-from .draft_model import DraftModelDrafter, load_draft_model
-from .forced import ForcedDrafter
-from .ngram import NgramDrafter
+from constrained_spec.config import SpeculativeConfig
+from constrained_spec.drafters.base import Drafter, DraftState, GrammarCursor
+from constrained_spec.drafters.draft_model import DraftModelDrafter, load_draft_model
+from constrained_spec.drafters.forced import ForcedDrafter
+from constrained_spec.drafters.ngram import NgramDrafter
+from constrained_spec.errors import ConfigError
 
 __all__ = [
     "DraftModelDrafter",
@@ -32,7 +32,7 @@ def make_drafter(config: SpeculativeConfig | None, model: Any) -> Drafter | None
     if config.method == "draft_model":
         return load_draft_model(config.model, model)
     if config.method in ("eagle3", "mtp"):
-        from .feature import load_feature_drafter
+        from constrained_spec.drafters.feature import load_feature_drafter
 
         return load_feature_drafter(config.method, config.model, model)
     raise ConfigError(f"unknown method {config.method!r}", option="speculative.method")

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from ..timing import StepTimer
+from constrained_spec.generation.timing import StepTimer
 
 T = TypeVar("T")
 
@@ -142,9 +142,8 @@ class DraftState:
         top-p: the processing the verifier applies to the target's row there. q is
         ``sampling.probs_from_logits`` of the result (pass it to :meth:`push`); greedy requests
         take its argmax and push a point mass (q = None)."""
+        from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
         from constrained_spec.kernels import apply_bitmask
-
-        from ..sampling import apply_repetition_guard, process_logits
 
         out = logits.float().clone()[None]  # [1, V]
         row = self.cursor.row()
@@ -164,7 +163,7 @@ class DraftState:
         """A model drafter's draft for the next position from its raw target-width ``logits``
         and its q (None = point mass): the argmax of `draft_logits` for greedy requests, a draw
         from it with the request's generator otherwise; (None, None) when nothing is allowed."""
-        from ..sampling import probs_from_logits
+        from constrained_spec.generation.sampling import probs_from_logits
 
         x = self.draft_logits(logits)  # [V]: masked, guarded, temperature / top-k / top-p
         if self.params.greedy:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, ModelLoadError
-from .heads import FINAL, DraftHead, HeadConfig
+from constrained_spec.drafters.heads import FINAL, DraftHead, HeadConfig
+from constrained_spec.errors import ConfigError, ModelLoadError
 
 _BLOCK = {  # public block names -> DraftHead names (after the layer prefix)
     "input_layernorm.weight": "input_layernorm.weight",

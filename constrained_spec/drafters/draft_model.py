@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, ModelLoadError
-from ..protocols import Runner
-from .base import Drafter, DrafterSeq, DraftState, fit_width, length_groups, seq_to_extend
+from constrained_spec.drafters.base import Drafter, DrafterSeq, DraftState, fit_width, length_groups, seq_to_extend
+from constrained_spec.errors import ConfigError, ModelLoadError
+from constrained_spec.model.protocols import Runner
 
 
 @dataclass(eq=False)
@@ -128,8 +128,8 @@ def load_draft_model(model: Any, target: Any) -> DraftModelDrafter:
     ``(transformers_model, tokenizer)`` pair or a ``LoadedModel``) drafting for ``target`` (the
     target's ``LoadedModel``). Raises ConfigError when there is no draft model, its path does
     not exist or its tokenizer is not the target's; ModelLoadError when it cannot be loaded."""
-    from ..models import load_model
-    from ..runner import make_runner
+    from constrained_spec.model.loading import load_model
+    from constrained_spec.model.runner import make_runner
 
     if model is None:
         raise ConfigError("method 'draft_model' needs a draft model: a checkpoint folder, a .gguf "
@@ -151,7 +151,7 @@ def load_draft_model(model: Any, target: Any) -> DraftModelDrafter:
     check_same_tokenizer(target.tokenizer, draft.tokenizer, draft.name)
     runner = make_runner(draft.model, dtype=draft.dtype, device=draft.device,
                          int4=getattr(draft, "_int4", None))
-    from .feature import quantized_drafters
+    from constrained_spec.drafters.feature import quantized_drafters
 
     if hasattr(runner, "quantize_for_drafting") and quantized_drafters():
         runner.quantize_for_drafting()  # CPU bf16: its linears and LM head on the int8 kernel

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..protocols import FeatureSource, feature_source
-from ..settings import settings
-from ..slots import SlotAllocator
-from .base import Drafter, DrafterSeq, DraftState, fit_width, length_groups, seq_to_extend
-from .heads import DraftHead
+from constrained_spec.drafters.base import Drafter, DrafterSeq, DraftState, fit_width, length_groups, seq_to_extend
+from constrained_spec.drafters.heads import DraftHead
+from constrained_spec.model.protocols import FeatureSource, feature_source
+from constrained_spec.model.slots import SlotAllocator
+from constrained_spec.settings import settings
 
 
 @dataclass(eq=False)
@@ -282,8 +282,8 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
     Raises ConfigError when there is none or it does not fit the target."""
     from pathlib import Path
 
-    from ..errors import ConfigError
-    from .checkpoints import load_head
+    from constrained_spec.drafters.checkpoints import load_head
+    from constrained_spec.errors import ConfigError
 
     # a runner that keeps no hidden states (HFRunner) is refused here, before anything below
     # reads its weights
@@ -316,7 +316,7 @@ def load_feature_drafter(method: str, source: Any, target: Any) -> FeatureDrafte
     check_head_fits(head, target.model.config, target.vocab_size)
     head = head.to(device=runner.device, dtype=runner.dtype).eval()
     if runner.device.type == "cpu" and runner.dtype == torch.bfloat16 and quantized_drafters():
-        from .heads import quantize_for_drafting
+        from constrained_spec.drafters.heads import quantize_for_drafting
 
         head = quantize_for_drafting(head)
     return FeatureDrafter(head, runner, vocab_size=target.vocab_size)
@@ -329,7 +329,7 @@ def quantized_drafters() -> bool:
 
 
 def check_head_fits(head: DraftHead, target_config: Any, vocab_size: int) -> None:
-    from ..errors import ConfigError
+    from constrained_spec.errors import ConfigError
 
     c = head.config
     problems = []
@@ -348,7 +348,7 @@ def check_head_fits(head: DraftHead, target_config: Any, vocab_size: int) -> Non
 
 
 def _has_mtp_layer(folder: Any) -> bool:
-    from .checkpoints import find_mtp_layer
+    from constrained_spec.drafters.checkpoints import find_mtp_layer
 
     try:
         return find_mtp_layer(folder) is not None

@@ -114,7 +114,7 @@ class QuantLinear(nn.Module):
         self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..runner import INT4_MAX_ROWS, _linear
+        from constrained_spec.model.runner import INT4_MAX_ROWS, _linear
 
         if x.numel() // x.shape[-1] > INT4_MAX_ROWS:
             return self.dense(x)
@@ -124,7 +124,7 @@ class QuantLinear(nn.Module):
 def quantize_for_drafting(head: DraftHead) -> DraftHead:
     """``head`` (bf16, CPU) with its linear layers, and an mtp head's shared LM head rows, on
     the int8 weight-only kernel for few-row forwards (in place)."""
-    from ..runner import pack_int8
+    from constrained_spec.model.runner import pack_int8
 
     for name, child in list(head.named_children()):
         if isinstance(child, nn.Linear) and child.bias is None:
@@ -262,7 +262,7 @@ class DraftHead(nn.Module):
             return self.lm_head(self.norm(hidden))
         h = self.shared_norm(hidden)
         packed = getattr(self, "target_head_packed", None)
-        from ..runner import INT4_MAX_ROWS, _linear
+        from constrained_spec.model.runner import INT4_MAX_ROWS, _linear
 
         if packed is not None and h.numel() // h.shape[-1] <= INT4_MAX_ROWS:
             return _linear(h.to(torch.bfloat16), packed)

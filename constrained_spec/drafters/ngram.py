@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Drafter, DraftState
+from constrained_spec.drafters.base import Drafter, DraftState
 
 
 def lookup(context: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -4,7 +4,7 @@
 
 or, embedded in your own program (``examples/openai_server.py``)::
 
-    from constrained_spec.models import load_model
+    from constrained_spec import load_model
     from constrained_spec.server import ServerConfig, create_app
 
     model = load_model(None)
@@ -48,8 +48,8 @@ except ImportError as e:
         f"the OpenAI-compatible server needs the app extra ({e.name or 'fastapi'} is not "
         "installed): pip install constrained_spec[app]", option="serve") from e
 
-from .app import Server, ServerConfig, create_app, serve  # noqa: E402
-from .protocol import MAX_RETRIES, APIError  # noqa: E402
+from constrained_spec.server.app import Server, ServerConfig, create_app, serve  # noqa: E402
+from constrained_spec.server.protocol import DEFAULT_MAX_REQUEST_BYTES, MAX_RETRIES, APIError  # noqa: E402
 
-__all__ = ["MAX_RETRIES", "APIError", "AppExtraMissingError", "Server", "ServerConfig",
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "MAX_RETRIES", "APIError", "AppExtraMissingError", "Server", "ServerConfig",
            "create_app", "serve"]

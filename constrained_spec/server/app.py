@@ -3,7 +3,7 @@
 Design: the handlers (``routes``) turn a request into engine requests with
 :meth:`Generator.make_request <constrained_spec.api.Generator.make_request>` (schema compile +
 prompt encoding, on one helper thread) and submit them to ONE
-:class:`~constrained_spec.serving.EngineLoop`, which batches every in-flight request in a
+:class:`~constrained_spec.generation.serving.EngineLoop`, which batches every in-flight request in a
 background thread (continuous batching, each request with its own schema and pre-flight
 mode). One :class:`Generator` serves every request: the model, its runner and drafter are
 loaded once, and everything a request sets (schema, mode, sampling, levers) is per call.
@@ -13,9 +13,9 @@ Final validation of a finished output runs on two more helper threads, so the ev
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import sys
@@ -36,10 +36,9 @@ from constrained_spec.errors import (
     IncompleteOutputError,
     OutputValidationError,
 )
-from constrained_spec.serving import EngineLoop
-from constrained_spec.tools import ToolParser
-
-from .protocol import (
+from constrained_spec.frontend.tools import ToolParser
+from constrained_spec.generation.serving import EngineLoop
+from constrained_spec.server.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
     APIError,
     ChatCompletionRequest,
@@ -49,7 +48,7 @@ from .protocol import (
     schema_of,
     toolset_of,
 )
-from .streaming import Choice, Outcome
+from constrained_spec.server.streaming import Choice, Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ logger = logging.getLogger(__name__)
 class ServerConfig:
     """What ``create_app`` needs besides the model; checked on construction."""
 
-    model_name: str
+    model_name: str = ""  # the name clients send and see; "" in `serve`: the loaded model's
     speculative: Any = None  # SpeculativeConfig | False | None, as Generator takes it
     backend: Literal["xgrammar", "outlines"] = "xgrammar"
     max_batch_size: int = 8
@@ -74,20 +73,6 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"must be an integer >= {minimum}, got {value!r}", option=name)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, model_name: str) -> ServerConfig:
-        """The config the ``constrained-spec serve`` flags describe (``model_name``: the loaded
-        model's, unless ``--served-model-name`` says otherwise)."""
-        from constrained_spec.cli import speculative_from_args
-
-        return cls(model_name=args.served_model_name or model_name,
-                   speculative=speculative_from_args(args), backend=args.backend,
-                   max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                   max_tokens=args.max_tokens, api_key=args.api_key,
-                   max_request_bytes=(DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
-                                      else args.max_request_bytes),
-                   enable_metrics=args.enable_metrics)
 
 
 class Server:
@@ -270,13 +255,13 @@ class Guard:
 
 def create_app(model: Any, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving ``model`` (a :class:`~constrained_spec.LoadedModel`, or anything
-    :func:`~constrained_spec.models.load_model` takes); its state is ``app.state.server``.
+    :func:`~constrained_spec.model.loading.load_model` takes); its state is ``app.state.server``.
 
     The engine loop runs while the app's lifespan does: serve it with uvicorn, mount it in a
     larger ASGI app, or add routes of your own to it.
     """
-    from .metrics import metrics_registry
-    from .routes import add_routes
+    from constrained_spec.server.metrics import metrics_registry
+    from constrained_spec.server.routes import add_routes
 
     server = Server(model, config)
 
@@ -298,26 +283,28 @@ def create_app(model: Any, config: ServerConfig) -> FastAPI:
     return app
 
 
-def serve(args: argparse.Namespace) -> int:
-    """``constrained-spec serve``: load the model, build the app and serve it until stopped.
+def serve(model: str | None, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> int:
+    """Load ``model`` (None: the embedded default), build the app and serve it until stopped.
 
-    Logs go to stderr at ``--log-level``; stdout carries uvicorn's access log only.
+    ``constrained-spec serve`` builds ``config`` from its flags (`constrained_spec.cli.args`);
+    an empty ``config.model_name`` becomes the loaded model's name. Logs go to stderr at
+    ``log_level``; stdout carries uvicorn's access log only.
     """
     import uvicorn
 
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
-    ServerConfig.from_args(args, "")  # bad flags fail before the model loads
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.captureWarnings(True)  # schema pre-flight warnings become log lines
-    logger.info("loading the model %s", args.model or "(embedded default)")
+    logger.info("loading the model %s", model or "(embedded default)")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is uvicorn's
-        loaded = load_model(args.model)
-        config = ServerConfig.from_args(args, loaded.name)
+        loaded = load_model(model)
+        config = dataclasses.replace(config, model_name=config.model_name or loaded.name)
         app = create_app(loaded, config)
     logger.info("serving %s (speculation: %s, max batch %d, queue %d)", config.model_name,
                 app.state.server.generator.speculative or "off", config.max_batch_size,
                 config.max_queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
     return 0

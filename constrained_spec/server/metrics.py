@@ -1,7 +1,7 @@
 """Prometheus metrics of the server (``--enable-metrics``, ``GET /metrics``).
 
 Nothing is counted twice: a collector reads the engine loop's own counters
-(:class:`~constrained_spec.serving.EngineLoop` ``.metrics``), its queue and the HTTP response
+(:class:`~constrained_spec.generation.serving.EngineLoop` ``.metrics``), its queue and the HTTP response
 counter of the app's middleware at scrape time.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .app import Server
+    from constrained_spec.server.app import Server
 
 
 def metrics_registry(server: Server) -> Any:

@@ -3,7 +3,7 @@ and the mapping of library errors and request fields onto them.
 
 Nothing here runs a model: a request is parsed and checked (``parse_body``), its
 ``response_format`` turned into a schema and a pre-flight mode (``schema_of``), its ``tools``,
-``tool_choice`` and ``parallel_tool_calls`` into a :class:`~constrained_spec.tools.ToolSet`
+``tool_choice`` and ``parallel_tool_calls`` into a :class:`~constrained_spec.frontend.tools.ToolSet`
 (``toolset_of``), its messages (tool calls and tool results included) into the library's
 prompt (``chat_prompt``). Every refusal is an :class:`APIError`, answered in
 OpenAI's envelope ``{"error": {message, type, param, code}}`` with an HTTP status.
@@ -26,8 +26,8 @@ from constrained_spec.errors import (
     PromptTooLongError,
     SchemaError,
 )
-from constrained_spec.serving import QueueFullError
-from constrained_spec.tools import ToolSet
+from constrained_spec.frontend.tools import ToolSet
+from constrained_spec.generation.serving import QueueFullError
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 #: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a

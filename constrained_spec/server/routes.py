@@ -32,12 +32,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from constrained_spec.errors import ConstrainedSpecError
-
-from .protocol import APIError, ChatCompletionRequest, api_error, envelope, parse_body, stop_strings
-from .streaming import Choice, Outcome, disconnected, run_choices, stream, usage
+from constrained_spec.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    api_error,
+    envelope,
+    parse_body,
+    stop_strings,
+)
+from constrained_spec.server.streaming import Choice, Outcome, disconnected, run_choices, stream, usage
 
 if TYPE_CHECKING:
-    from .app import Server
+    from constrained_spec.server.app import Server
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """How a chat completion's choices run: their tokens as they arrive, the text they make
 (detokenized whole, cut at ``stop`` strings), their outcome once finished, and the SSE stream.
 
-Each choice is one engine request (a :class:`~constrained_spec.serving.Ticket` of the shared
+Each choice is one engine request (a :class:`~constrained_spec.generation.serving.Ticket` of the shared
 engine loop). ``run_choices`` consumes all of a completion's choices together; ``stream``
 turns them into OpenAI's ``chat.completion.chunk`` events (a ``_ChunkProducer`` runs the choices
 and queues the events, ``stream`` sends them). A client that goes away cancels
@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from constrained_spec.api import SchemaMode
+from constrained_spec.frontend.tools import StreamingToolParser, ToolParser
+from constrained_spec.generation.serving import Ticket
 from constrained_spec.grammar.reasoning import ReasoningMatcher
-from constrained_spec.serving import Ticket
-from constrained_spec.tools import StreamingToolParser, ToolParser
-
-from .protocol import APIError, api_error, envelope
+from constrained_spec.server.protocol import APIError, api_error, envelope
 
 if TYPE_CHECKING:
-    from .app import Server
+    from constrained_spec.server.app import Server
 
 logger = logging.getLogger(__name__)
 

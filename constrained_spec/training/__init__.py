@@ -14,9 +14,9 @@ trains the heads, ``distill`` the draft model. ``python -m constrained_spec.trai
 all in one command.
 """
 
-from .data import BENCH_DIR, FREE_CHAT, build_prompts, generate_corpus, load_corpus
-from .features import FeatureDataset, batches, collate, extract_features
-from .synthetic import task_prompts
+from constrained_spec.training.data import BENCH_DIR, FREE_CHAT, build_prompts, generate_corpus, load_corpus
+from constrained_spec.training.features import FeatureDataset, batches, collate, extract_features
+from constrained_spec.training.synthetic import task_prompts
 
 __all__ = ["BENCH_DIR", "FREE_CHAT", "FeatureDataset", "batches", "build_prompts", "collate",
            "extract_features", "generate_corpus", "load_corpus", "task_prompts"]

@@ -88,13 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, keep: list[int]) -> int:
     from constrained_spec.drafters.heads import HeadConfig
-    from constrained_spec.models import load_model
-
-    from .data import build_prompts, generate_corpus, load_corpus
-    from .distill import check_layers
-    from .features import extract_features
-    from .synthetic import task_prompts
-    from .train import train_head
+    from constrained_spec.model.loading import load_model
+    from constrained_spec.training.data import build_prompts, generate_corpus, load_corpus
+    from constrained_spec.training.distill import check_layers
+    from constrained_spec.training.features import extract_features
+    from constrained_spec.training.synthetic import task_prompts
+    from constrained_spec.training.train import train_head
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,7 +108,7 @@ def _run(args: argparse.Namespace, keep: list[int]) -> int:
     generate_corpus(target, prompts, corpus_path, max_tokens=args.max_tokens, seed=args.seed)
     corpus = load_corpus(corpus_path)
     if args.kind == "draft_model":
-        from .distill import train_draft_model
+        from constrained_spec.training.distill import train_draft_model
 
         out = args.out or work / "draft_model"
         train_draft_model(target.model, corpus, out, layers=keep, lr=args.lr or 3e-4,

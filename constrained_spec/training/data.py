@@ -28,11 +28,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, ConstrainedSpecError
+from constrained_spec.errors import ConfigError, ConstrainedSpecError
 
 if TYPE_CHECKING:
-    from ..api import Generator
-    from ..engine import Request
+    from constrained_spec.api import Generator
+    from constrained_spec.generation.engine import Request
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def generate_corpus(model: Any, prompts: Sequence[dict[str, Any]], out: Path, *,
     """
     from tqdm.auto import tqdm
 
-    from ..api import Generator
+    from constrained_spec.api import Generator
 
     _check_corpus_options(prompts, batch_size)
     out = Path(out)

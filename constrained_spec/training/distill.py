@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from .features import group_by_tokens
+from constrained_spec.errors import ConfigError
+from constrained_spec.training.features import group_by_tokens
 
 #: The target's decoder layers the draft model keeps by default (-1: the last).
 DEFAULT_LAYERS = (0, 1, -1)
@@ -119,7 +119,7 @@ def train_draft_model(target: Any, corpus: Sequence[dict[str, Any]], out: Path, 
     (a transformers folder, with ``tokenizer`` when given). Stops after ``max_steps`` optimizer
     steps or ``max_minutes`` of training (summed over resumed runs); resumes from
     ``out/train_state.pt``."""
-    from .train import fit
+    from constrained_spec.training.train import fit
 
     if not corpus:
         raise ConfigError("the corpus is empty; run generate_corpus first", option="corpus")

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..models import LoadedModel
+from constrained_spec.errors import ConfigError
+from constrained_spec.model.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 

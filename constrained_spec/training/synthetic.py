@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from constrained_spec.errors import ConfigError
 
 __all__ = ["DOMAINS", "KINDS", "task_prompts"]
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..drafters.heads import DraftHead, HeadConfig, HeadKind
+from constrained_spec.drafters.heads import DraftHead, HeadConfig, HeadKind
 
 STEP_DECAY = 0.8
 
@@ -139,7 +139,7 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
     """Train a ``kind`` head for ``target`` (a transformers Llama) on the features in
     ``data_dir``; writes the head to ``out`` and returns it. Stops after ``max_steps``
     optimizer steps or ``max_minutes`` of training (summed over resumed runs)."""
-    from .features import FeatureDataset, batches
+    from constrained_spec.training.features import FeatureDataset, batches
 
     if threads:
         torch.set_num_threads(threads)

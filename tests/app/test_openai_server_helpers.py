@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from constrained_spec.errors import ConfigError, SchemaError
+from constrained_spec.generation.serving import QueueFullError
 from constrained_spec.server.app import Guard, ServerConfig
 from constrained_spec.server.protocol import (
     APIError,
@@ -19,7 +20,6 @@ from constrained_spec.server.protocol import (
     stop_strings,
 )
 from constrained_spec.server.streaming import ChoiceText
-from constrained_spec.serving import QueueFullError
 
 VOCAB = ["Hello", " E", "N", "D", " more", "é"[:1], "\ufffd"]
 

@@ -19,7 +19,8 @@ from openai_server_process import serve_tiny
 
 import constrained_spec.api as api
 from constrained_spec import ConfigError
-from constrained_spec.cli import build_parser, main
+from constrained_spec.cli import main
+from constrained_spec.cli.parser import build_parser
 from constrained_spec.config import SpeculativeConfig
 
 MODEL = "tiny"
@@ -90,7 +91,7 @@ def test_serve_takes_the_flags_of_the_former_example_script():
 @pytest.mark.parametrize("flag, value", [("--max-batch-size", "0"), ("--max-queue", "-1"),
                                          ("--max-request-bytes", "0")])
 def test_serve_refuses_bad_limits_before_loading_a_model(flag, value, capsys, monkeypatch):
-    import constrained_spec.models as models
+    import constrained_spec.model.loading as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     assert main(["serve", flag, value]) == 2

@@ -1,4 +1,4 @@
-"""The serving loop (constrained_spec.serving) in-process: a scripted fake engine for the queue,
+"""The serving loop (constrained_spec.generation.serving) in-process: a scripted fake engine for the queue,
 cancellation and isolation properties (milliseconds each), and the real engine on the tiny
 Llama for continuous batching with a schema per request."""
 
@@ -16,13 +16,13 @@ from cs_testlib import CHARS
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
-from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import GenerationError
+from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.serving import EngineLoop, QueueFullError
 from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.slots import SlotAllocator
 from constrained_spec.schemas import Regex, normalize_schema
-from constrained_spec.serving import EngineLoop, QueueFullError
-from constrained_spec.slots import SlotAllocator
 
 POISON = [666]  # a prompt the fake engine refuses to prefill
 

@@ -6,7 +6,7 @@ import jsonschema
 import pytest
 
 from constrained_spec import SchemaError
-from constrained_spec.dsl import dsl_to_schema, wrap_multi
+from constrained_spec.frontend.dsl import dsl_to_schema, wrap_multi
 
 
 def test_comma_separated_fields_default_to_required_strings():

@@ -17,15 +17,12 @@ from cs_testlib import bigram_loaded
 from test_cli_parsing import stderr_of_exit_2_before_loading
 
 from constrained_spec import ConfigError, Generator, IncompleteOutputError, JsonLayout
-from constrained_spec.cli import (
-    build_parser,
-    error_record,
-    generator_options_from_args,
-    layout_from_args,
-    main,
-    output_json,
-    report_error,
-)
+from constrained_spec.cli import main
+from constrained_spec.cli.args import generator_options_from_args, layout_from_args
+from constrained_spec.cli.batch import error_record
+from constrained_spec.cli.exit_codes import report_error
+from constrained_spec.cli.generate import output_json
+from constrained_spec.cli.parser import build_parser
 
 # {"a": "abab...": inside the string a -> b (5) -> a (5) -> ...; after a, c comes second (4)
 # and the closing quote third (3); after c the quote (5). Greedy never closes the string.
@@ -133,7 +130,7 @@ def looping():
 @pytest.fixture
 def cli(looping, monkeypatch, capsys):
     """Run ``constrained-spec generate ARGS`` on the looping model -> (exit code, stdout, stderr)."""
-    monkeypatch.setattr("constrained_spec.models.load_model", lambda *a, **k: looping)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", lambda *a, **k: looping)
 
     def run(*argv: str):
         code = main(["generate", *argv, "--schema", SCHEMA, "--max-tokens", "40", "--quiet"])

@@ -20,18 +20,12 @@ from constrained_spec import (
     SchemaError,
     SpeculativeConfig,
 )
-from constrained_spec.cli import (
-    EXIT_CODES,
-    TextStream,
-    build_parser,
-    error_record,
-    exit_code_for,
-    main,
-    read_batch,
-    resolve_schema_text,
-    schema_from_args,
-    speculative_from_args,
-)
+from constrained_spec.cli import main
+from constrained_spec.cli.args import resolve_schema_text, schema_from_args, speculative_from_args
+from constrained_spec.cli.batch import error_record, read_batch
+from constrained_spec.cli.exit_codes import EXIT_CODES, exit_code_for
+from constrained_spec.cli.generate import TextStream
+from constrained_spec.cli.parser import build_parser
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -192,7 +186,7 @@ def stderr_of_exit_2_before_loading(argv: list[str], capsys, monkeypatch) -> str
     def no_model(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("constrained_spec.models.load_model", no_model)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", no_model)
     assert main(["generate", *argv]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -200,7 +194,7 @@ def stderr_of_exit_2_before_loading(argv: list[str], capsys, monkeypatch) -> str
 
 
 def test_bad_schema_exits_3_before_any_model_is_loaded(capsys, monkeypatch):
-    monkeypatch.setattr("constrained_spec.models.load_model", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", lambda *a, **k: 1 / 0)
     assert main(["generate", "p", "--schema", '{"type": "object", "properties": {"a": '
                  '{"type": "string", "pattern": "(?<=x)y"}}}']) == 3
     err = capsys.readouterr().err
@@ -274,7 +268,7 @@ def test_an_unexpected_exception_is_one_line_and_exit_1(capsys, monkeypatch):
     def broken(args, out):
         raise KeyError("boom")
 
-    monkeypatch.setattr("constrained_spec.cli._cmd_schema_check", broken)
+    monkeypatch.setattr("constrained_spec.cli.commands.run_schema_check", broken)
     assert main(["schema-check", "name"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error: KeyError" in err

@@ -23,7 +23,7 @@ def loaded():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stdout_has_the_answer_and_stderr_the_thinking(loaded, capsys, monkeypatch, stream):
-    monkeypatch.setattr("constrained_spec.models.load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", lambda *a, **k: loaded)
     argv = ["generate", "go", "--max-reasoning-tokens", "4", "--show-reasoning", "--quiet",
             "--max-tokens", "20", "--max-retries", "0"] + (["--stream"] if stream else [])
     assert main(argv) == 0
@@ -33,7 +33,7 @@ def test_stdout_has_the_answer_and_stderr_the_thinking(loaded, capsys, monkeypat
 
 
 def test_reasoning_off_treats_the_markers_as_text(loaded, capsys, monkeypatch):
-    monkeypatch.setattr("constrained_spec.models.load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", lambda *a, **k: loaded)
     # off: no budget, nothing forced; the bigram loops "abab" until max_tokens
     code = main(["generate", "go", "--reasoning", "off", "--quiet", "--max-tokens", "8",
                  "--max-retries", "0"])
@@ -45,7 +45,7 @@ def test_bad_reasoning_flags_exit_2_before_loading(capsys, monkeypatch, flag, va
     def refuse(*a, **k):
         raise AssertionError("loaded a model for a bad flag")
 
-    monkeypatch.setattr("constrained_spec.models.load_model", refuse)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", refuse)
     try:  # argparse exits for a bad choice; a ConfigError is exit status 2 from main
         code = main(["generate", "go", flag, value])
     except SystemExit as e:

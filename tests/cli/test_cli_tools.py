@@ -9,7 +9,9 @@ import json
 import pytest
 from test_cli_parsing import stderr_of_exit_2_before_loading
 
-from constrained_spec.cli import build_parser, main, tools_from_args
+from constrained_spec.cli import main
+from constrained_spec.cli.args import tools_from_args
+from constrained_spec.cli.parser import build_parser
 
 SEARCH = {"type": "function", "function": {
     "name": "search", "parameters": {"type": "object", "properties": {"q": {"enum": ["cats", "dogs"]}},
@@ -59,7 +61,7 @@ def test_bad_tool_flags_exit_2_before_loading_a_model(tool_files, argv, match, c
 
 def test_a_required_call_is_printed_as_one_json_line(tool_files, tiny_loaded, capsys,
                                                      monkeypatch):
-    monkeypatch.setattr("constrained_spec.models.load_model", lambda *a, **k: tiny_loaded)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", lambda *a, **k: tiny_loaded)
     code = main(["generate", "Find cats", "--tool", str(tool_files / "search.json"),
                  "--tool-choice", "search", "--max-tokens", "200", "--quiet", "--system", "Go."])
     out = capsys.readouterr().out

@@ -17,13 +17,13 @@ import torch
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import Drafter, ForcedDrafter, NgramDrafter
-from constrained_spec.engine import Engine, Request, contain
 from constrained_spec.errors import ConfigError, GenerationError
-from constrained_spec.protocols import FeatureSource, Runner
-from constrained_spec.runner import HFRunner, LlamaRunner
-from constrained_spec.slots import SlotAllocator
-from constrained_spec.stats import SpecStats
-from constrained_spec.timing import StepTimer
+from constrained_spec.generation.engine import Engine, Request, contain
+from constrained_spec.generation.stats import SpecStats
+from constrained_spec.generation.timing import StepTimer
+from constrained_spec.model.protocols import FeatureSource, Runner
+from constrained_spec.model.runner import HFRunner, LlamaRunner
+from constrained_spec.model.slots import SlotAllocator
 
 CPU = torch.device("cpu")
 

@@ -26,9 +26,9 @@ from constrained_spec import (
 )
 from constrained_spec.config import SamplingParams
 from constrained_spec.drafters import DraftModelDrafter, make_drafter
-from constrained_spec.engine import Engine, Request
+from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}

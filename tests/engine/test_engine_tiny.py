@@ -10,9 +10,9 @@ from cs_testlib import CHARS
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import Drafter, NgramDrafter
-from constrained_spec.engine import Engine, Request
+from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import HFRunner, LlamaRunner
+from constrained_spec.model.runner import HFRunner, LlamaRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}

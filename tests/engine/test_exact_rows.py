@@ -14,8 +14,8 @@ import pytest
 import torch
 from cs_testlib import tiny_llama
 
-from constrained_spec.plan import KernelPlan
-from constrained_spec.runner import KEY_BLOCK, LeanRunner, int4_weights
+from constrained_spec.model.plan import KernelPlan
+from constrained_spec.model.runner import KEY_BLOCK, LeanRunner, int4_weights
 
 CPU = torch.device("cpu")
 V = 40
@@ -105,8 +105,8 @@ def test_a_runner_that_is_not_exact_reads_only_the_keys_it_needs(model):
 
 
 def test_an_exact_plan_runs_every_decode_row_count_on_one_row_invariant_kernel():
-    from constrained_spec.plan import _decode_buckets
-    from constrained_spec.weights import ROW_INVARIANT_KERNELS
+    from constrained_spec.model.plan import _decode_buckets
+    from constrained_spec.model.weights import ROW_INVARIANT_KERNELS
 
     times = {1: {"fp32": 1.0, "bf16": 3.0, "int4": 2.0},  # ms per forward of that many rows
              6: {"fp32": 2.0, "bf16": 2.6, "int4": 2.5},
@@ -177,7 +177,7 @@ def test_the_embedded_model_verifies_rows_as_one_row_decodes_in_its_own_plan(emb
 
 def test_exact_is_the_default_on_a_cpu_and_a_bad_value_names_the_variable(cs_env, model):
     from constrained_spec.errors import ConfigError
-    from constrained_spec.plan import exact_mode
+    from constrained_spec.model.plan import exact_mode
 
     cuda = torch.device("cuda")
     cs_env(CONSTRAINED_SPEC_EXACT=None)

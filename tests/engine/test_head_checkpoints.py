@@ -28,8 +28,8 @@ from constrained_spec.drafters import make_drafter
 from constrained_spec.drafters.base import DraftState, GrammarCursor
 from constrained_spec.drafters.checkpoints import find_mtp_layer, load_head
 from constrained_spec.drafters.feature import FeatureDrafter, load_feature_drafter
-from constrained_spec.models import load_model
-from constrained_spec.protocols import Runner
+from constrained_spec.model.loading import load_model
+from constrained_spec.model.protocols import Runner
 
 D, H, KV = 64, 4, 2  # the tiny targets' shape (cs_testlib.tiny_llama)
 HD = D // H

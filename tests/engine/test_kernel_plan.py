@@ -14,9 +14,9 @@ import torch
 from test_runner_int4 import quantized_tiny_llama
 
 from constrained_spec.errors import ConfigError
-from constrained_spec.plan import PLAN_FILE, KernelPlan, _merge, choose_plan, machine_info, measure
-from constrained_spec.runner import LlamaRunner, int4_weights
-from constrained_spec.weights import Int4Groups, Linear
+from constrained_spec.model.plan import PLAN_FILE, KernelPlan, _merge, choose_plan, machine_info, measure
+from constrained_spec.model.runner import LlamaRunner, int4_weights
+from constrained_spec.model.weights import Int4Groups, Linear
 
 CPU = torch.device("cpu")
 
@@ -148,7 +148,7 @@ def test_machine_info_names_the_cpu_flags_and_torch_capability(monkeypatch):
 
 
 def test_auto_memory_keeps_dense_copies_only_where_they_win_by_the_margin():
-    from constrained_spec.plan import RESIDENT_PREFILL_GAIN, _auto_memory
+    from constrained_spec.model.plan import RESIDENT_PREFILL_GAIN, _auto_memory
 
     packed_decode = [(1 << 30, "int4")]
     per_call = {128: {"bf16": 1.3, "int4": 2.0}, 512: {"bf16": 5.2, "int4": 8.0}}

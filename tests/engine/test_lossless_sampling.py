@@ -17,9 +17,9 @@ from cs_testlib import CHARS, exact_distribution, gof
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
-from constrained_spec.engine import Engine, Request
+from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ALPHA = 1e-3

@@ -17,17 +17,17 @@ from cs_testlib import CHARS, bigram_llama, bigram_loaded, byte_level_bpe, exact
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
-from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import ConfigError
-from constrained_spec.grammar import TokenizerData, compile_spec
-from constrained_spec.grammar.reasoning import ReasoningMatcher, ReasoningTables
-from constrained_spec.reasoning import (
+from constrained_spec.frontend.reasoning import (
     ReasoningMarkers,
     detect_reasoning,
     resolve_reasoning,
     split_reasoning,
 )
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.grammar import TokenizerData, compile_spec
+from constrained_spec.grammar.reasoning import ReasoningMatcher, ReasoningTables
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 VOCAB = CHARS + ["<think>", "</think>", "</", "th", "ink", ">", "k>", "k>{", "\n", "i", "h", "k", "bab", "aa",
@@ -470,7 +470,7 @@ CLOSED = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 def think_loaded(template: str, edges: dict[tuple[str, str], float] | None = None):
     """A LoadedModel over a byte-level BPE with ``<think>`` / ``</think>`` tokens and a chat
     template: a tiny random Llama, or (``edges``) a bigram model {(token, next): logit}."""
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     tok = byte_level_bpe()
     tok.add_tokens(["<think>", "</think>"])

@@ -27,7 +27,7 @@ from cs_testlib import byte_level_bpe
 
 from constrained_spec import ConfigError, Generator, SpeculativeConfig
 from constrained_spec.drafters.heads import DraftHead, HeadConfig
-from constrained_spec.runner import (
+from constrained_spec.model.runner import (
     Family,
     HFRunner,
     LeanRunner,
@@ -263,7 +263,7 @@ def test_sliding_window_layers_never_read_keys_before_the_window():
 
 
 def test_exact_sliding_window_layers_read_from_the_windows_key_block():
-    from constrained_spec.runner import WINDOW_KEY_BLOCK
+    from constrained_spec.model.runner import WINDOW_KEY_BLOCK
 
     model = model_of("mistral")
     n = WINDOW_KEY_BLOCK + 40
@@ -302,7 +302,7 @@ def test_int4_packs_cover_biased_and_fused_linears_and_follow_the_float32_model(
 
     from test_runner_int4 import q4_1
 
-    from constrained_spec.runner import int4_weights
+    from constrained_spec.model.runner import int4_weights
 
     model = copy.deepcopy(model_of(name))
     with torch.no_grad():
@@ -356,7 +356,7 @@ def test_configs_the_lean_runner_does_not_implement_run_on_transformers(kind):
 
 
 def _loaded(model, tok):
-    from constrained_spec.models import load_model
+    from constrained_spec.model.loading import load_model
 
     for cfg in (model.config, model.generation_config):  # the eos id must be a token of tok
         cfg.bos_token_id = cfg.eos_token_id = tok.eos_token_id
@@ -418,7 +418,7 @@ def test_buffers_of_a_model_built_on_meta_are_rebuilt_as_at_init(name):
     # at init (RoPE frequencies, gemma3's embedding scale) must come back with its init value
     from transformers import AutoModelForCausalLM
 
-    from constrained_spec.models import _materialize_buffers
+    from constrained_spec.model.loading import _materialize_buffers
 
     config = _config(name, V)
     want = dict(AutoModelForCausalLM.from_config(config).named_buffers())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cs_testlib import tiny_llama
 
-from constrained_spec.runner import (
+from constrained_spec.model.runner import (
     INT4_GROUP,
     LlamaRunner,
     _linear,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from constrained_spec.sampling import process_logits
+from constrained_spec.generation.sampling import process_logits
 
 
 @pytest.mark.parametrize("top_p", [1e-50, 1e-46, 1e-300, 5e-324, 1e-7])

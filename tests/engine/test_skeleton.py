@@ -1,4 +1,4 @@
-"""The lean runner's light view of a model (`constrained_spec.skeleton`) against transformers'.
+"""The lean runner's light view of a model (`constrained_spec.model.skeleton`) against transformers'.
 
 For every family the lean runner covers (the tiny random models of test_runner_families):
 
@@ -30,8 +30,8 @@ import torch
 from test_runner_families import FAMILIES, PHI3_ORIGINAL, model_of
 
 from constrained_spec.errors import ModelLoadError
-from constrained_spec.runner import LEAN_FAMILIES, LeanRunner
-from constrained_spec.skeleton import (
+from constrained_spec.model.runner import LEAN_FAMILIES, LeanRunner
+from constrained_spec.model.skeleton import (
     SKELETON_FAMILIES,
     LightConfig,
     light_config,
@@ -147,11 +147,11 @@ def test_a_lean_gguf_load_does_not_import_transformers_modeling_code(tmp_path):
                CONSTRAINED_SPEC_PLAN="prefill=fp32,decode=int4,lm_head=fp32")
     # the first load converts the file (that reads it through transformers' GGUF code); the
     # checked load opens the converted folder, as every later load does
-    convert = ("import sys; from constrained_spec.models import load_model; "
+    convert = ("import sys; from constrained_spec.model.loading import load_model; "
                f"load_model({str(gguf)!r}, quiet=True)")
     subprocess.run([sys.executable, "-c", convert], env=env, check=True, timeout=300)
     check = (
-        "import sys; from constrained_spec.models import load_model; "
+        "import sys; from constrained_spec.model.loading import load_model; "
         f"m = load_model({str(gguf)!r}, quiet=True); "
         "r = m.runner; s = r.new_slot(); r.forward([s], [[5, 6, 7]], [1]); "
         "assert type(r).__name__ == 'LeanRunner', type(r); "
@@ -195,8 +195,8 @@ def test_light_config_from_another_transformers_version_is_not_trusted(tmp_path)
 
 @pytest.mark.parametrize("name", ["qwen2", "phi3"])
 def test_releasing_the_weights_a_runner_copied_keeps_its_logits_and_frees_the_parts(name):
-    from constrained_spec.models import _tensors_held
-    from constrained_spec.skeleton import release_copied_weights
+    from constrained_spec.model.loading import _tensors_held
+    from constrained_spec.model.skeleton import release_copied_weights
 
     model = model_of(name)
     g = torch.Generator().manual_seed(5)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from constrained_spec.kernels import cpu_native
-from constrained_spec.weights import Int4Groups, Linear, Q8Groups
+from constrained_spec.model.weights import Int4Groups, Linear, Q8Groups
 
 BUILDS = [b for b in cpu_native.BUILDS if cpu_native.available(b)] if cpu_native.available() else []
 pytestmark = pytest.mark.skipif(not BUILDS, reason="the q4 kernel does not build on this machine")

@@ -1,6 +1,6 @@
 """Row invariance of the linear kernels and of the exact attention, on the machine the tests run.
 
-An exact runner (`constrained_spec.runner.LeanRunner`) relies on two properties of the kernels
+An exact runner (`constrained_spec.model.runner.LeanRunner`) relies on two properties of the kernels
 under it: a row multiplied among any number of rows comes out with the same bits as alone
 (`weights.ROW_INVARIANT_KERNELS`, measured), and `exact_attention.chunked_attention` gives a
 query the same bits whatever the other queries of the call, the batch, the masked key chunks
@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from constrained_spec.exact_attention import KEY_CHUNK, QUERY_GROUP, chunk_mask, chunked_attention
-from constrained_spec.runner import WINDOW_KEY_BLOCK, sdpa
-from constrained_spec.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear, Q8Groups
+from constrained_spec.model.attention import KEY_CHUNK, QUERY_GROUP, chunk_mask, chunked_attention
+from constrained_spec.model.runner import WINDOW_KEY_BLOCK, sdpa
+from constrained_spec.model.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear, Q8Groups
 
 ROWS = (1, 2, 3, 6, 7, 13, 24, 33, 64)
 

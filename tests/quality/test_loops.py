@@ -23,10 +23,10 @@ from cs_testlib import CHARS, bigram_llama, bigram_loaded
 from constrained_spec import Generator, IncompleteOutputError, RepetitionLoopError, generate
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
-from constrained_spec.engine import Engine, Request
+from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.loops import MAX_PERIOD, MIN_LENGTH, MIN_REPEATS, LoopDetector, find_loop
 from constrained_spec.grammar import compile_spec
-from constrained_spec.loops import MAX_PERIOD, MIN_LENGTH, MIN_REPEATS, LoopDetector, find_loop
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import normalize_schema
 
 

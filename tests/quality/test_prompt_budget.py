@@ -15,7 +15,7 @@ import pytest
 from cs_testlib import JSONSCHEMABENCH_SAMPLE, byte_level_bpe
 
 from constrained_spec import Generator, PromptTooLongError
-from constrained_spec.prompts import (
+from constrained_spec.frontend.prompts import (
     SCHEMA_PROMPT_SHARE,
     build_messages,
     describe_schema,

@@ -19,15 +19,15 @@ from cs_testlib import CHARS, bigram_llama, exact_distribution, gof
 
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import Drafter, NgramDrafter
-from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import ConfigError
-from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import LlamaRunner
-from constrained_spec.sampling import (
+from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.sampling import (
     apply_repetition_guard,
     ngram_bans,
     probs_from_logits,
 )
+from constrained_spec.grammar import compile_spec
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}

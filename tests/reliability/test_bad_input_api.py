@@ -88,7 +88,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was loaded for bad input")
 
     monkeypatch.setattr("constrained_spec.api.load_model", load)
-    monkeypatch.setattr("constrained_spec.models.load_model", load)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", load)
 
 
 @pytest.mark.parametrize("name", list(BAD_SCHEMAS))
@@ -208,7 +208,7 @@ def gen(embedded):
 @pytest.fixture
 def engine_spy(monkeypatch):
     """Records the requests each engine run gets (none may reach it for a bad prompt)."""
-    from constrained_spec.engine import Engine
+    from constrained_spec.generation.engine import Engine
 
     seen: list[int] = []
     original = Engine.run

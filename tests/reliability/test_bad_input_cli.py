@@ -20,7 +20,7 @@ def no_model(monkeypatch):
     def load(*a, **k):
         raise AssertionError("a model was loaded for bad input")
 
-    monkeypatch.setattr("constrained_spec.models.load_model", load)
+    monkeypatch.setattr("constrained_spec.model.loading.load_model", load)
     monkeypatch.setattr("constrained_spec.api.load_model", load)
 
 
@@ -129,8 +129,7 @@ def test_schema_check_reports_bad_schemas_with_exit_3(capsys, no_model):
 
 @pytest.mark.model
 def test_batch_runs_good_lines_and_reports_bad_ones(tmp_path, capsys, embedded, monkeypatch):
-    from constrained_spec import models
-
+    from constrained_spec.model import loading as models
     monkeypatch.setattr(models, "load_model", lambda *a, **k: embedded)
     lines = [
         '{"prompt": "Is water wet? Answer yes or no.", "schema": {"enum": ["yes", "no"]}}',
@@ -176,8 +175,7 @@ def test_text_that_is_not_unicode_exits_2_or_3_naming_it(capsys, monkeypatch, no
 
 def test_batch_lines_that_are_not_unicode_are_error_records_and_the_rest_run(
         tmp_path, capsys, monkeypatch, tiny_loaded):
-    from constrained_spec import models
-
+    from constrained_spec.model import loading as models
     monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_loaded)
     lines = [b'"Say a."', b'"caf\xe9 in latin-1"', b'"an escaped \\ud800 surrogate"',
              b'{"prompt": "p", "schema": {"enum": ["\\udc80"]}}',

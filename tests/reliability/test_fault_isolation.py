@@ -17,15 +17,15 @@ import pytest
 import torch
 from cs_testlib import CHARS
 
-from constrained_spec import engine as engine_module
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
-from constrained_spec.engine import Engine, Request
 from constrained_spec.errors import GenerationError
+from constrained_spec.generation import engine as engine_module
+from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.serving import EngineLoop
 from constrained_spec.grammar import compile_spec
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.schemas import Regex, normalize_schema
-from constrained_spec.serving import EngineLoop
 
 ID = {c: i for i, c in enumerate(CHARS)}
 SCHEMAS = [

@@ -1,4 +1,4 @@
-"""The model cache under concurrent first use, kill points and damage (models.cached_build).
+"""The model cache under concurrent first use, kill points and damage (cache.cached_build).
 
 Builds here are tiny stand-ins for the model conversion (a few files, a sleep to widen the
 race); the mechanism is the one the embedded model and user checkpoints go through.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cs_testlib import race
 
-from constrained_spec.models import cache_complete, cache_lock, cached_build
+from constrained_spec.cache import cache_complete, cache_lock, cached_build
 
 
 def _slow_build(tmp: Path, tag: str = "x", pause: float = 0.3) -> None:

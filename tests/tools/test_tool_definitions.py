@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from constrained_spec.errors import ConfigError, SchemaError
-from constrained_spec.tools import Tool, ToolSet, normalize_tools
+from constrained_spec.frontend.tools import Tool, ToolSet, normalize_tools
 
 
 def get_weather(city: str, unit: Literal["C", "F"] = "C",
@@ -73,7 +73,7 @@ def test_function_arguments_are_typed_keyword_arguments_and_invoke_calls_the_fun
     [tool] = normalize_tools([get_weather])
     args = tool.arguments({"city": "Oslo", "days": 3})
     assert args == {"city": "Oslo", "unit": "C", "days": 3}
-    from constrained_spec.tools import ToolCall
+    from constrained_spec.frontend.tools import ToolCall
 
     assert ToolCall("get_weather", args, tool=tool).invoke() == "Oslo C 3"
 

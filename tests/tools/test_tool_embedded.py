@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from constrained_spec import generate
-from constrained_spec.tools import ToolCall
+from constrained_spec.frontend.tools import ToolCall
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
 from openai_server_process import serve_in_thread  # noqa: E402

@@ -8,14 +8,14 @@ import json
 import pytest
 
 from constrained_spec.errors import OutputValidationError, SchemaError
-from constrained_spec.schemas.validate import _grammar_accepts
-from constrained_spec.tools import (
+from constrained_spec.frontend.tools import (
     DEFAULT_FORMAT,
     FORMATS,
     StreamingToolParser,
     ToolSet,
     detect_format,
 )
+from constrained_spec.schemas.validate import _grammar_accepts
 
 WEATHER = {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -14,8 +14,8 @@ from pydantic import BaseModel
 from constrained_spec import generate
 from constrained_spec.api import Generator
 from constrained_spec.errors import ConfigError, IncompleteOutputError
-from constrained_spec.prompts import encode_prompt
-from constrained_spec.tools import ToolCall, ToolSet
+from constrained_spec.frontend.prompts import encode_prompt
+from constrained_spec.frontend.tools import ToolCall, ToolSet
 
 MAX = 300  # the byte-level test tokenizer writes most characters as one token each
 
@@ -152,10 +152,10 @@ def test_sampled_tool_calls_keep_their_exact_distribution_under_speculation():
 
     from constrained_spec.config import SamplingParams, SpeculativeConfig
     from constrained_spec.drafters import NgramDrafter
-    from constrained_spec.engine import Engine, Request
+    from constrained_spec.frontend.tools import FORMATS
+    from constrained_spec.generation.engine import Engine, Request
     from constrained_spec.grammar import TokenizerData, compile_spec
-    from constrained_spec.runner import LlamaRunner
-    from constrained_spec.tools import FORMATS
+    from constrained_spec.model.runner import LlamaRunner
 
     fmt = FORMATS["llama3"]
     tok = TokenizerData.from_tokens(PIECES, eos_token_id=0, vocab_size=len(PIECES) + 2)

@@ -29,9 +29,9 @@ from pydantic import BaseModel
 from constrained_spec import generate
 from constrained_spec.api import Generator
 from constrained_spec.errors import IncompleteOutputError
+from constrained_spec.frontend.prompts import encode_prompt
+from constrained_spec.frontend.tools import StreamingToolParser, ToolCall, ToolSet, detect_format
 from constrained_spec.grammar import TokenizerData, compile_spec
-from constrained_spec.prompts import encode_prompt
-from constrained_spec.tools import StreamingToolParser, ToolCall, ToolSet, detect_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
 from openai_server_process import serve_tiny  # noqa: E402

@@ -18,7 +18,7 @@ from cs_testlib import JSONSCHEMABENCH_SAMPLE
 from constrained_spec import Generator
 from constrained_spec.api import DEFAULT_LAYOUT
 from constrained_spec.errors import ConfigError, IncompleteOutputError
-from constrained_spec.prompts import encode_prompt
+from constrained_spec.frontend.prompts import encode_prompt
 from constrained_spec.schemas import normalize_schema
 from constrained_spec.training import (
     FREE_CHAT,

@@ -15,8 +15,8 @@ from cs_testlib import byte_level_bpe, greedy_outputs, tiny_llama
 from constrained_spec.config import SpeculativeConfig
 from constrained_spec.drafters import make_drafter
 from constrained_spec.errors import ConfigError
-from constrained_spec.models import load_model
-from constrained_spec.runner import LlamaRunner
+from constrained_spec.model.loading import load_model
+from constrained_spec.model.runner import LlamaRunner
 from constrained_spec.training.distill import (
     draft_model_loss,
     new_draft_model,

@@ -106,7 +106,7 @@ def test_train_resume_and_load(kind, draft_vocab, target, feature_dirs, tmp_path
 
     class Loaded:  # what make_drafter needs of a LoadedModel
         def __init__(self):
-            from constrained_spec.runner import LlamaRunner
+            from constrained_spec.model.runner import LlamaRunner
 
             self.model = target
             self.runner = LlamaRunner(target, dtype=torch.float32, device=torch.device("cpu"))
@@ -131,7 +131,7 @@ def test_train_resume_and_load(kind, draft_vocab, target, feature_dirs, tmp_path
     compiled = compile_spec(normalize_schema(schema), tiny_tok)
     prompts = [[ID[c] for c in "abcab"], [ID[c] for c in "ddd"]]
 
-    from constrained_spec.runner import LlamaRunner
+    from constrained_spec.model.runner import LlamaRunner
 
     fresh = LlamaRunner(target, dtype=torch.float32, device=torch.device("cpu"))
     assert greedy_outputs(drafter.runner, compiled, prompts, spec, drafter) == \

@@ -15,7 +15,7 @@ from cs_testlib import JSONSCHEMABENCH_SAMPLE, tiny_loaded_model
 
 from constrained_spec.config import SpeculativeConfig
 from constrained_spec.drafters import make_drafter
-from constrained_spec.models import load_model
+from constrained_spec.model.loading import load_model
 from constrained_spec.training import data as data_mod
 from constrained_spec.training.__main__ import main
 

@@ -16,7 +16,7 @@ then the outline without descriptions, then the field names alone, cut to fit. T
 enforces the structure whatever the message says, so a schema is never refused for the length
 of its description: only a user prompt or ``max_tokens`` too long for the context is.
 
-Tools (``tools=``, a :class:`~constrained_spec.tools.ToolSet`): a chat template with a tool
+Tools (``tools=``, a :class:`~constrained_spec.frontend.tools.ToolSet`): a chat template with a tool
 section renders them itself (``apply_chat_template(tools=...)``); for any other template the
 tools are described in our system message within the same budget (their full JSON, then names,
 descriptions and argument names, then names alone). Earlier tool calls (an assistant message's
@@ -37,13 +37,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from constrained_spec.errors import ConfigError
 from constrained_spec.schemas import SchemaSpec
 from constrained_spec.schemas.spec import lone_surrogate
 
-from .errors import ConfigError
-
 if TYPE_CHECKING:
-    from .tools import ToolSet
+    from constrained_spec.frontend.tools import ToolSet
 
 Messages = list[dict[str, Any]]
 
@@ -432,7 +431,7 @@ def _tool_history(tokenizer: Any, messages: Messages) -> Messages:
     if not any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
                for m in messages):
         return messages
-    from .tools import detect_format
+    from constrained_spec.frontend.tools import detect_format
 
     fmt = detect_format(tokenizer)
     # Mistral's templates refuse other call ids; the rest take the ids as the client sent them
@@ -524,7 +523,7 @@ def _encode_with_tools(tokenizer: Any, prompt: str | Messages, tools: ToolSet,
                        reserved: int) -> list[int]:
     """The prompt with the tools: rendered by a template with a tool section, else described
     in our system message (the most detailed description that fits the budget)."""
-    from .tools import detect_format
+    from constrained_spec.frontend.tools import detect_format
 
     fmt = detect_format(tokenizer)
     user = build_messages(prompt, None, False)

@@ -96,8 +96,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ModelLoadError
-from .weights import GROUP as INT4_GROUP  # the kernels' group of 32 inputs
+from constrained_spec.errors import ModelLoadError
+from constrained_spec.model.weights import GROUP as INT4_GROUP  # the kernels' group of 32 inputs
 
 logger = logging.getLogger(__name__)
 

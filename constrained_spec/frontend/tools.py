@@ -72,9 +72,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from constrained_spec.errors import ConfigError, OutputValidationError, SchemaError
 from constrained_spec.schemas import JsonLayout, SchemaSpec, normalize_schema, parse_output
-
-from .errors import ConfigError, OutputValidationError, SchemaError
 
 __all__ = ["Tool", "ToolCall", "ToolSet", "ToolFormat", "FORMATS", "DEFAULT_FORMAT",
            "normalize_tools", "detect_format", "StreamingToolParser"]

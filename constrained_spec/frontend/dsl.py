@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import SchemaError
+from constrained_spec.errors import SchemaError
 
 __all__ = ["DSL_TYPES", "dsl_to_schema", "wrap_multi"]
 

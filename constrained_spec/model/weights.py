@@ -3,7 +3,7 @@
 A `Linear` is one weight matrix ``[N, K]`` (output x input) kept in ONE resident form -- the
 file's own 4-bit groups when they are exactly 4-bit (`Int4Groups`: Q4_0, Q4_1, Q4_K, or a
 dense checkpoint dequantized from one), else a dense tensor -- and multiplied by one of four
-kernels, chosen per phase by the kernel plan (`constrained_spec.plan`):
+kernels, chosen per phase by the kernel plan (`constrained_spec.model.plan`):
 
 ========  =====================  ===========  ============================================
 kernel    activations            weights      what it reads per call
@@ -34,15 +34,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from constrained_spec.kernels import cpu_native
 
-Kernel = Literal["fp32", "bf16", "int8", "int4", "q4", "q8"]
-KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4", "q4", "q8")
 PACKED_KERNELS: frozenset[str] = frozenset({"int4", "int8", "q4", "q8"})
 # the activation dtype each kernel multiplies in
 ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,

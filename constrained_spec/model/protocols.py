@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .errors import ConfigError
+from constrained_spec.errors import ConfigError
 
 
 @runtime_checkable
@@ -97,7 +97,7 @@ def feature_source(runner: object) -> FeatureSource:
     states (eagle3, mtp) cannot run on it and what to use instead."""
     if isinstance(runner, FeatureSource):
         return runner
-    from .runner import LEAN_FAMILIES
+    from constrained_spec.model.runner import LEAN_FAMILIES
 
     raise ConfigError(f"{type(runner).__name__} does not keep hidden states; drafters that read "
                       "them (eagle3, mtp) need a target the lean runner runs (model types "

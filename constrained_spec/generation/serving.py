@@ -9,7 +9,7 @@
     ticket.cancel()                      # client gone: finished "cancelled" at the next step
     loop.stop()
 
-Design. The engine thread owns the :class:`~constrained_spec.engine.Engine`; nothing else
+Design. The engine thread owns the :class:`~constrained_spec.generation.engine.Engine`; nothing else
 touches it. Between two steps it admits waiting requests into the free slots (continuous
 batching: requests join and leave between steps, each with its own schema matcher) and
 hands finished ones back. Handlers only append to the waiting queue and set
@@ -21,7 +21,7 @@ are in the loop at once (running + waiting), so ``max_queue`` requests wait when
 is taken. ``submit`` refuses past that (all of a multi-request submit or none of it).
 
 Isolation is the engine's (`Engine.admit`, `Engine.safe_step`, both built on
-:func:`~constrained_spec.engine.contain`): a request that fails to be admitted fails alone
+:func:`~constrained_spec.generation.engine.contain`): a request that fails to be admitted fails alone
 (the batch is admitted again one by one); inside a step the engine fails only the request
 whose grammar, drafter or ``on_tokens`` callback raised (a
 :class:`~constrained_spec.errors.GenerationError` on ``Request.error``), and a failure of the
@@ -43,9 +43,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine, Request, contain
-from .errors import ConfigError, ConstrainedSpecError
-from .stats import SpecStats
+from constrained_spec.errors import ConfigError, ConstrainedSpecError
+from constrained_spec.generation.engine import Engine, Request, contain
+from constrained_spec.generation.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class EngineLoop:
     Parameters
     ----------
     engine:
-        An :class:`~constrained_spec.engine.Engine` (``Generator.new_engine()``): the loop
+        An :class:`~constrained_spec.generation.engine.Engine` (``Generator.new_engine()``): the loop
         calls its ``admit``, ``safe_step`` and ``reap`` and reads ``running``.
     max_batch_size:
         Requests running at once (stepped together).

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ModelLoadError
+from constrained_spec.errors import ModelLoadError
 
 # the families whose transformers layout `parameter_shapes` writes down (runner.LEAN_FAMILIES)
 SKELETON_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
@@ -101,7 +101,7 @@ def light_config(folder: Path) -> Any:
     if getattr(config, "model_type", None) in SKELETON_FAMILIES:
         values = config.to_dict()
         values["transformers_version"] = transformers.__version__
-        from .models import write_cached_json
+        from constrained_spec.cache import write_cached_json
 
         write_cached_json(path, values)
     return config

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .stats import SpecStats
+from constrained_spec.generation.stats import SpecStats
 
 Stage = Literal["drafting", "grammar", "forward", "verify", "commit"]
 

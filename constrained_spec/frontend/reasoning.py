@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
+from constrained_spec.errors import ConfigError
 from constrained_spec.grammar.reasoning import (
     ANSWER,
     OPENING,
@@ -35,8 +36,6 @@ from constrained_spec.grammar.reasoning import (
     ReasoningMatcher,
     ReasoningTables,
 )
-
-from .errors import ConfigError
 
 __all__ = ["KNOWN_MARKERS", "ReasoningMarkers", "ReasoningOption", "check_reasoning_budget",
            "detect_reasoning", "reasoning_matcher", "resolve_reasoning", "split_reasoning",
@@ -153,7 +152,7 @@ def reasoning_matcher(loaded: Any, compiled: Any, markers: ReasoningMarkers,
     Parameters
     ----------
     loaded:
-        The :class:`~constrained_spec.models.LoadedModel` (its tokenizer and tokenizer data).
+        The :class:`~constrained_spec.model.loading.LoadedModel` (its tokenizer and tokenizer data).
     compiled:
         The request's ``CompiledSpec``, or None for free text.
     prompt_ids:

@@ -23,7 +23,7 @@ wrong (`lean_runner_supports`).
 Weights and kernels: every matrix is a `weights.Linear` -- the exact 4-bit groups of a
 checkpoint converted from a 4-bit GGUF (each group of 32 input weights of a row is exactly
 ``d * q + m``, detected by `int4_weights`), or a dense tensor -- and the kernel plan
-(`constrained_spec.plan`, measured per machine) picks the kernel per phase and rows: fp32 or
+(`constrained_spec.model.plan`, measured per machine) picks the kernel per phase and rows: fp32 or
 bf16 dense, torch's int4 kernel on the file's own 4-bit values, or int8. The activations take
 the kernel's dtype; the KV cache has the plan's. Every weight multiply goes through one method,
 `LeanRunner._matmul`.
@@ -58,11 +58,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .exact_attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
-from .kernels import cpu_native
-from .plan import exact_mode
-from .slots import SlotAllocator
-from .weights import (
+from constrained_spec.kernels import cpu_native
+from constrained_spec.model.attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
+from constrained_spec.model.plan import exact_mode
+from constrained_spec.model.slots import SlotAllocator
+from constrained_spec.model.weights import (
     ACT_DTYPE,
     GROUP,
     Int4Groups,
@@ -282,7 +282,7 @@ def int4_weights(model: Any) -> dict[str, Int4Groups] | None:
 
 
 def _default_plan(dtype: torch.dtype, int4: bool) -> Any:
-    from .plan import KernelPlan
+    from constrained_spec.model.plan import KernelPlan
 
     if dtype == torch.float32:
         return KernelPlan.uniform("fp32")
@@ -302,7 +302,7 @@ class Runner(SlotAllocator):
         raise NotImplementedError
 
     def enable_features(self, layers: Sequence[int]) -> None:
-        from .protocols import feature_source
+        from constrained_spec.model.protocols import feature_source
 
         feature_source(self)  # raises the ConfigError: this runner keeps no hidden states
 
@@ -383,7 +383,7 @@ class LeanRunner(Runner):
             self.layers.append(L)
         self.vocab_size = int(self.lm_head.shape[0])
         self.hidden_size = int(self.embed.shape[1])
-        # which kernel runs each phase (constrained_spec.plan); until a plan is chosen, as
+        # which kernel runs each phase (constrained_spec.model.plan); until a plan is chosen, as
         # before plans: the 4-bit kernel for few rows where exact, dense in `dtype` otherwise
         self.plan = _default_plan(dtype, bool(self.int4_linears) and device.type == "cpu")
         self.kv_dtype = torch.float32 if self.plan.kv == "fp32" else torch.bfloat16
@@ -411,7 +411,7 @@ class LeanRunner(Runner):
         quantized kernel."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not int8_kernel_available():
             return 0
-        from .plan import KernelPlan
+        from constrained_spec.model.plan import KernelPlan
 
         self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (1 << 30, "bf16")],
                                lm_head="int8", source="drafting")

@@ -11,7 +11,7 @@ memory-bound 1-row decode. So the plan is chosen per phase:
 - ``lm_head``: the logits rows of a decode forward,
 
 each timed at a model's first load on a machine over the kernels the machine and the weights
-offer (`constrained_spec.weights`: fp32, bf16, int4 from the file's own 4-bit groups on torch's
+offer (`constrained_spec.model.weights`: fp32, bf16, int4 from the file's own 4-bit groups on torch's
 kernel, q4 from the same groups on this package's C kernel where it builds, q8 for the file's
 8-bit groups, the LM head's among them; int8, a re-quantization, only when asked for), and
 cached beside the converted checkpoint keyed by the machine (CPU flags, torch's capability,
@@ -45,9 +45,17 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
-from .settings import settings
-from .weights import ACT_DTYPE, KERNELS, PACKED_KERNELS, ROW_INVARIANT_KERNELS
+from constrained_spec.errors import ConfigError
+from constrained_spec.model.weights import ACT_DTYPE, PACKED_KERNELS, ROW_INVARIANT_KERNELS
+from constrained_spec.plan_syntax import (
+    ALL_ROWS,
+    MEMORY_MODES,
+    bucket_kernel,
+    check_kernel,
+    describe_buckets,
+    parse_plan,
+)
+from constrained_spec.settings import settings
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +68,6 @@ DENSE_DECODE_GAIN = 0.25  # see _merge
 # the gain a resident dense copy must bring a prompt's forward (at every measured prompt
 # length) for "auto" memory to keep one: it costs 2-4x the 4-bit bytes of the model
 RESIDENT_PREFILL_GAIN = 0.25
-MEMORY_MODES = ("fast", "lean")  # what a plan holds; CONSTRAINED_SPEC_MEMORY may also say "auto"
 
 
 def exact_mode(device: torch.device | None = None) -> bool:
@@ -111,7 +118,7 @@ class KernelPlan:
     def __init__(self, prefill: list[tuple[int, str]] | str, decode: list[tuple[int, str]],
                  lm_head: str, kv: str = "bf16", source: str = "fixed", memory: str = "fast",
                  times_ms: dict[str, dict[str, float]] | None = None) -> None:
-        self.prefill = [(1 << 30, prefill)] if isinstance(prefill, str) else prefill
+        self.prefill = [(ALL_ROWS, prefill)] if isinstance(prefill, str) else prefill
         self.decode = decode
         self.lm_head = lm_head
         self.kv = kv
@@ -122,9 +129,7 @@ class KernelPlan:
 
     def __post_init__(self) -> None:
         for k in [self.lm_head, *(k for _, k in self.prefill), *(k for _, k in self.decode)]:
-            if k not in KERNELS:
-                raise ConfigError(f"unknown kernel {k!r} in the kernel plan; use one of "
-                                  f"{', '.join(KERNELS)}", option="CONSTRAINED_SPEC_PLAN")
+            check_kernel(k)
         if self.memory not in MEMORY_MODES:
             raise ConfigError(f"memory mode {self.memory!r} is not one of {', '.join(MEMORY_MODES)}",
                               option="CONSTRAINED_SPEC_MEMORY")
@@ -137,14 +142,14 @@ class KernelPlan:
     @classmethod
     def uniform(cls, kernel: str, *, source: str = "fixed") -> KernelPlan:
         """The same kernel for every phase."""
-        return cls(prefill=[(1 << 30, kernel)], decode=[(1 << 30, kernel)], lm_head=kernel,
+        return cls(prefill=[(ALL_ROWS, kernel)], decode=[(ALL_ROWS, kernel)], lm_head=kernel,
                    kv="fp32" if kernel == "fp32" else "bf16", source=source)
 
     def decode_kernel(self, rows: int) -> str:
-        return _bucket(self.decode, rows)
+        return bucket_kernel(self.decode, rows)
 
     def prefill_kernel(self, rows: int) -> str:
-        return _bucket(self.prefill, rows)
+        return bucket_kernel(self.prefill, rows)
 
     def kernels(self) -> set[str]:
         return {self.lm_head, *(k for _, k in self.prefill), *(k for _, k in self.decode)}
@@ -155,7 +160,7 @@ class KernelPlan:
         return ACT_DTYPE[self.decode_kernel(1)]
 
     def describe(self) -> str:
-        return (f"prefill={_describe(self.prefill)},decode={_describe(self.decode)},"
+        return (f"prefill={describe_buckets(self.prefill)},decode={describe_buckets(self.decode)},"
                 f"lm_head={self.lm_head},kv={self.kv},memory={self.memory}")
 
     def to_json(self) -> dict[str, Any]:
@@ -170,51 +175,8 @@ class KernelPlan:
 
     @classmethod
     def parse(cls, text: str, *, memory: str = "fast") -> KernelPlan:
-        """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16][,memory=lean]``: missing
-        phases take the decode kernel of 1 row; a missing ``memory`` is ``memory``."""
-        parts: dict[str, str] = {}
-        for item in text.split(","):
-            key, sep, value = item.strip().partition("=")
-            if not sep or key not in ("prefill", "decode", "lm_head", "kv", "memory"):
-                raise ConfigError(f"cannot read kernel plan entry {item!r}: write phase=kernel "
-                                  "with phase in prefill, decode, lm_head, kv, memory "
-                                  "(e.g. prefill=fp32,decode=int4,lm_head=bf16)",
-                                  option="CONSTRAINED_SPEC_PLAN")
-            parts[key] = value.strip()
-        if "decode" not in parts:
-            raise ConfigError("a kernel plan needs decode=KERNEL", option="CONSTRAINED_SPEC_PLAN")
-        if parts.get("memory", "fast") not in MEMORY_MODES:
-            raise ConfigError(f"memory={parts['memory']!r} in the kernel plan: use fast or lean",
-                              option="CONSTRAINED_SPEC_PLAN")
-        decode = _parse_buckets(parts["decode"])
-        first = sorted(decode)[0][1]
-        return cls(prefill=_parse_buckets(parts.get("prefill", first)), decode=decode,
-                   lm_head=parts.get("lm_head", first),
-                   kv=parts.get("kv", "fp32" if first == "fp32" else "bf16"), source="env",
-                   memory=parts.get("memory") or memory)
-
-
-def _bucket(buckets: list[tuple[int, str]], rows: int) -> str:
-    for limit, kernel in buckets:
-        if rows <= limit:
-            return kernel
-    return buckets[-1][1]
-
-
-def _describe(buckets: list[tuple[int, str]]) -> str:
-    return "/".join(f"{k}:{r}" if i < len(buckets) - 1 else k for i, (r, k) in enumerate(buckets))
-
-
-def _parse_buckets(text: str) -> list[tuple[int, str]]:
-    out = []
-    for piece in text.split("/"):
-        kernel, _, rows = piece.partition(":")
-        try:
-            out.append((int(rows) if rows else 1 << 30, kernel))
-        except ValueError:
-            raise ConfigError(f"bad row limit in kernel plan bucket {piece!r}: write kernel:rows",
-                              option="CONSTRAINED_SPEC_PLAN") from None
-    return out
+        """A fixed plan's text (`constrained_spec.plan_syntax.parse_plan`)."""
+        return cls(**parse_plan(text, memory=memory), source="env")
 
 
 def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
@@ -237,7 +199,7 @@ def _merge(times: dict[int, dict[str, float]], *, margin: float = 0.1,
                            key=times[r].__getitem__, default=None)
         if prev in times[r] and times[r][prev] <= (1 + need) * times[r][k]:
             k = prev
-        limit = (r + rows[i + 1]) // 2 if i + 1 < len(rows) else 1 << 30
+        limit = (r + rows[i + 1]) // 2 if i + 1 < len(rows) else ALL_ROWS
         if merged and merged[-1][1] == k:
             merged[-1] = (limit, k)
         else:
@@ -266,7 +228,7 @@ def _decode_buckets(times: dict[int, dict[str, float]], *,
         if any(not t for t in sub.values()):
             continue
         buckets = _merge(sub, dense_margin=dense_margin)
-        cost = sum(times[r][_bucket(buckets, r)] / min(times[r].values()) for r in times)
+        cost = sum(times[r][bucket_kernel(buckets, r)] / min(times[r].values()) for r in times)
         key = (round(cost, 3), len({k for _, k in buckets}), buckets)
         if best is None or key[:2] < best[:2]:
             best = key
@@ -370,7 +332,7 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         kv = "fp32" if kernel == "fp32" else "bf16"
         for mode in prefill_modes if kernel in ("fp32", "bf16") else prefill_modes[:1]:
             into = resident if mode == "fast" and memory == "auto" else times
-            runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, lean or kernel)],
+            runner.set_plan(KernelPlan(prefill=kernel, decode=[(ALL_ROWS, lean or kernel)],
                                        lm_head=kernel, kv=kv, memory=mode))
             for r in prefill_rows:
                 keep(into, f"prefill@{r}", kernel, _timed(1, prefill_call(r), warm=warm))
@@ -487,9 +449,9 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     int4 = runner.supports_kernel("int4")
     exact = bool(getattr(runner, "exact", False))
     if dtype in ("bfloat16", "float16"):  # as before the plan: 4-bit for few rows where exact
-        decode = [(1 << 30, "int4")] if int4 and exact else \
-            [(12, "int4" if int4 else "bf16"), (1 << 30, "bf16")]
-        return KernelPlan(prefill=[(1 << 30, "bf16")], decode=decode, lm_head="bf16")
+        decode = [(ALL_ROWS, "int4")] if int4 and exact else \
+            [(12, "int4" if int4 else "bf16"), (ALL_ROWS, "bf16")]
+        return KernelPlan(prefill=[(ALL_ROWS, "bf16")], decode=decode, lm_head="bf16")
     memory = settings().memory
     if env and env != "measure":
         return KernelPlan.parse(env, memory=_fixed_memory(memory))

@@ -40,17 +40,16 @@ from typing import Any
 
 import torch
 
+from constrained_spec.config import SamplingParams, SpeculativeConfig
+from constrained_spec.drafters.base import Drafter, DraftState, GrammarCursor
+from constrained_spec.drafters.forced import ForcedDrafter
+from constrained_spec.errors import ConfigError, GenerationError
+from constrained_spec.generation.loops import LoopDetector
+from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
+from constrained_spec.generation.stats import SpecStats
+from constrained_spec.generation.timing import StepTimer
 from constrained_spec.kernels import apply_bitmask, rejection_sample
-
-from .config import SamplingParams, SpeculativeConfig
-from .drafters.base import Drafter, DraftState, GrammarCursor
-from .drafters.forced import ForcedDrafter
-from .errors import ConfigError, GenerationError
-from .loops import LoopDetector
-from .protocols import Runner
-from .sampling import apply_repetition_guard, process_logits
-from .stats import SpecStats
-from .timing import StepTimer
+from constrained_spec.model.protocols import Runner
 
 logger = logging.getLogger(__name__)
 

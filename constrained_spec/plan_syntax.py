@@ -1,0 +1,80 @@
+"""The kernel plan's words, without torch: kernel names, memory modes, and the text of a fixed
+plan (``CONSTRAINED_SPEC_PLAN=prefill=fp32,decode=int4:12/bf16,lm_head=bf16``).
+
+`constrained_spec.settings` checks a fixed plan with `parse_plan` when it reads the environment
+(before torch is imported); `constrained_spec.model.plan` builds its `KernelPlan` from the same
+fields. What each kernel is lives in `constrained_spec.model.weights`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from constrained_spec.errors import ConfigError
+
+Kernel = Literal["fp32", "bf16", "int8", "int4", "q4", "q8"]
+KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4", "q4", "q8")
+MEMORY_MODES = ("fast", "lean")  # what a plan holds; CONSTRAINED_SPEC_MEMORY may also say "auto"
+PHASES = ("prefill", "decode", "lm_head", "kv", "memory")
+ALL_ROWS = 1 << 30  # the row limit of a bucket that covers every row count
+_OPTION = "CONSTRAINED_SPEC_PLAN"
+
+
+def check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ConfigError(f"unknown kernel {kernel!r} in the kernel plan; use one of "
+                          f"{', '.join(KERNELS)}", option=_OPTION)
+
+
+def parse_plan(text: str, *, memory: str = "fast") -> dict[str, Any]:
+    """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16][,memory=lean]`` -> the
+    `KernelPlan` fields (``prefill``, ``decode``, ``lm_head``, ``kv``, ``memory``), checked:
+    missing phases take the decode kernel of 1 row; a missing ``memory`` is ``memory``."""
+    parts: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in PHASES:
+            raise ConfigError(f"cannot read kernel plan entry {item!r}: write phase=kernel "
+                              f"with phase in {', '.join(PHASES)} "
+                              "(e.g. prefill=fp32,decode=int4,lm_head=bf16)", option=_OPTION)
+        parts[key] = value.strip()
+    if "decode" not in parts:
+        raise ConfigError("a kernel plan needs decode=KERNEL", option=_OPTION)
+    if parts.get("memory", "fast") not in MEMORY_MODES:
+        raise ConfigError(f"memory={parts['memory']!r} in the kernel plan: use fast or lean",
+                          option=_OPTION)
+    decode = parse_buckets(parts["decode"])
+    first = sorted(decode)[0][1]
+    fields = {"prefill": parse_buckets(parts.get("prefill", first)), "decode": decode,
+              "lm_head": parts.get("lm_head", first),
+              "kv": parts.get("kv", "fp32" if first == "fp32" else "bf16"),
+              "memory": parts.get("memory") or memory}
+    for kernel in [fields["lm_head"], *(k for _, k in fields["prefill"]), *(k for _, k in decode)]:
+        check_kernel(kernel)
+    return fields
+
+
+def parse_buckets(text: str) -> list[tuple[int, str]]:
+    """``int4:12/bf16`` -> ``[(12, "int4"), (ALL_ROWS, "bf16")]``."""
+    out = []
+    for piece in text.split("/"):
+        kernel, _, rows = piece.partition(":")
+        try:
+            out.append((int(rows) if rows else ALL_ROWS, kernel))
+        except ValueError:
+            raise ConfigError(f"bad row limit in kernel plan bucket {piece!r}: write kernel:rows",
+                              option=_OPTION) from None
+    return out
+
+
+def bucket_kernel(buckets: list[tuple[int, str]], rows: int) -> str:
+    """The kernel of the first bucket whose row limit covers ``rows``."""
+    for limit, kernel in buckets:
+        if rows <= limit:
+            return kernel
+    return buckets[-1][1]
+
+
+def describe_buckets(buckets: list[tuple[int, str]]) -> str:
+    """The inverse of `parse_buckets`."""
+    return "/".join(f"{k}:{r}" if i < len(buckets) - 1 else k for i, (r, k) in enumerate(buckets))
