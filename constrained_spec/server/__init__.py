@@ -10,9 +10,10 @@ or, embedded in your own program (``examples/openai_server.py``)::
     model = load_model(None)
     app = create_app(model, ServerConfig(model_name=model.name))   # a FastAPI app
 
-Modules: ``protocol`` (the request body and OpenAI's error envelope), ``routes``,
-``streaming`` (choices, stop strings, SSE), ``metrics`` (Prometheus) and ``app`` (the app
-factory). Without fastapi and uvicorn installed, importing this package raises
+Modules: ``protocol`` (the request body and OpenAI's error envelope), ``state`` (the config
+and the Generator + engine loop behind the routes), ``choices`` (one choice while it runs and
+its outcome), ``routes``, ``streaming`` (stop strings, SSE), ``metrics`` (Prometheus) and
+``app`` (the app factory and `serve`). Without fastapi and uvicorn installed, importing this package raises
 :class:`AppExtraMissingError`, which names the extra to install.
 
 Differences from OpenAI's API, on purpose: ``temperature`` defaults to 0 (greedy, the
@@ -48,8 +49,9 @@ except ImportError as e:
         f"the OpenAI-compatible server needs the app extra ({e.name or 'fastapi'} is not "
         "installed): pip install constrained_spec[app]", option="serve") from e
 
-from constrained_spec.server.app import Server, ServerConfig, create_app, serve  # noqa: E402
+from constrained_spec.server.app import create_app, serve  # noqa: E402
 from constrained_spec.server.protocol import DEFAULT_MAX_REQUEST_BYTES, MAX_RETRIES, APIError  # noqa: E402
+from constrained_spec.server.state import Server, ServerConfig  # noqa: E402
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "MAX_RETRIES", "APIError", "AppExtraMissingError", "Server", "ServerConfig",
            "create_app", "serve"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from constrained_spec.server.app import Server
+    from constrained_spec.server.state import Server
 
 
 def metrics_registry(server: Server) -> Any:

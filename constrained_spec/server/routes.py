@@ -43,7 +43,7 @@ from constrained_spec.server.protocol import (
 from constrained_spec.server.streaming import Choice, Outcome, disconnected, run_choices, stream, usage
 
 if TYPE_CHECKING:
-    from constrained_spec.server.app import Server
+    from constrained_spec.server.state import Server
 
 logger = logging.getLogger(__name__)
 

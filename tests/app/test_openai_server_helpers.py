@@ -10,7 +10,8 @@ import pytest
 
 from constrained_spec.errors import ConfigError, SchemaError
 from constrained_spec.generation.serving import QueueFullError
-from constrained_spec.server.app import Guard, ServerConfig
+from constrained_spec.server.app import Guard
+from constrained_spec.server.choices import ChoiceText
 from constrained_spec.server.protocol import (
     APIError,
     api_error,
@@ -19,7 +20,7 @@ from constrained_spec.server.protocol import (
     schema_of,
     stop_strings,
 )
-from constrained_spec.server.streaming import ChoiceText
+from constrained_spec.server.state import ServerConfig
 
 VOCAB = ["Hello", " E", "N", "D", " more", "é"[:1], "\ufffd"]
 
