@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from constrained_spec.errors import ConfigError, ConstrainedSpecError
-from constrained_spec.generation.engine import Engine, Request, contain
+from constrained_spec.generation.engine import Request, contain
+from constrained_spec.generation.protocols import BatchEngine
 from constrained_spec.generation.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -219,15 +220,15 @@ class EngineLoop:
     Parameters
     ----------
     engine:
-        An :class:`~constrained_spec.generation.engine.Engine` (``Generator.new_engine()``): the loop
-        calls its ``admit``, ``safe_step`` and ``reap`` and reads ``running``.
+        A `BatchEngine` (``Generator.new_engine()``, ours by default: the loop calls its
+        ``admit``, ``safe_step`` and ``reap`` and reads ``running``).
     max_batch_size:
         Requests running at once (stepped together).
     max_queue:
         Requests waiting for a slot; :meth:`submit` raises :class:`QueueFullError` past it.
     """
 
-    def __init__(self, engine: Engine, *, max_batch_size: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, engine: BatchEngine, *, max_batch_size: int = 8, max_queue: int = 64) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"must be an integer >= 1, got {max_batch_size!r}",
                               option="max_batch_size")

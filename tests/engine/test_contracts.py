@@ -64,6 +64,14 @@ def test_an_object_that_is_not_a_drafter_is_refused_when_the_engine_is_built(tin
     assert Engine(runner, speculative=spec, drafter=Subclassed()).drafter.resumable is False
 
 
+def test_our_engine_meets_the_engine_contract_the_frontend_and_serving_loop_use(tiny_model):
+    from constrained_spec.generation.protocols import BatchEngine
+
+    engine = Engine(HFRunner(tiny_model, dtype=torch.float32, device=CPU), speculative=None)
+    assert isinstance(engine, BatchEngine)
+    assert not isinstance(object(), BatchEngine)
+
+
 def test_freed_slots_are_reused_and_a_slot_freed_twice_is_freed_once():
     slots = SlotAllocator()
     a, b = slots.new_slot(), slots.new_slot()
