@@ -39,10 +39,9 @@ rounding of each other (summation orders differ, and GPU exp / division are appr
 
 Which one runs on CPU was measured (benchmarks/kernels.py, 1 thread, K = 5): the reference
 works on one [V] row at a time, which stays in cache, while the vectorised path streams
-[requests, V] blocks through memory. With V = 49152 the reference is faster at every batch
-size (0.5 vs 0.9 ms at batch 1, 42 vs 126 ms at batch 64); the vectorised path wins only on
-small vocabularies (V = 512, batch 64: 1.1 vs 11.8 ms), where the per-row Python overhead
-dominates. So "auto" / "torch" on CPU take the reference above `_CPU_VECTORISED_MAX_VOCAB`
+[requests, V] blocks through memory. On the embedded model's vocabulary the reference is
+faster at every batch size; the vectorised path wins only on small vocabularies, where the
+per-row Python overhead dominates (benchmarks/RESULTS.md, "Kernels (CPU)"). So "auto" / "torch" on CPU take the reference above `_CPU_VECTORISED_MAX_VOCAB`
 and the vectorised path below it; CUDA without Triton takes the vectorised path (no
 per-element host syncs).
 """
@@ -210,7 +209,7 @@ def _rejection_sample_torch(
     For small vocabularies on CPU and for CUDA without Triton. Like the reference it reads
     only the rows it needs (step t looks at draft t of the requests that accepted drafts
     0 .. t-1), so a batch that rejects early costs little. Elementwise `torch.where` over
-    [rows, V] is avoided: on CPU it runs ~20x slower than arithmetic (measured).
+    [rows, V] is avoided: on CPU it runs far slower than arithmetic (measured).
     """
     greedy, uniform, exp_noise = _prepare(target_logits, draft_tokens, cu_num_drafts,
                                           draft_probs, greedy, uniform, exp_noise, generator)
