@@ -45,7 +45,7 @@ def parse_plan(text: str, *, memory: str = "fast") -> dict[str, Any]:
                           option=_OPTION)
     decode = parse_buckets(parts["decode"])
     first = sorted(decode)[0][1]
-    fields = {"prefill": parse_buckets(parts.get("prefill", first)), "decode": decode,
+    fields: dict[str, Any] = {"prefill": parse_buckets(parts.get("prefill", first)), "decode": decode,
               "lm_head": parts.get("lm_head", first),
               "kv": parts.get("kv", "fp32" if first == "fp32" else "bf16"),
               "memory": parts.get("memory") or memory}

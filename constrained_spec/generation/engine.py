@@ -48,7 +48,8 @@ from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
 from constrained_spec.generation.stats import SpecStats
 from constrained_spec.generation.timing import StepTimer
-from constrained_spec.kernels import apply_bitmask, rejection_sample
+from constrained_spec.grammar.matcher import Matcher
+from constrained_spec.kernels import RejectionOutput, apply_bitmask, rejection_sample
 from constrained_spec.model.protocols import Runner
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class Request:
     """One generation in flight."""
 
     prompt_ids: list[int]
-    matcher: Any | None  # grammar.Matcher; None = free text, stops at an eos token
+    matcher: Matcher | None  # None = free text, stops at an eos token
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     on_tokens: Callable[[list[int]], None] | None = None  # streaming callback (emitted ids)
@@ -443,7 +444,7 @@ class Engine:
                                    batch.num_rows)
 
     # -- 3. verify ------------------------------------------------------------------------
-    def _verify(self, batch: StepBatch, logits: torch.Tensor) -> Any:
+    def _verify(self, batch: StepBatch, logits: torch.Tensor) -> RejectionOutput:
         """Mask rows, sampling transforms, then rejection sampling (`kernels.rejection_sample`)."""
         dev = logits.device
         if batch.constrained:
@@ -492,7 +493,7 @@ class Engine:
         return torch.cat(uniform), torch.cat(noise)
 
     # -- 4. commit ------------------------------------------------------------------------
-    def _commit_all(self, batch: StepBatch, result: Any) -> None:
+    def _commit_all(self, batch: StepBatch, result: RejectionOutput) -> None:
         for b, (r, s) in enumerate(zip(batch.reqs, batch.states)):
             n_acc = int(result.num_accepted[b])
             emitted = [int(t) for t in result.output_tokens[b, : n_acc + 1]]
