@@ -1,8 +1,9 @@
 /* Few-row products with 4-bit and 8-bit group weights on an x86 CPU (see cpu_native.py).
 
-   q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, a GGUF Q8_0 matrix such as an LM head) at the end.
+   q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, int8 groups: a GGUF Q8_0 / Q5_0 / Q5_1 matrix such as an
+   LM head) at the end.
 
-   y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / 32,
+   y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / GROUP,
    q in 0..15, x bfloat16, y bfloat16 (round to nearest even) or float32.
 
    Per output row and group the kernel computes  d = sum_k x[k] * q[n, k]  (fp32 accumulation of
@@ -26,6 +27,8 @@
 #include <string.h>
 #include <math.h>
 
+/* inputs per group (one scale, one min): the one group size of both kernels (cpu_native.py's
+   GROUP checks it before a weight is packed) */
 #define GROUP 32
 /* bytes of one group of one tile: its 4-bit values, then its scales and mins */
 #define GROUP_BYTES(half) (GROUP * TILE / 2 + 2 * TILE * ((half) ? 2 : 4))
@@ -231,7 +234,7 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
 /* q8: y[M, N] = x[M, K] @ W^T with W[n, k] = scale[g, n] * q[n, k] (+ min[g, n]), q int8: GGUF's
    Q8_0, and Q5_0 / Q5_1 (5-bit values, exact in int8), y float32 or bf16. Per row and
    group: d = sum_k x[k] * q[n, k] in float32 FMAs (x as float32, q exact), then y += scale * d
-   (and y += min * sum_k x[k] when the pack has mins). Pack: per tile, per group, 32 x TILE int8
+   (and y += min * sum_k x[k] when the pack has mins). Pack: per tile, per group, GROUP x TILE int8
    (k-major: the TILE columns of one k together), then the TILE scales and, with `has_min`, the
    TILE mins (float16 when `half`, else float32). Row-invariant as q4. */
 #define Q8_GROUP_BYTES(half, has_min) (GROUP * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))

@@ -1,29 +1,38 @@
-"""Few-row products with a GGUF file's own 4-bit groups on an x86 CPU: the ``q4`` kernel.
+"""Few-row products with a GGUF file's own 4-bit and 8-bit groups on an x86 CPU: the ``q4``
+and ``q8`` kernels.
 
 torch's CPU int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``, the plan's ``int4``)
 dequantizes to float32 and multiplies with float32 FMAs, rounds the group scales to bfloat16
-and costs ~1.6-2x more for a 7-row verify than for a 1-row decode. ``q4`` (``cpu_native.c``) is a
+and costs much more for a 7-row verify than for a 1-row decode. ``q4`` (``cpu_native.c``) is a
 small C kernel built for this CPU at first use:
 
 - on AVX-512-BF16 CPUs it turns the 4-bit values into bfloat16 (exact: 0..15) and multiplies
   with ``vdpbf16ps`` (products exact, fp32 sums), 8 rows per read of a weight tile;
 - on AVX2 + FMA CPUs it converts them to float32 and multiplies with FMAs, 4 rows per read;
-- per group of 32 inputs it applies the file's scale and min in float32 (not rounded to
+- per group of `GROUP` inputs it applies the file's scale and min in float32 (not rounded to
   bfloat16): ``y += scale * (x . q) + min * sum(x)``.
 
-Measured on 2 cores (AMD EPYC, AVX-512-BF16; `benchmarks/kernels.py` has the table): ~2x
-faster than torch's int4 kernel at 1 to 16 rows natively, 1.3-1.7x under the AVX2 build, and
-~1e-4 of torch's int4 error against the float32 product of the dequantized weights (bf16 out).
+``q8`` is the same for int8 values (``y += scale * (x . q)``, plus ``min * sum(x)`` when the
+groups carry mins): the 8-bit and 5-bit GGUF types, whose values are exact in int8, and a
+4-bit type's values beside them in one fused matrix. Which GGUF types reach which kernel is
+their row of ``constrained_spec.model.quant.TYPES``; the kernels themselves take groups of
+the sizes in `GROUPS` (`GROUP` inputs for both: `supports`). Both hold a weight as a
+`GroupPack`.
+
+Speed against torch's kernels, per build: benchmarks/RESULTS.md, "Native CPU kernels against
+torch's (avx512bf16 build)" and "(avx2 build)" (`benchmarks/native_kernels.py`); their error
+against the float32 product of the dequantized weights is a small fraction of torch's int4
+kernel's (bf16 out).
 
 A row's bits do not depend on the other rows of a call (each row has its own accumulators and
-the same instruction sequence), so ``q4`` is row-invariant (`weights.ROW_INVARIANT_KERNELS`,
-tested). Which build runs follows the CPU flags AND torch's capability, so the AVX2-only
-simulation (``ATEN_CPU_CAPABILITY=avx2``) gets the AVX2 build. Built with the C compiler
-(``$CC``, else ``cc``) and OpenMP into the cache folder (``CONSTRAINED_SPEC_CACHE``), keyed by
-the source and the build; without a compiler, on another architecture or when the build
-fails, `available` is False and the plan never offers ``q4`` (torch's kernels run instead).
-Threads: the library uses the OpenMP runtime torch already loaded, so ``torch.set_num_threads``
-applies to it.
+the same instruction sequence), so ``q4`` and ``q8`` are row-invariant
+(`weights.ROW_INVARIANT_KERNELS`, tested). Which build runs follows the CPU flags AND torch's
+capability, so the AVX2-only simulation (``ATEN_CPU_CAPABILITY=avx2``) gets the AVX2 build.
+Built with the C compiler (``$CC``, else ``cc``) and OpenMP into the cache folder
+(``CONSTRAINED_SPEC_CACHE``), keyed by the source and the build; without a compiler, on
+another architecture or when the build fails, `available` is False and the plan never offers
+``q4`` or ``q8`` (torch's kernels run instead). Threads: the library uses the OpenMP runtime
+torch already loaded, so ``torch.set_num_threads`` applies to it.
 """
 
 from __future__ import annotations
@@ -42,7 +51,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-GROUP = 32
+GROUP = 32  # inputs per group: cpu_native.c's GROUP
+# the group sizes each kernel takes, by the bits of its values (q4: 4, q8: 8)
+GROUPS: dict[int, tuple[int, ...]] = {4: (GROUP,), 8: (GROUP,)}
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # build -> (CPU flags it needs, compiler flags, columns per tile)
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
@@ -151,16 +162,19 @@ def tile(build: str | None = None) -> int:
     return _lib(build)[1]
 
 
-def supports(n: int, k: int, build: str | None = None) -> bool:
-    """Whether an [n, k] weight can run on the kernels here."""
-    return available(build) and n > 0 and k > 0 and n % tile(build) == 0 and k % GROUP == 0
+def supports(n: int, k: int, build: str | None = None, *, group: int = GROUP, bits: int = 4) -> bool:
+    """Whether an [n, k] weight in groups of ``group`` inputs can run here on the kernel for
+    ``bits``-bit values (4: q4, 8: q8)."""
+    return group in GROUPS[bits] and available(build) and n > 0 and k > 0 \
+        and n % tile(build) == 0 and k % group == 0
 
 
 @dataclass(eq=False)
-class Q4Pack:
-    """A weight in the kernels' form: per tile of `tile` output columns, per group of 32
-    inputs, the values (4-bit, or int8 when ``bits`` is 8) then the group's scales (and mins
-    for 4 bits), float16 when ``half``."""
+class GroupPack:
+    """A weight in the kernels' form (`pack` for q4, `pack_q8` for q8): per tile of `tile`
+    output columns, per group of `GROUP` inputs, the values (4-bit, or int8 when ``bits`` is
+    8) then the group's scales (and mins: always for 4 bits, when ``has_min`` for 8), float16
+    when ``half``."""
 
     data: torch.Tensor  # uint8, tiles x groups x group bytes
     n: int
@@ -168,7 +182,7 @@ class Q4Pack:
     half: bool
     build: str
     bits: int = 4
-    has_min: bool = True  # 8 bits: whether groups carry a min (Q5_1, Q5_K; not Q8_0, Q5_0)
+    has_min: bool = True  # 8 bits: whether groups carry a min (a type that stores one: Q5_1)
 
 
 def _group_bytes(T: int, half: bool, bits: int = 4, has_min: bool = True) -> int:
@@ -181,11 +195,14 @@ def _exact_in_half(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
 
 
-def _check(N: int, K: int, build: str | None) -> tuple[str, int]:
+def _check(N: int, K: int, scale: torch.Tensor, build: str | None, bits: int) -> tuple[str, int]:
     b = build_for_this_cpu() if build is None else build
     if b is None or not supports(N, K, b):
         raise ValueError(f"a {N} x {K} weight does not fit the q4 / q8 kernels here (available: "
                          f"{available(b)}; N a multiple of the tile, K of {GROUP})")
+    if tuple(scale.shape) != (N, K // GROUP) or GROUP not in GROUPS[bits]:
+        raise ValueError(f"scales {tuple(scale.shape)} are not one per group of {GROUP} inputs "
+                         f"of a {N} x {K} weight (the group size the {bits}-bit kernel takes)")
     return b, tile(b)
 
 
@@ -196,12 +213,12 @@ def _per_tile(t: torch.Tensor, T: int, dt: torch.dtype) -> torch.Tensor:
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
-         build: str | None = None) -> Q4Pack:
+         build: str | None = None) -> GroupPack:
     """The q4 form of ``w = scale * q + min``: ``q`` integer [N, K] in 0..15, ``scale`` and
-    ``minimum`` [N, K / 32]. They are kept exactly: as float16 when every one of them is a
-    float16 value (Q4_0, Q4_1), else as float32."""
+    ``minimum`` [N, K / GROUP]. They are kept exactly: as float16 when every one of them is a
+    float16 value (Q4_0's and Q4_1's are), else as float32."""
     N, K = q.shape
-    b, T = _check(N, K, build)
+    b, T = _check(N, K, scale, build, 4)
     G = K // GROUP
     q = q.to(torch.uint8)
     if T == 16:  # [tile, k / 4, column, 2]: low nibble q[k + p], high nibble q[k + 2 + p]
@@ -214,16 +231,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
     dt = torch.float16 if half else torch.float32
     data = torch.cat([nib.reshape(N // T, G, GROUP * T // 2), _per_tile(scale, T, dt),
                       _per_tile(minimum, T, dt)], -1)
-    return Q4Pack(data.contiguous().view(-1), N, K, half, b)
+    return GroupPack(data.contiguous().view(-1), N, K, half, b)
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None, *,
-            build: str | None = None) -> Q4Pack:
+            build: str | None = None) -> GroupPack:
     """The q8 form of ``w = scale * q (+ min)``: ``q`` int8 [N, K], ``scale`` (and ``minimum``)
-    [N, K / 32] (GGUF's Q8_0 and Q5_0 without a min, Q5_1 and Q5_K with one), kept exactly
-    (float16 when every one is a float16 value, as Q8_0's, Q5_0's and Q5_1's are)."""
+    [N, K / GROUP] (GGUF's Q8_0 and Q5_0 without a min, Q5_1 with one), kept exactly (float16
+    when every one is a float16 value, as Q8_0's, Q5_0's and Q5_1's are)."""
     N, K = q.shape
-    b, T = _check(N, K, build)
+    b, T = _check(N, K, scale, build, 8)
     G = K // GROUP
     vals = q.to(torch.int8).view(N // T, T, G, GROUP).permute(0, 2, 3, 1)  # [tile, G, k, column]
     if T == 16:  # pairs of k per column: [tile, G, k / 2, column, 2] (bf16 dot products)
@@ -233,12 +250,12 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None =
     parts = [vals.reshape(N // T, G, GROUP * T).view(torch.uint8), _per_tile(scale, T, dt)]
     if minimum is not None:
         parts.append(_per_tile(minimum, T, dt))
-    return Q4Pack(torch.cat(parts, -1).contiguous().view(-1), N, K, half, b, bits=8,
-                  has_min=minimum is not None)
+    return GroupPack(torch.cat(parts, -1).contiguous().view(-1), N, K, half, b, bits=8,
+                     has_min=minimum is not None)
 
 
-def unpack_q8(packed: Q4Pack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(q int8 [N, K], scale float32 [N, K / 32], min or None)`` back from a `pack_q8`."""
+def unpack_q8(packed: GroupPack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q int8 [N, K], scale float32 [N, K / GROUP], min or None)`` back from a `pack_q8`."""
     N, K, T = packed.n, packed.k, tile(packed.build)
     G = K // GROUP
     per = 2 if packed.half else 4
@@ -258,7 +275,7 @@ def unpack_q8(packed: Q4Pack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
             per_row(base + T * per) if packed.has_min else None)
 
 
-def unpack_q(packed: Q4Pack) -> torch.Tensor:
+def unpack_q(packed: GroupPack) -> torch.Tensor:
     """``q`` uint8 [N, K] back from a 4-bit `pack`."""
     N, K, T = packed.n, packed.k, tile(packed.build)
     G = K // GROUP
@@ -277,7 +294,7 @@ def unpack_q(packed: Q4Pack) -> torch.Tensor:
     return out
 
 
-def matmul(x: torch.Tensor, packed: Q4Pack, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x @ W.T`` for a `pack` or `pack_q8`: ``x`` [..., K] (cast to bfloat16), the result
     [..., N] in ``out_dtype`` (bfloat16, rounded to nearest even, or float32)."""
     lib = _lib(packed.build)[0]

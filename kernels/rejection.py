@@ -41,9 +41,9 @@ Which one runs on CPU was measured (benchmarks/kernels.py, 1 thread, K = 5): the
 works on one [V] row at a time, which stays in cache, while the vectorised path streams
 [requests, V] blocks through memory. On the embedded model's vocabulary the reference is
 faster at every batch size; the vectorised path wins only on small vocabularies, where the
-per-row Python overhead dominates (benchmarks/RESULTS.md, "Kernels (CPU)"). So "auto" / "torch" on CPU take the reference above `_CPU_VECTORISED_MAX_VOCAB`
-and the vectorised path below it; CUDA without Triton takes the vectorised path (no
-per-element host syncs).
+per-row Python overhead dominates (benchmarks/RESULTS.md, "Kernels (CPU)"). So "auto" /
+"torch" on CPU take the reference above `_CPU_VECTORISED_MAX_VOCAB` and the vectorised path
+below it; CUDA without Triton takes the vectorised path (no per-element host syncs).
 """
 
 from __future__ import annotations

@@ -2,17 +2,18 @@
 
 ``transformers`` loads a GGUF by dequantizing every tensor to float32 (about 3.6x the peak
 memory of llama.cpp on the same file), and only a Q4_1 file reaches a packed kernel afterwards
-(``runner.pack_int4`` finds the exact 4-bit groups again in the float weights). Here the file
-is memory-mapped (gguf-py's ``GGUFReader``) and each tensor is unpacked only when asked for,
-straight from its blocks:
+(``runner.int4_weights`` finds the exact 4-bit groups again in the float weights). Here the
+file is memory-mapped (gguf-py's ``GGUFReader``) and each tensor is unpacked only when asked
+for, straight from its blocks. What each GGML type unpacks to is its row of `quant.TYPES`:
 
 - `QuantTensor.dequantize` -- the file's own dequantization (gguf-py's ``dequantize``, the one
   ``transformers`` runs), equal to ``transformers``' load of the same file;
-- `QuantTensor.int4_groups` -- ``w = scale * q + min`` per group of 32 inputs, read from the
-  blocks without a float round trip, for Q4_0, Q4_1 and Q4_K (None for other types);
-- `QuantTensor.q8_groups` -- ``w = scale * q (+ min)`` per group of 32 inputs, ``q`` int8, for
-  Q8_0, Q5_0 and Q5_1 (exact; the LM head of most files and the 5-bit matrices of Q4_K_M
-  mixes: the ``q8`` kernel runs them);
+- `QuantTensor.int4_groups` -- ``w = scale * q + min`` per group of the type's inputs, read
+  from the blocks without a float round trip, for the types whose groups are ``"int4"``
+  (None for other types);
+- `QuantTensor.q8_groups` -- ``w = scale * q (+ min)`` per group, ``q`` int8, for the types
+  whose groups are ``"int8"`` (exact; the LM head of most files and the 5-bit matrices of
+  Q4_K_M mixes: the ``q8`` kernel runs them);
 - `QuantTensor.int8_rows` -- symmetric per-row int8 (torch's ``_weight_int8pack_mm`` layout),
   for any type, re-quantized from the dequantized rows.
 
@@ -32,12 +33,7 @@ processor itself to the dequantized tensor; such a tensor has no ``int4_groups``
 whose processor merges, splits or transposes tensors (MoE experts, gpt2, t5) and those
 ``transformers`` loads through its own packed path (qwen3.5, lfm2) raise `ModelLoadError`.
 
-Exactness of ``int4_groups`` (checked by tests, in float32, as values): the block scales are
-float16, a 4-bit ``q`` times a float16 ``d`` (or times ``d * sc`` with a 6-bit ``sc`` for
-Q4_K) is exact in float32, so ``scale * q + min`` rounds once, exactly where gguf-py's
-expression rounds: Q4_1 ``d * q + m`` is the same expression; Q4_K ``d*sc * q - dmin*m`` adds
-the negated min; Q4_0 ``d * (q - 8)`` is exact either way (``min = -8 * d``). The only
-difference is the sign of a zero (Q4_0 with ``q = 8``), which no product sees.
+Why the groups are exact: `quant`'s docstring.
 
 Relative error of ``int8_rows`` against ``dequantize()`` (Frobenius norm of the difference
 over that of the weight; every element is within half a step, ``scale / 2``, by
@@ -97,17 +93,15 @@ import numpy as np
 import torch
 
 from constrained_spec.errors import ModelLoadError
-from constrained_spec.model.weights import GROUP as INT4_GROUP  # the kernels' group of 32 inputs
+from constrained_spec.model.quant import TYPES, GroupKind
 
 logger = logging.getLogger(__name__)
 
-# Types whose dequantization gguf-py implements and the tests check (Q4_K_M / Q4_K_S files mix
-# Q4_K with Q5_K / Q6_K; Q2_K and Q3_K files carry Q4_K / Q5_K / Q6_K too).
-SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# Types whose blocks are 4-bit groups of 32 with one scale and one min each.
-INT4_TYPES: tuple[str, ...] = ("Q4_0", "Q4_1", "Q4_K")
-INT8_TYPES: tuple[str, ...] = ("Q8_0", "Q5_0", "Q5_1")  # exact as int8 groups (q8_groups)
+# Types this reader unpacks (gguf-py dequantizes them), and those with exact 4-bit and 8-bit
+# groups: all read off the one table, `quant.TYPES`.
+SUPPORTED_TYPES: tuple[str, ...] = tuple(TYPES)
+INT4_TYPES: tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.groups == "int4")
+INT8_TYPES: tuple[str, ...] = tuple(n for n, t in TYPES.items() if t.groups == "int8")
 # Rows are unpacked in chunks of about this many elements (4 MB of float32).
 _CHUNK_ELEMENTS = 1 << 20
 
@@ -149,43 +143,41 @@ class QuantTensor:
         return out
 
     def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Exact 4-bit groups: ``(q, scale, min)`` with ``w = scale * q + min`` per group of 32.
+        """Exact 4-bit groups: ``(q, scale, min)`` with ``w = scale * q + min`` per group of
+        ``G`` inputs (the type's `quant.QuantType.group`).
 
-        ``q``: uint8 [N, K], values 0..15; ``scale``, ``min``: float32 [N, K / 32]. Read
-        from the blocks, no float round trip: Q4_0 (``scale = d``, ``min = -8 d``), Q4_1
-        (``d``, ``m``), Q4_K (``d * sc``, ``-dmin * m`` of each 32-wide sub-block, from the
-        6-bit packed scales and mins). None for every other type, for a tensor that is not 2-D
-        and for one whose fix-up changes values.
+        ``q``: uint8 [N, K], values 0..15; ``scale``, ``min``: float32 [N, K / G]. Read from
+        the blocks, no float round trip (the type's `quant.QuantType.unpack`). None for a type
+        whose groups are not ``"int4"``, for a tensor that is not 2-D and for one whose fix-up
+        changes values.
         """
-        if self.ggml_type not in INT4_TYPES or self._fixup is not None or len(self.shape) != 2:
+        found = self._groups("int4")
+        if found is None:
             return None
-        N, K = self.shape
-        q = np.empty((N, K), dtype=np.uint8)
-        scale = np.empty((N, K // INT4_GROUP), dtype=np.float32)
-        mn = np.empty((N, K // INT4_GROUP), dtype=np.float32)
-        unpack = _UNPACK_INT4[self.ggml_type]
-        for start, stop in self._chunks():
-            bq, bs, bm = unpack(self._raw_rows(start, stop))
-            q[start:stop] = bq.reshape(stop - start, K)
-            scale[start:stop] = bs.reshape(stop - start, -1)
-            mn[start:stop] = bm.reshape(stop - start, -1)
-        return torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(mn)
+        q, scale, mn = found
+        assert mn is not None  # 4-bit groups always carry a min (Q4_0's is -8 d)
+        return q, scale, mn
 
     def q8_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """Exact 8-bit groups: ``(q int8 [N, K], scale, min)`` (float32 [N, K / 32]; min None
-        for Q8_0 and Q5_0) with ``w = scale * q (+ min)`` per group of 32, read from the blocks
-        (the blocks' float16 ``d`` and ``m``: exact): Q8_0 (``q`` as stored), Q5_0 (``q - 16``)
-        and Q5_1 (``q`` in 0..31, ``min = m``). None for every other type, a tensor that is not
+        """Exact 8-bit groups: ``(q int8 [N, K], scale, min)`` (float32 [N, K / G]; min None
+        for a type that stores none) with ``w = scale * q (+ min)`` per group of ``G`` inputs
+        (the type's `quant.QuantType.group`), read from the blocks (their float16 ``d`` and
+        ``m``: exact). None for a type whose groups are not ``"int8"``, a tensor that is not
         2-D and one whose fix-up changes values."""
-        if self.ggml_type not in INT8_TYPES or self._fixup is not None or len(self.shape) != 2:
+        return self._groups("int8")
+
+    def _groups(self, kind: GroupKind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The ``kind`` groups of this tensor, unpacked chunk by chunk (see `int4_groups`)."""
+        t = TYPES[self.ggml_type]
+        if t.groups != kind or t.unpack is None or t.group is None or self._fixup is not None \
+                or len(self.shape) != 2:
             return None
         N, K = self.shape
-        q = np.empty((N, K), dtype=np.int8)
-        scale = np.empty((N, K // INT4_GROUP), dtype=np.float32)
-        mn = np.empty_like(scale) if self.ggml_type == "Q5_1" else None
-        unpack = _UNPACK_INT8[self.ggml_type]
+        q = np.empty((N, K), dtype=np.uint8 if kind == "int4" else np.int8)
+        scale = np.empty((N, K // t.group), dtype=np.float32)
+        mn = np.empty_like(scale) if kind == "int4" or t.has_min else None
         for start, stop in self._chunks():
-            bq, bs, bm = unpack(self._raw_rows(start, stop))
+            bq, bs, bm = t.unpack(self._raw_rows(start, stop).reshape(-1, t.block_bytes))
             q[start:stop] = bq.reshape(stop - start, K)
             scale[start:stop] = bs.reshape(stop - start, -1)
             if mn is not None and bm is not None:
@@ -195,7 +187,7 @@ class QuantTensor:
     def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Symmetric per-row int8: ``(q int8 [N, K], scale float32 [N])``, ``w ~ q * scale``.
 
-        Re-quantized from the dequantized rows the way ``runner.pack_int8`` does (round to
+        Re-quantized from the dequantized rows the way `weights.int8_pack` does (round to
         nearest, ``scale = max|row| / 127``), for any type; None for a tensor that is not 2-D.
         The error per type is in the module docstring.
         """
@@ -259,76 +251,6 @@ class GGUFModel:
     skipped: tuple[str, ...] = ()
 
 
-# -- unpacking 4-bit blocks ---------------------------------------------------------------------
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """32 values from 16 bytes, as ggml packs them: the low nibbles are elements 0..15, the
-    high nibbles 16..31. ``qs``: [..., 16] -> [..., 32]."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _half(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
-def _unpack_q4_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    blocks = rows.reshape(-1, 18)  # d f16, 16 bytes of nibbles
-    d = _half(blocks[:, :2])[:, 0]
-    return _nibbles(blocks[:, 2:]), d, d * np.float32(-8)
-
-
-def _unpack_q4_1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    blocks = rows.reshape(-1, 20)  # d f16, m f16, 16 bytes of nibbles
-    return _nibbles(blocks[:, 4:]), _half(blocks[:, :2])[:, 0], _half(blocks[:, 2:4])[:, 0]
-
-
-def _unpack_q4_k(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    from gguf.quants import Q4_K
-
-    blocks = rows.reshape(-1, 144)  # d f16, dmin f16, 12 bytes of 6-bit scales/mins, 128 bytes
-    n = blocks.shape[0]
-    d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])  # [n, 1]
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [n, 8] each
-    # 4 runs of 32 bytes; run j holds sub-block 2j in its low nibbles, 2j+1 in its high ones
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8 * 32)
-    return q, d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
-
-
-_UNPACK_INT4: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]] = {
-    "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q4_K": _unpack_q4_k}
-
-
-# -- unpacking 8-bit and 5-bit blocks (to int8 groups) -------------------------------------------
-
-def _unpack_q8_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    blocks = rows.reshape(-1, 34)  # d f16, 32 int8
-    return blocks[:, 2:].view(np.int8), _half(blocks[:, :2])[:, 0], None
-
-
-def _five_bits(blocks: np.ndarray, at: int) -> np.ndarray:
-    """32 values in 0..31: 4 bytes of high bits (bit j: element j) at ``at``, then 16 bytes of
-    nibbles (low: elements 0..15, high: 16..31)."""
-    qh = np.ascontiguousarray(blocks[:, at: at + 4]).view(np.uint32)  # [n, 1]
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, 32]
-    return _nibbles(blocks[:, at + 4: at + 20]) | (high << 4)
-
-
-def _unpack_q5_0(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    blocks = rows.reshape(-1, 22)  # d f16, 4 bytes of high bits, 16 bytes of nibbles
-    return (_five_bits(blocks, 2).astype(np.int8) - np.int8(16)), _half(blocks[:, :2])[:, 0], None
-
-
-def _unpack_q5_1(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    blocks = rows.reshape(-1, 24)  # d f16, m f16, 4 bytes of high bits, 16 bytes of nibbles
-    return (_five_bits(blocks, 4).astype(np.int8), _half(blocks[:, :2])[:, 0],
-            _half(blocks[:, 2:4])[:, 0])
-
-
-_UNPACK_INT8: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = {
-    "Q8_0": _unpack_q8_0, "Q5_0": _unpack_q5_0, "Q5_1": _unpack_q5_1}
-
-
 # -- reading a file -------------------------------------------------------------------------------
 
 def read_gguf(path: str | Path) -> GGUFModel:
@@ -337,7 +259,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
     Raises `ModelLoadError` for a missing or malformed file, an architecture ``transformers``
     cannot load from GGUF (or loads through its own packed path), and a tensor of a type this
-    reader does not unpack (`SUPPORTED_TYPES`).
+    reader does not unpack (`SUPPORTED_TYPES`: the types of `quant.TYPES`).
     """
     path = Path(path)
     if not path.is_file():

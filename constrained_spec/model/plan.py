@@ -2,8 +2,9 @@
 
 No one dtype is right for every phase or every CPU. On a CPU with bf16 units a 256-row prompt
 chunk is fastest in bf16 and a 1-row decode on the 4-bit kernel; on an AVX2-only CPU bf16 is
-emulated (4-5x slower than float32 for a large product) while the 4-bit kernel still wins the
-memory-bound 1-row decode. So the plan is chosen per phase:
+emulated (several times slower than float32 for a large product: benchmarks/RESULTS.md,
+"Kernel plan per machine (embedded model)") while the 4-bit kernel still wins the memory-bound
+1-row decode. So the plan is chosen per phase:
 
 - ``prefill``: a prompt's forward (hundreds of rows, no logits),
 - ``decode``: a decode / verify forward, by rows per forward (1 to (K+1) x batch): a list of
@@ -75,9 +76,8 @@ def exact_mode(device: torch.device | None = None) -> bool:
     (`settings.Settings.exact`) when set, else on for a CPU. Exact computes every decode /
     verify row as a 1-row decode of it would be, so a greedy output does not depend on
     speculation or batching; off lets each forward pick its kernels by its rows. What it costs
-    on a CPU (quiet machine, embedded model, AVX-512-BF16; benchmarks/RESULTS.md): within
-    about 10% of a forward either way, from a 1-row decode to 4 requests x 6 rows at 200 and
-    1,000 keys (`exact_attention`).
+    on a CPU, from a 1-row decode to 4 requests x 6 rows: benchmarks/RESULTS.md, "Exactness by
+    default: why SDPA could not give it, what replaced it, what it costs".
 
     Raises
     ------
@@ -93,7 +93,7 @@ def exact_mode(device: torch.device | None = None) -> bool:
 
 
 _CONTEXT = 128  # context the decode rows attend to while timed
-HEAD_ONLY_KERNELS = ("q8",)  # kernels for the LM head alone (its Q8_0 values), timed there only
+HEAD_ONLY_KERNELS = ("q8",)  # kernels for the LM head alone (its 8-bit groups), timed there only
 _PLAN_VERSION = 5  # 4: "auto" memory, dequantization 2x faster; 5: the q4 and q8 kernels
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
@@ -341,7 +341,7 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
         runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
         for r in rows:
             keep(times, f"decode@{r}", kernel, _timed(2, decode_call(r), warm=warm))
-        # the LM head's kernels: this one, and those only an LM head has (q8: its Q8_0 values)
+        # the LM head's kernels: this one, and those only an LM head has (q8: its 8-bit groups)
         for k in (kernel, *(k for k in HEAD_ONLY_KERNELS if kernel == candidates[0])):
             if runner.lm_head_weight.supports(k):
                 keep(times, "lm_head", k, _timed(2, _head_call(runner, rows, k), warm=warm))

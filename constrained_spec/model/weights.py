@@ -1,9 +1,12 @@
 """Weight matrices and the kernels that multiply with them.
 
 A `Linear` is one weight matrix ``[N, K]`` (output x input) kept in ONE resident form -- the
-file's own 4-bit groups when they are exactly 4-bit (`Int4Groups`: Q4_0, Q4_1, Q4_K, or a
-dense checkpoint dequantized from one), else a dense tensor -- and multiplied by one of four
-kernels, chosen per phase by the kernel plan (`constrained_spec.model.plan`):
+file's own 4-bit groups when they are exactly 4-bit (`Int4Groups`: a GGUF type whose groups
+are ``"int4"`` in `quant.TYPES`, or a dense checkpoint dequantized from one), the file's own
+8-bit groups (`Q8Groups`: a type whose groups are ``"int8"``), else a dense tensor -- and
+multiplied by one of six kernels, chosen per phase by the kernel plan
+(`constrained_spec.model.plan`). Each pack carries its own group size (inputs per scale, read
+off its shapes); a kernel that takes only some group sizes says so in `Linear.supports`.
 
 ========  =====================  ===========  ============================================
 kernel    activations            weights      what it reads per call
@@ -11,29 +14,31 @@ kernel    activations            weights      what it reads per call
 ``fp32``  float32                dense fp32   resident fp32, else dequantized per call
 ``bf16``  bfloat16               dense bf16   resident bf16, else dequantized per call
 ``int4``  bfloat16               4-bit pack   torch's CPU int4 weight-only kernel (groups of
-                                              32, bf16 scale and zero: the file's own q)
+                                              32 to 256, bf16 scale and zero: the file's
+                                              own q)
 ``int8``  bfloat16               int8 pack    torch's CPU int8 weight-only kernel (per-row
                                               scale: a RE-quantization, ~1% error; opt-in
                                               for targets, default for draft heads)
 ``q4``    bfloat16               q4 pack      this package's C kernel for few rows (the
                                               file's own q, scale and min kept exactly;
                                               AVX-512-BF16 or AVX2 build, `kernels.cpu_native`)
-``q8``    bfloat16               q8 pack      the same for 8-bit groups (`Q8Groups`: Q8_0,
-                                              Q5_0, Q5_1; the LM head of most GGUF files,
-                                              whose logits come back in float32)
+``q8``    bfloat16               q8 pack      the same for 8-bit groups (`Q8Groups`; the LM
+                                              head of most GGUF files, whose logits come
+                                              back in float32)
 ========  =====================  ===========  ============================================
 
 "Dequantized per call" is how a large prompt runs in float32 on a CPU without bf16 units while
-the weights stay 4-bit in memory: a 1536x576 group-dequantization costs ~1 ms against ~6 ms for
-the 256-row product it feeds, and no dense copy of the model is ever kept (the resident set is
-the 4-bit file plus the non-4-bit tensors).
+the weights stay 4-bit in memory: the group dequantization costs a fraction of the product it
+feeds (benchmarks/RESULTS.md, "Memory: one copy of the 4-bit weights, the auto memory mode"),
+and no dense copy of the model is ever kept (the resident set is the 4-bit file plus the
+non-4-bit tensors).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +51,9 @@ PACKED_KERNELS: frozenset[str] = frozenset({"int4", "int8", "q4", "q8"})
 ACT_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                      "int8": torch.bfloat16, "int4": torch.bfloat16,
                                      "q4": torch.bfloat16, "q8": torch.bfloat16}
-GROUP = 32  # input weights per 4-bit group (GGUF's block size; torch's int4 kernel group)
+# group sizes torch's CPU int4 kernel takes (its own check on qGroupSize); the q4 and q8
+# kernels take theirs (`kernels.cpu_native.supports`)
+INT4_KERNEL_GROUPS: tuple[int, ...] = (32, 64, 128, 256)
 # Kernels whose result rows do not depend on the number of rows multiplied (each row reduced in
 # the same order whether it is multiplied alone or among 2..256 others; measured on x86 with
 # AVX-512, tests/kernels/test_row_invariance.py checks it on the machine it runs on): torch's
@@ -71,10 +78,20 @@ def int8_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+def _group_of(shape: tuple[int, int], scale: torch.Tensor) -> int:
+    """Inputs per group of an [N, K] weight with scales [N, G]: K / G, which must be whole."""
+    N, K = shape
+    if scale.dim() != 2 or scale.shape[0] != N or not scale.shape[1] or K % scale.shape[1]:
+        raise ValueError(f"scales {tuple(scale.shape)} do not divide a {N} x {K} weight into "
+                         f"whole groups")
+    return K // int(scale.shape[1])
+
+
 @dataclass
 class Int4Groups:
-    """A weight that is exactly ``scale * q + min`` in every group of `GROUP` input weights of
-    every row, ``q`` in 0..15 (the layout of Q4_0 / Q4_1 / Q4_K after unpacking).
+    """A weight that is exactly ``scale * q + min`` in every group of `group` input weights of
+    every row, ``q`` in 0..15 (the layout of a 4-bit GGUF type after unpacking:
+    `gguf.QuantTensor.int4_groups`).
 
     ``q`` is held ONCE: as ``nibbles`` in row order (as loaded), or -- after `keep_packed_only`, when
     torch's CPU int4 kernel uses a layout `pack_block` recognises -- only as that kernel's own
@@ -84,13 +101,18 @@ class Int4Groups:
     """
 
     nibbles: torch.Tensor | None  # uint8 [N, K // 2]: q[:, 2j] in the low nibble, q[:, 2j + 1] high
-    scale: torch.Tensor  # float32 [N, K // GROUP]
-    min: torch.Tensor  # float32 [N, K // GROUP]
+    scale: torch.Tensor  # float32 [N, K // group]
+    min: torch.Tensor  # float32 [N, K // group]
     # torch's CPU int4 pack (uint8 [N, K // 2] in blocks of `block` rows), when nibbles is None
     packed: torch.Tensor | None = None
     block: int = 0
     # the q4 kernel's pack (`kernels.cpu_native.pack`), when nibbles is None
-    q4: cpu_native.Q4Pack | None = None
+    q4: cpu_native.GroupPack | None = None
+    # input weights per group (one scale and one min each), read off the shapes
+    group: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group = _group_of(self.shape, self.scale)
 
     @property
     def _q(self) -> torch.Tensor:
@@ -110,20 +132,23 @@ class Int4Groups:
 
     @classmethod
     def from_values(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Groups:
-        """``q``: integer [N, K] in 0..15; ``scale``, ``minimum``: [N, K // GROUP]."""
+        """``q``: integer [N, K] in 0..15; ``scale``, ``minimum``: [N, K // group] (the group
+        is what divides K into that many columns)."""
         q = q.to(torch.uint8)
         return cls(nibbles=(q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
                    scale=scale.float().contiguous(), min=minimum.float().contiguous())
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, *, exact: bool = True) -> Int4Groups | None:
-        """The groups of a float32 ``weight`` whose every group is exactly ``d * q + m`` (as a
-        checkpoint dequantized from a 4-bit GGUF is), else None. ``exact=False`` quantizes any
-        weight that way (round to nearest)."""
+    def from_dense(cls, weight: torch.Tensor, *, group: int = 32,
+                   exact: bool = True) -> Int4Groups | None:
+        """The groups of ``group`` inputs of a float32 ``weight`` whose every group is exactly
+        ``d * q + m`` (as a checkpoint dequantized from a 4-bit GGUF is: groups of 32 for Q4_0,
+        Q4_1 and Q4_K, the default), else None. ``exact=False`` quantizes any weight that way
+        (round to nearest)."""
         N, K = weight.shape
-        if weight.dtype != torch.float32 or K % GROUP:
+        if weight.dtype != torch.float32 or K % group:
             return None
-        g = weight.detach().view(N, K // GROUP, GROUP)
+        g = weight.detach().view(N, K // group, group)
         lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
         d = (hi - lo) / 15
         q = (g - lo).mul_(torch.where(d == 0, torch.zeros_like(d), 1.0 / d)).round_().clamp_(0, 15)
@@ -134,7 +159,7 @@ class Int4Groups:
         return cls.from_values(q.view(N, K), d.view(N, -1), lo.view(N, -1))
 
     def _unpack_into(self, out: torch.Tensor) -> None:
-        """Write q into ``out`` (float32 [N, K // GROUP, GROUP] or any dtype [N, K])."""
+        """Write q into ``out`` (float32 [N, K // group, group] or any dtype [N, K])."""
         N, K = self.shape
         if self.nibbles is not None:
             nb = self.nibbles.view(N, K // 2)
@@ -162,11 +187,13 @@ class Int4Groups:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] ``scale * q + min`` computed in float32 (the file's own dequantization: a
         multiply, then an add), then cast to ``dtype``. Written in place into one float32
-        buffer: ~0.45 ms for a 3072x576 matrix on 2 cores, 2x faster than a broadcasting
-        stack/addcmul form, which matters because the lean memory mode and the float32 path
-        dequantize every weight on every prefill call."""
+        buffer, 2x faster than a broadcasting stack/addcmul form (benchmarks/RESULTS.md,
+        "Memory: one copy of the 4-bit weights, the auto memory mode"), which matters because
+        the lean memory mode and the float32 path dequantize every weight on every prefill
+        call."""
         N, K = self.shape
-        w = torch.empty(N, K // GROUP, GROUP, dtype=torch.float32, device=self.scale.device)
+        G = self.group
+        w = torch.empty(N, K // G, G, dtype=torch.float32, device=self.scale.device)
         self._unpack_into(w)
         w.mul_(self.scale[..., None]).add_(self.min[..., None])
         w = w.view(N, K)
@@ -183,17 +210,19 @@ class Int4Groups:
             return
         self.packed, self.block, self.nibbles = packed, B, None
 
-    def keep_q4_only(self, pack: cpu_native.Q4Pack) -> None:
+    def keep_q4_only(self, pack: cpu_native.GroupPack) -> None:
         """Hold q only in ``pack`` (this weight's q4 kernel pack) from now on, when it is still
         held as nibbles (in place, as `keep_packed_only`)."""
         if self.nibbles is not None and (pack.n, pack.k) == self.shape:
             self.q4, self.nibbles = pack, None
 
     def int4_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel, or None without it. The
-        kernel computes ``(q - 8) * scale + zero`` with bf16 scale and zero."""
+        """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel, or None without it or
+        when it does not take this weight (its rows a multiple of 16, its groups one of
+        `INT4_KERNEL_GROUPS`). The kernel computes ``(q - 8) * scale + zero`` with bf16 scale
+        and zero."""
         N, K = self.shape
-        if not int4_kernel_available() or N % 16:
+        if not int4_kernel_available() or N % 16 or self.group not in INT4_KERNEL_GROUPS:
             return None
         if self.packed is not None:
             packed = self.packed
@@ -215,18 +244,24 @@ class Int4Groups:
 
 @dataclass
 class Q8Groups:
-    """A matrix whose every group of `GROUP` inputs is exactly ``scale * q (+ min)`` with ``q``
-    in int8, as the file holds it (`gguf_weights.QuantTensor.q8_groups`: Q8_0 and Q5_0 without
-    a min, Q5_1 with one), for the q8 kernel."""
+    """A matrix whose every group of `group` inputs is exactly ``scale * q (+ min)`` with ``q``
+    in int8, as the file holds it (`gguf.QuantTensor.q8_groups`: a min only for a type that
+    stores one), for the q8 kernel."""
 
     q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K // GROUP]
-    min: torch.Tensor | None = None  # float32 [N, K // GROUP]
+    scale: torch.Tensor  # float32 [N, K // group]
+    min: torch.Tensor | None = None  # float32 [N, K // group]
+    # input weights per group (one scale, and one min when there are mins), read off the shapes
+    group: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.group = _group_of((int(self.q.shape[0]), int(self.q.shape[1])), self.scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] ``scale * q (+ min)`` in float32 (the file's own expression), cast to ``dtype``."""
         N, K = self.q.shape
-        w = self.q.float().view(N, K // GROUP, GROUP).mul_(self.scale[..., None])
+        G = self.group
+        w = self.q.float().view(N, K // G, G).mul_(self.scale[..., None])
         if self.min is not None:
             w.add_(self.min[..., None])
         w = w.view(N, K)
@@ -245,13 +280,14 @@ def pack_block() -> int:
         _PACK_BLOCK = 0
         if int4_kernel_available():
             gen = torch.Generator().manual_seed(0)
-            q = torch.randint(0, 16, (128, 2 * GROUP), generator=gen)
+            K = 2 * INT4_KERNEL_GROUPS[0]
+            q = torch.randint(0, 16, (128, K), generator=gen)
             try:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             except RuntimeError:
                 packed = None
             for B in (64, 32, 16, 128):
-                if packed is None or packed.shape != (128, GROUP):
+                if packed is None or packed.shape != (128, K // 2):
                     break
                 probe = Int4Groups(nibbles=None, scale=torch.ones(128, 2), min=torch.zeros(128, 2),
                                    packed=packed, block=B)
@@ -290,7 +326,9 @@ def packed_matmul(x: torch.Tensor, pack: tuple[torch.Tensor, torch.Tensor]) -> t
     if packed.dtype == torch.int8:
         y = torch.ops.aten._weight_int8pack_mm(x2, packed, scales)
     else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, GROUP, scales)
+        # scales and zeros [K / group, N, 2]: the group is the pack's own
+        group = x2.shape[-1] // scales.shape[0]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group, scales)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -314,7 +352,7 @@ class Linear:
         self.dense = None if dense is None else dense.detach()
         self.int4 = int4
         self.bias = None if bias is None else bias.detach().float()
-        self._packs: dict[str, Any] = {}  # kernel -> its pack (a tensor pair, or a Q4Pack)
+        self._packs: dict[str, Any] = {}  # kernel -> its pack (a tensor pair, or a GroupPack)
         self._dense: dict[torch.dtype, torch.Tensor] = {}
 
     # at most one of dense and int4 is set, and q8 where neither is (checked in __init__);
@@ -371,11 +409,13 @@ class Linear:
         if self.device.type != "cpu":
             return False
         if kernel == "int4":
-            return self.int4 is not None and int4_kernel_available() and self.shape[0] % 16 == 0
+            return self.int4 is not None and int4_kernel_available() and self.shape[0] % 16 == 0 \
+                and self.int4.group in INT4_KERNEL_GROUPS
         if kernel == "q4":
-            return self.int4 is not None and cpu_native.supports(*self.shape)
+            return self.int4 is not None and cpu_native.supports(*self.shape, group=self.int4.group)
         if kernel == "q8":
-            return "q8" in self._packs or (self.q8 is not None and cpu_native.supports(*self.shape))
+            return "q8" in self._packs or (
+                self.q8 is not None and cpu_native.supports(*self.shape, group=self.q8.group, bits=8))
         return kernel == "int8" and int8_kernel_available()
 
     def prepare(self, kernels: Iterable[str], *, resident: bool = False) -> None:
@@ -456,7 +496,7 @@ class Linear:
             t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min,
                         None if self.int4.q4 is None else self.int4.q4.data)
             if t is not None]
-        packs = [t for p in self._packs.values() for t in ((p.data,) if isinstance(p, cpu_native.Q4Pack) else p)]
+        packs = [t for p in self._packs.values() for t in ((p.data,) if isinstance(p, cpu_native.GroupPack) else p)]
         source = [] if self.q8 is None else [t for t in (self.q8.q, self.q8.scale, self.q8.min)
                                               if t is not None]
         tensors = own + packs + source + list(self._dense.values())
