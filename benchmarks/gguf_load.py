@@ -14,7 +14,8 @@ the other, and prints one markdown table row:
 - ``transformers fp32``: ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...,
   dtype=torch.float32)``, which dequantizes every tensor to float32.
 
-The numbers go into the ``gguf_weights`` module docstring by hand; nothing is written here.
+The numbers go into benchmarks/RESULTS.md ("GGUF loading (embedded model)") by hand;
+nothing is written here.
 """
 
 from __future__ import annotations

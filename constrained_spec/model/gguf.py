@@ -62,23 +62,8 @@ writer, and on the embedded model's tensors:
 their own error is an upper bound of what llama.cpp gets; the int8 error hardly depends on the
 type: it is the int8 grid's.)
 
-Load cost, embedded model (SmolLM2-135M-Instruct, Q4_1, 94 MiB, 30 layers, 210 linears),
-``benchmarks/gguf_load.py``: one process per row; peak RSS includes the imports (torch,
-transformers and its llama modeling code) and the mapped file pages touched. Measured on a
-busy 2-core x86 CPU (load average ~7), so the seconds are inflated; read their ratio:
-
-| load | seconds | peak RSS (MiB) |
-| --- | --- | --- |
-| imports only | | 443 |
-| `read_gguf` + ``int4_groups()`` of every linear, all kept | 16.1 (read 15.5) | 670 (+227) |
-| the same + every other tensor dequantized to float32 | 14.7 (read 13.5) | 807 (+364) |
-| transformers ``from_pretrained(gguf_file=..., dtype=float32)`` | 36.7 | 1239 (+796) |
-
-``read_gguf``'s time and most of its memory is gguf-py parsing the metadata twice (once in
-transformers' config translation, once in our ``GGUFReader``): the tokenizer's tokens and
-merges become Python objects (~160 MB, a few seconds, each time; freed afterwards). Unpacking
-all 210 linears into int4 groups takes ~0.3 s; the kept groups are 1.25 bytes per weight
-(uint8 ``q`` plus the float32 scales and mins).
+What a load costs (time, peak memory, against transformers' own GGUF load):
+benchmarks/RESULTS.md, "GGUF loading (embedded model)" (``benchmarks/gguf_load.py``).
 """
 
 from __future__ import annotations
