@@ -5,23 +5,38 @@
 Every completed output is validated (jsonschema + Pydantic) before it is returned; running
 out of ``max_tokens`` first raises :class:`IncompleteOutputError` with the partial text.
 
-Output-quality levers for small models (benchmarks/RESULTS.md, "Output quality levers"): the
-JSON layout, the prompt and sampling retries (``max_retries``, :data:`DEFAULT_MAX_RETRIES`)
-are on by default: the first two keep the model's own distribution, and retries change only
-outputs whose first attempt failed. The repetition guard (``no_repeat_ngram_size``,
-``repetition_penalty``) and bounded strings / arrays (``max_string_length``, ``max_items``)
-change outputs that would have completed too, and are off unless asked for.
+A Generator's keywords come in groups, each checked as one option object before any model is
+loaded (docs/options.md): sampling (:class:`SamplingParams`), the schema
+(:class:`SchemaOptions`), retries (:class:`RetryPolicy`), reasoning
+(:class:`~constrained_spec.frontend.reasoning.ReasoningOptions`) and tools
+(:class:`~constrained_spec.frontend.tools.ToolSet`).
+
+Output-quality levers for small models (docs/quality.md; measured in benchmarks/RESULTS.md,
+"Output quality levers"): the JSON layout, the prompt and sampling retries (``max_retries``,
+:data:`DEFAULT_MAX_RETRIES`) are on by default: the first two keep the model's own
+distribution, and retries change only outputs whose first attempt failed. The repetition guard
+(``no_repeat_ngram_size``, ``repetition_penalty``) and bounded strings / arrays
+(``max_string_length``, ``max_items``) change outputs that would have completed too, and are
+off unless asked for.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Generic, Literal, TypeVar, cast, overload
 
-from constrained_spec.config import SamplingParams, SpeculativeConfig, _is_real, resolve_speculative
+from constrained_spec.config import (
+    SamplingParams,
+    SpeculativeConfig,
+    check_count,
+    is_real,
+    resolve_speculative,
+)
 from constrained_spec.drafters import Drafter, make_drafter
 from constrained_spec.errors import (
     ConfigError,
@@ -35,20 +50,22 @@ from constrained_spec.errors import (
 )
 from constrained_spec.frontend.prompts import Messages, check_text, encode_prompt
 from constrained_spec.frontend.reasoning import (
+    ReasoningMarkers,
     ReasoningMatcher,
     ReasoningOption,
-    check_reasoning_budget,
+    ReasoningOptions,
     reasoning_matcher,
-    resolve_reasoning,
     split_reasoning,
 )
 from constrained_spec.frontend.tools import ToolParser, ToolSet, detect_format
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.generation.stats import SpecStats
-from constrained_spec.grammar import compile_spec
+from constrained_spec.grammar import CompiledSpec, Matcher, compile_spec
 from constrained_spec.model.loading import LoadedModel, load_model
 from constrained_spec.schemas import (
+    AddedBound,
     JsonLayout,
+    PreflightReport,
     SchemaSpec,
     bound_schema,
     check_schema,
@@ -60,13 +77,22 @@ T = TypeVar("T")
 
 Backend = Literal["xgrammar", "outlines"]
 SchemaMode = Literal["default", "strict", "lenient"]
+BACKENDS: tuple[Backend, ...] = ("xgrammar", "outlines")
+SCHEMA_MODES: tuple[SchemaMode, ...] = ("default", "strict", "lenient")
 
-_SAME: Any = object()  # "the Generator's own schema"
+
+class _Same(enum.Enum):
+    """The default of a call's ``schema`` / ``tools``: the Generator's own."""
+
+    SAME = "the Generator's own"
+
+
+_SAME = _Same.SAME
 
 #: How JSON is laid out by default: the compact one-line form with ", " and ": " separators.
-#: Measured on the embedded model (benchmarks/RESULTS.md, "JSON layout ..."): it indents the
-#: JSON it writes freely, but under the grammar the layout does not change how often outputs
-#: complete, and compact JSON takes 6-21% fewer tokens.
+#: Chosen by measurement on the embedded model (benchmarks/RESULTS.md, "JSON layout on the
+#: embedded model"; docs/quality.md): under the grammar the layout does not change how often
+#: outputs complete, and compact JSON takes fewer tokens.
 DEFAULT_LAYOUT = JsonLayout()
 
 
@@ -89,12 +115,12 @@ class GenerationResult(Generic[T]):
 
 
 #: Retries after a failed first attempt when a call does not set ``max_retries`` and its output
-#: is not streamed. Measured on the embedded model (benchmarks/RESULTS.md, "Output quality
-#: levers"): greedy alone completes 16 of 20 JSON tasks, one retry 19, two retries all 20, and
-#: no output greedy got right changes (a retry runs only after a failed attempt). Two, not more:
-#: each retry is one more whole generation for a request that failed, and the repetition-loop
-#: detector (loops.py) already ends a looping attempt early, so two retries bound the cost of a
-#: hopeless request at three attempts.
+#: is not streamed. Chosen by measurement on the embedded model (benchmarks/RESULTS.md, "Output
+#: quality levers on the embedded model"; docs/quality.md): each retry cures some of the outputs
+#: greedy decoding left incomplete, and none that greedy got right changes (a retry runs only
+#: after a failed attempt). Two, not more: each retry is one more whole generation for a
+#: request that failed, and the repetition-loop detector (loops.py) already ends a looping
+#: attempt early, so two retries bound the cost of a hopeless request at three attempts.
 DEFAULT_MAX_RETRIES = 2
 #: Temperature of the retries after a failed first attempt (``max_retries``), unless the
 #: request already samples at its own temperature. Moderate: far enough from greedy to leave
@@ -103,56 +129,98 @@ DEFAULT_RETRY_TEMPERATURE = 0.7
 #: Seed of retry k (k >= 1) when the request has none: ``DEFAULT_RETRY_SEED + k`` (with a seed
 #: s: ``s + k``), so retried generations are reproducible.
 DEFAULT_RETRY_SEED = 0
-# Generator options a call may override besides SamplingParams fields
-_SPEC_OPTIONS = ("max_string_length", "max_items")
-_CALL_OPTIONS = ("schema_mode", "max_retries", "retry_temperature")
-_REASONING_OPTIONS = ("reasoning", "max_reasoning_tokens")
-_SCHEMA_MODES = ("default", "strict", "lenient")
+# the options a call may set besides SamplingParams fields, by group (the rest of each group
+# is the Generator's only)
+_SCHEMA_CALL_OPTIONS = ("max_string_length", "max_items")  # and schema_mode, a keyword of its own
+_RETRY_CALL_OPTIONS = ("max_retries", "retry_temperature")
+_REASONING_CALL_OPTIONS = ("reasoning", "max_reasoning_tokens")
+_CALL_OPTIONS = sorted([*SamplingParams.__dataclass_fields__, *_SCHEMA_CALL_OPTIONS, "schema_mode",
+                        *_RETRY_CALL_OPTIONS, *_REASONING_CALL_OPTIONS])
 
 
-def _check_count(value: Any, option: str, *, minimum: int, allow_none: bool) -> Any:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"must be an integer >= {minimum}{' or None' if allow_none else ''}, "
-                          f"got {value!r}", option=option)
-    return value
-
-
-def _resolve_layout(layout: Any) -> JsonLayout | None:
+def _resolve_layout(layout: object) -> JsonLayout:
     """A JsonLayout, None (the default), or its fields as a dict (from JSON options)."""
-    if layout is None or isinstance(layout, JsonLayout):
+    if layout is None:
+        return DEFAULT_LAYOUT
+    if isinstance(layout, JsonLayout):
         return layout
-    if isinstance(layout, dict) and set(layout) <= {"indent", "separators"}:
+    if isinstance(layout, Mapping) and set(layout) <= {"indent", "separators"}:
         seps = layout.get("separators")
         try:
             separators = cast("tuple[str, str]", tuple(seps) if isinstance(seps, list) else seps)
-            return JsonLayout(indent=layout.get("indent"), separators=separators)
+            return JsonLayout(indent=cast("int | None", layout.get("indent")), separators=separators)
         except SchemaError as e:
             raise ConfigError(str(e), option="layout") from None
     raise ConfigError(f"must be a JsonLayout or a dict of its fields (indent, separators), got "
                       f"{layout!r:.60}", option="layout")
 
 
-def _check_retry_temperature(value: Any) -> float:
-    if not _is_real(value) or not 0.0 < value <= 100.0:
-        raise ConfigError(f"must be a number in (0, 100] (a greedy retry would repeat the failed "
-                          f"attempt), got {value!r}", option="retry_temperature")
-    return float(value)
+@dataclass(frozen=True)
+class SchemaOptions:
+    """How a Generator (or one call) checks, compiles, lays out and describes its schema
+    (docs/options.md, "Schema"). Checked on construction: a :class:`ConfigError` names the
+    keyword.
 
+    Parameters
+    ----------
+    schema_mode:
+        Pre-flight policy: ``"default"`` raises on unsupported keywords and warns on ignored
+        ones, ``"strict"`` raises on both, ``"lenient"`` only warns.
+    backend:
+        Grammar backend: ``"xgrammar"`` or ``"outlines"`` (JSON Schema, regex, choices).
+    layout:
+        How JSON is written (a :class:`JsonLayout`, or a dict of its fields; None:
+        :data:`DEFAULT_LAYOUT`).
+    system_prompt:
+        ``None``: describe the schema in a system message; a string: your system message;
+        ``False``: none.
+    max_string_length, max_items:
+        Opt-in bounds compiled into the grammar: ``maxLength`` / ``maxItems`` on every string
+        / array of the schema that has none (None: off). Outputs are still validated against
+        the schema as given.
+    """
 
-def _check_schema_mode(value: Any) -> SchemaMode:
-    if value not in _SCHEMA_MODES:
-        raise ConfigError(f"must be one of {', '.join(_SCHEMA_MODES)}, got {value!r:.40}",
-                          option="schema_mode")
-    return value
+    schema_mode: SchemaMode = "default"
+    backend: Backend = "xgrammar"
+    layout: JsonLayout = DEFAULT_LAYOUT
+    system_prompt: str | bool | None = None
+    max_string_length: int | None = None
+    max_items: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown grammar backend {self.backend!r}; use 'xgrammar' or "
+                              "'outlines'", option="backend")
+        if self.schema_mode not in SCHEMA_MODES:
+            raise ConfigError(f"must be one of {', '.join(SCHEMA_MODES)}, got "
+                              f"{self.schema_mode!r:.40}", option="schema_mode")
+        object.__setattr__(self, "layout", _resolve_layout(self.layout))
+        if isinstance(self.system_prompt, str):
+            check_text(self.system_prompt, "system_prompt", "the system prompt")
+        elif self.system_prompt is not None and not isinstance(self.system_prompt, bool):
+            raise ConfigError(f"must be a string, None (describe the schema) or False (no "
+                              f"system message), got {self.system_prompt!r:.40}",
+                              option="system_prompt")
+        check_count(self.max_string_length, "max_string_length", minimum=1, allow_none=True)
+        check_count(self.max_items, "max_items", minimum=1, allow_none=True)
+
+    @property
+    def bounds(self) -> tuple[int | None, int | None]:
+        """``(max_string_length, max_items)``: equal for options that compile the same grammar."""
+        return self.max_string_length, self.max_items
+
+    def bound(self, spec: SchemaSpec) -> tuple[SchemaSpec, list[AddedBound]]:
+        """The spec the grammar is compiled from (``spec`` with these bounds) and what was added."""
+        return bound_schema(spec, max_string_length=self.max_string_length,
+                            max_items=self.max_items)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """The one rule of ``max_retries``, for :meth:`Generator.batch`, the command line and
-    servers that run their own engine loop: how many retries a call gets, which finished
-    attempts run again, and with which options.
+    """The retry options of a Generator or a call (docs/options.md, "Retries") and the one rule
+    of ``max_retries``, for :meth:`Generator.batch`, the command line and servers that run their
+    own engine loop: how many retries a call gets, which finished attempts run again, and with
+    which options.
 
     An attempt failed when it ended in anything but a valid output that a new attempt may
     cure: an :class:`IncompleteOutputError` (``max_tokens`` ran out, a
@@ -165,38 +233,51 @@ class RetryPolicy:
     Parameters
     ----------
     max_retries:
-        Retries after the first attempt (0: off); default :data:`DEFAULT_MAX_RETRIES`.
+        Retries after the first attempt (0: off); default :data:`DEFAULT_MAX_RETRIES`. None:
+        not set (the default, or no retries when the output is streamed: :meth:`for_call`).
     temperature:
-        Temperature of the retries of a greedy call, in (0, 100].
+        Temperature of the retries of a greedy call, in (0, 100] (the ``retry_temperature``
+        keyword).
     """
 
-    max_retries: int = DEFAULT_MAX_RETRIES
+    max_retries: int | None = DEFAULT_MAX_RETRIES
     temperature: float = DEFAULT_RETRY_TEMPERATURE
 
     def __post_init__(self) -> None:
-        _check_count(self.max_retries, "max_retries", minimum=0, allow_none=False)
-        object.__setattr__(self, "temperature", _check_retry_temperature(self.temperature))
+        check_count(self.max_retries, "max_retries", minimum=0, allow_none=True)
+        if not is_real(self.temperature) or not 0.0 < self.temperature <= 100.0:
+            raise ConfigError(f"must be a number in (0, 100] (a greedy retry would repeat the "
+                              f"failed attempt), got {self.temperature!r}",
+                              option="retry_temperature")
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+    @property
+    def retries(self) -> int:
+        """Retries after the first attempt of a call that is not streamed."""
+        return DEFAULT_MAX_RETRIES if self.max_retries is None else self.max_retries
+
+    def for_call(self, *, streaming: bool = False) -> RetryPolicy:
+        """This policy for one call: ``max_retries`` not set (None) becomes
+        :data:`DEFAULT_MAX_RETRIES`, or no retries when the output is streamed (the tokens of a
+        failed attempt would already be out, so the default cannot apply there). A number > 0
+        together with streaming is a :class:`ConfigError`."""
+        if self.max_retries is None:
+            return replace(self, max_retries=0 if streaming else DEFAULT_MAX_RETRIES)
+        if streaming and self.max_retries:
+            raise ConfigError("cannot be combined with streaming: the tokens of a failed attempt "
+                              "would already be streamed; leave max_retries unset (no retries "
+                              "while streaming) or set it to 0", option="max_retries")
+        return self
 
     @classmethod
     def resolve(cls, max_retries: int | None, temperature: float = DEFAULT_RETRY_TEMPERATURE,
                 *, streaming: bool = False) -> RetryPolicy:
-        """The policy of a call that asked for ``max_retries`` (None: not set).
-
-        Not set: :data:`DEFAULT_MAX_RETRIES`, or no retries when the output is streamed (the
-        tokens of a failed attempt would already be out, so the default cannot apply there).
-        Set: that many; a number > 0 together with streaming is a :class:`ConfigError`.
-        """
-        if max_retries is None:
-            return cls(0 if streaming else DEFAULT_MAX_RETRIES, temperature)
-        policy = cls(max_retries, temperature)
-        if streaming and policy.max_retries:
-            raise ConfigError("cannot be combined with streaming: the tokens of a failed attempt "
-                              "would already be streamed; leave max_retries unset (no retries "
-                              "while streaming) or set it to 0", option="max_retries")
-        return policy
+        """The policy of a call that asked for ``max_retries`` (None: not set): see
+        :meth:`for_call`."""
+        return cls(max_retries, temperature).for_call(streaming=streaming)
 
     @staticmethod
-    def failed(result: Any) -> bool:
+    def failed(result: object) -> bool:
         """Whether ``result`` (what :meth:`Generator.finalize` returned) is a failed attempt
         that a retry may cure."""
         return isinstance(result, (IncompleteOutputError, OutputValidationError))
@@ -232,59 +313,77 @@ class Attempts:
         self._failed: list[int] = []
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
-        for attempt in range(self.policy.max_retries + 1):
+        for attempt in range(self.policy.retries + 1):
             if not self._todo:
                 return
             self._failed = []
             yield attempt, list(self._todo)
             self._todo = self._failed
 
-    def record(self, item: int, result: Any) -> None:
+    def record(self, item: int, result: object) -> None:
         """Note the result of ``item``'s current attempt (a value, a result or an error)."""
         if self.policy.failed(result):
             self._failed.append(item)
 
 
-# the drafters built for a model, one per speculative config (see `shared_drafter`)
-_drafters_lock = threading.Lock()
-
-
-def _config_key(config: SpeculativeConfig) -> tuple[Any, ...]:
+def _config_key(config: SpeculativeConfig) -> tuple[Hashable, ...]:
     """A hashable key equal for equal configs; an in-memory ``model`` counts by identity."""
-    def part(name: str) -> Any:
+    def part(name: str) -> Hashable:
         value = getattr(config, name)
         if name != "model" or value is None:
-            return value
+            return cast(Hashable, value)
         if isinstance(value, (str, os.PathLike)):
             return ("path", os.fspath(value))
         return ("object", id(value))
     return tuple((f.name, part(f.name)) for f in fields(config))
 
 
+class _DrafterCache:
+    """The drafters built for each model, one per speculative config (see `shared_drafter`).
+
+    By the model's identity (a ``LoadedModel`` is a dataclass that compares by value and so
+    cannot key a ``WeakKeyDictionary``); a model's entries go when the model does
+    (``weakref.finalize``), so the cache lives and dies with it. Drafters hold the target's
+    runner, never the ``LoadedModel`` itself: one that did would keep its model alive.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # the config is kept with its drafter, so an object counted by identity stays alive
+        self._by_model: dict[int, dict[tuple[Hashable, ...], tuple[SpeculativeConfig, Drafter | None]]] = {}
+
+    def get(self, model: LoadedModel, config: SpeculativeConfig) -> Drafter | None:
+        key = _config_key(config)
+        with self._lock:
+            drafters = self._by_model.get(id(model))
+            if drafters is None:
+                drafters = self._by_model[id(model)] = {}
+                weakref.finalize(model, self._by_model.pop, id(model), None)
+            if key not in drafters:
+                drafters[key] = (config, make_drafter(config, model))
+            return drafters[key][1]
+
+
+_drafters = _DrafterCache()
+
+
 def shared_drafter(model: LoadedModel, speculative: SpeculativeConfig | None) -> Drafter | None:
     """The drafter ``speculative`` names for ``model``, built once per model and config.
 
-    Kept on the model it drafts for (a drafter may hold a head's weights or a draft model, and
-    holds a cache slot per running request, like the model's runner): every Generator over the
-    model with an equal config shares it, so a Generator (and ``generate()`` in a loop) costs
-    no set-up. A caller that changes the drafter's attributes changes them for all of them.
+    Kept for as long as the model it drafts for (a drafter may hold a head's weights or a draft
+    model, and holds a cache slot per running request, like the model's runner): every
+    Generator over the model with an equal config shares it, so a Generator (and
+    ``generate()`` in a loop) costs no set-up. A caller that changes the drafter's attributes
+    changes them for all of them.
     """
     if speculative is None:
         return None
-    key = _config_key(speculative)
-    with _drafters_lock:
-        # a plain attribute of the model: the cache lives and dies with it
-        cache: dict[tuple[Any, ...], tuple[SpeculativeConfig, Drafter | None]] = (
-            vars(model).setdefault("_drafters", {}))
-        if key not in cache:
-            # the config is kept with its drafter, so an object counted by identity stays alive
-            cache[key] = (speculative, make_drafter(speculative, model))
-        return cache[key][1]
+    return _drafters.get(model, speculative)
 
 
-def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None,
-                       system_prompt: Any, max_tokens: int, tools: ToolSet | None = None
-                       ) -> list[int]:
+def _encode_with_check(loaded: LoadedModel, prompt: str | Messages, spec: SchemaSpec | None,
+                       system_prompt: str | bool | None, max_tokens: int,
+                       tools: ToolSet | None = None) -> list[int]:
     """The prompt's ids, refused when they and ``max_tokens`` do not fit the context. The
     speculative lookahead takes no room here (the engine drafts no further than max_tokens),
     so speculation changes neither the prompt nor whether it is accepted."""
@@ -299,185 +398,147 @@ def _encode_with_check(loaded: LoadedModel, prompt: Any, spec: SchemaSpec | None
     return ids
 
 
+def _toolset(tools: object, tool_choice: str | Mapping[str, object], parallel: bool) -> ToolSet | None:
+    """The ToolSet of ``tools`` (None: none), checked before any model is loaded."""
+    if tools is None or isinstance(tools, ToolSet):
+        return tools
+    return ToolSet(tools, tool_choice, parallel)
+
+
+def _check_no_schema_with_calls(toolset: ToolSet | None, schema: object) -> None:
+    if toolset is not None and toolset.active and schema is not None and schema is not _SAME:
+        raise ConfigError("a schema applies to text answers, and with tools the answer may "
+                          "be a call: give schema=None, or tool_choice='none'", option="schema")
+
+
 class Generator(Generic[T]):
     """A model + schema compiled once, serving many prompts (a list runs as one batch).
 
     What is loaded once lives with the model and is shared by every Generator over it: the
     weights and the model runner (``load_model``), the drafter (one per speculative config,
     :func:`shared_drafter`) and compiled grammars (a process-wide cache). A Generator itself
-    holds only options (schema, schema mode, sampling, levers), so making one is cheap, and
-    every option but the model, ``speculative`` and ``backend`` can also be changed per call.
+    holds only options, so making one is cheap.
 
     Parameters
     ----------
     model:
         ``None`` / ``"default"`` (the embedded model), a checkpoint folder, a ``.gguf`` file,
-        a ``(transformers_model, tokenizer)`` pair, or a loaded model of ours.
+        a ``(transformers_model, tokenizer)`` pair, or a :class:`LoadedModel`.
     schema:
         A Pydantic model, a JSON Schema (dict or JSON string), ``Regex``, ``Grammar``, a list /
         ``Literal`` / ``Enum`` of choices, or ``None`` for free text.
     speculative:
-        ``None``: the best drafter available (on by default); ``False``: no speculation;
-        a :class:`SpeculativeConfig` to choose.
-    backend:
-        Grammar backend: ``"xgrammar"`` (default) or ``"outlines"`` (JSON Schema, regex, choices).
-    schema_mode:
-        Pre-flight policy: ``"default"`` raises on unsupported keywords and warns on ignored
-        ones, ``"strict"`` raises on both, ``"lenient"`` only warns. Its report for the
-        Generator's own schema is ``report`` (``None`` for free text).
-    system_prompt:
-        ``None``: describe the schema in a system message; a string: your system message;
-        ``False``: none.
-    layout:
-        How JSON is written (:class:`JsonLayout`, or a dict of its fields); default
-        :data:`DEFAULT_LAYOUT` (compact; chosen by measurement).
-    repetition_penalty, no_repeat_ngram_size:
-        The opt-in repetition guard (off: 1.0 and 0). It changes the sampled distribution;
-        speculation stays exact for the changed one. Positions where the grammar forces the
-        continuation are left alone. See :class:`SamplingParams`.
-    max_string_length, max_items:
-        Opt-in bounds compiled into the grammar: ``maxLength`` / ``maxItems`` on every string /
-        array of the schema that has none (``None``: off). Final validation is still against
-        your schema; what was added is on ``report.added_bounds``.
-    max_retries:
-        After an :class:`IncompleteOutputError` (``max_tokens`` ran out, or a
-        :class:`RepetitionLoopError`) or an :class:`OutputValidationError`, generate again up
-        to this many times and return the first valid output. ``None`` (the default):
-        :data:`DEFAULT_MAX_RETRIES` (2), or none when the output is streamed (``on_tokens``);
-        ``0``: plain single-attempt decoding. The first attempt uses your sampling settings
-        (greedy by default), so an output that completes on it is exactly the one without
-        retries; retry k samples at ``retry_temperature`` (your temperature if you sample)
-        with seed ``seed + k`` (seed None: ``k``). ``attempts``, the failed attempts' errors
-        and the stats summed over every attempt are on the result (or on the last error when
-        all fail). A number > 0 cannot be combined with ``on_tokens`` streaming.
-    retry_temperature:
-        Temperature of the retries when the request is greedy (default
-        :data:`DEFAULT_RETRY_TEMPERATURE`).
-    reasoning:
-        For reasoning models (``reasoning.py``): ``"auto"`` (default: on when the chat
-        template names known markers such as ``<think>``/``</think>``), ``True``, ``False``
-        or a :class:`ReasoningMarkers`. On, the model thinks freely and the schema applies
-        after the end marker; the thinking is ``GenerationResult.reasoning``.
-    max_reasoning_tokens:
-        Thinking tokens before the end marker is forced (``None``: no budget). ``max_tokens``
-        counts the reasoning too.
-    tools, tool_choice, parallel_tool_calls:
-        Tool calling (``constrained_spec.frontend.tools``): ``tools`` are typed Python functions,
-        Pydantic models or OpenAI tool dicts; ``tool_choice`` is ``"auto"`` (the model answers
-        in text or calls), ``"required"``, ``"none"`` or a tool's name. The value is a
-        :class:`~constrained_spec.frontend.tools.ToolCall` (a list of them with ``parallel_tool_calls``),
-        or the text under ``"auto"``. Under ``"none"`` the ``schema`` applies as usual; with
-        calls possible, ``schema`` must be None.
+        ``None``: the default drafter (on by default); ``False``: no speculation; a
+        :class:`SpeculativeConfig` to choose (docs/speculative.md).
+
+    The other keywords build one option object per group, held by the Generator and checked
+    before any model is loaded (a :class:`ConfigError` naming the keyword); docs/options.md
+    describes each:
+
+    - ``sampling`` (:class:`SamplingParams`): ``max_tokens``, ``temperature``, ``top_p``,
+      ``top_k``, ``seed`` and the opt-in repetition guard ``repetition_penalty``,
+      ``no_repeat_ngram_size``;
+    - ``schema_options`` (:class:`SchemaOptions`): ``schema_mode``, ``backend``, ``layout``,
+      ``system_prompt`` and the opt-in bounds ``max_string_length``, ``max_items``; the
+      pre-flight report of the Generator's own schema is ``report`` (None for free text);
+    - ``retries`` (:class:`RetryPolicy`): ``max_retries`` (None: two retries after a failed
+      attempt, none while streaming), ``retry_temperature``;
+    - ``reasoning_options`` (:class:`~constrained_spec.frontend.reasoning.ReasoningOptions`):
+      ``reasoning``, ``max_reasoning_tokens``; the markers in use are ``reasoning``;
+    - ``tools`` (:class:`~constrained_spec.frontend.tools.ToolSet`): ``tools``,
+      ``tool_choice``, ``parallel_tool_calls`` (with calls possible, ``schema`` must be None);
+    - the engine: ``tokenizer`` (of a transformers model given without one),
+      ``max_batch_size``.
+
+    A call can change sampling, the bounds, ``schema_mode``, retries and reasoning
+    (:meth:`__call__`); the model, ``speculative``, ``backend`` and ``layout`` are the
+    Generator's.
     """
 
-    def __init__(self, model: Any = None, *, schema: Any = None, max_tokens: int = 512,
+    def __init__(self, model: object = None, *, schema: object = None, max_tokens: int = 512,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, speculative: SpeculativeConfig | bool | None = None,
                  backend: Backend = "xgrammar", schema_mode: SchemaMode = "default",
-                 system_prompt: str | bool | None = None, layout: JsonLayout | None = None,
-                 tokenizer: Any = None, max_batch_size: int = 64,
+                 system_prompt: str | bool | None = None,
+                 layout: JsonLayout | Mapping[str, object] | None = None,
+                 tokenizer: object = None, max_batch_size: int = 64,
                  repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
                  max_string_length: int | None = None, max_items: int | None = None,
                  max_retries: int | None = None,
                  retry_temperature: float = DEFAULT_RETRY_TEMPERATURE,
                  reasoning: ReasoningOption = "auto",
                  max_reasoning_tokens: int | None = None,
-                 tools: Any = None, tool_choice: Any = "auto",
+                 tools: object = None, tool_choice: str | Mapping[str, object] = "auto",
                  parallel_tool_calls: bool = False) -> None:
-        if backend not in ("xgrammar", "outlines"):
-            raise ConfigError(f"unknown grammar backend {backend!r}; use 'xgrammar' or 'outlines'",
-                              option="backend")
-        layout = _resolve_layout(layout)
+        self.schema_options = SchemaOptions(schema_mode=schema_mode, backend=backend,
+                                            layout=_resolve_layout(layout),
+                                            system_prompt=system_prompt,
+                                            max_string_length=max_string_length,
+                                            max_items=max_items)
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                        seed=seed, max_tokens=max_tokens,
                                        repetition_penalty=repetition_penalty,
                                        no_repeat_ngram_size=no_repeat_ngram_size)
-        self.max_string_length = _check_count(max_string_length, "max_string_length", minimum=1,
-                                              allow_none=True)
-        self.max_items = _check_count(max_items, "max_items", minimum=1, allow_none=True)
-        RetryPolicy.resolve(max_retries, retry_temperature)  # bad values fail here
-        #: retries per call (None: :data:`DEFAULT_MAX_RETRIES`, none when streaming)
-        self.max_retries: int | None = max_retries
-        self.retry_temperature = float(retry_temperature)
+        self.retries = RetryPolicy(max_retries, retry_temperature)
         self.speculative = resolve_speculative(speculative)
-        self.backend = backend
-        self.schema_mode = schema_mode
-        if isinstance(system_prompt, str):
-            check_text(system_prompt, "system_prompt", "the system prompt")
-        self.system_prompt = system_prompt
-        self.layout = layout or DEFAULT_LAYOUT
-        self.max_batch_size = _check_count(max_batch_size, "max_batch_size", minimum=1,
-                                           allow_none=False)
-        self.tools = self._toolset(tools, tool_choice, parallel_tool_calls, schema)
+        self.max_batch_size = check_count(max_batch_size, "max_batch_size", minimum=1)
+        self.tools = _toolset(tools, tool_choice, parallel_tool_calls)
+        _check_no_schema_with_calls(self.tools, schema)
+        self.reasoning_options = ReasoningOptions(reasoning, max_reasoning_tokens)
         # schema problems surface before any model is loaded
-        self.spec, self.report = self._prepare_spec(schema, schema_mode)
+        self.spec, self.report = self._prepare_spec(schema, self.schema_options)
         #: the spec the grammar is compiled from: ``spec`` plus any bounds (max_string_length,
         #: max_items); outputs are validated against ``spec``
-        self.grammar_spec, added = self._bound(self.spec, {})
+        self.grammar_spec, added = _bound(self.spec, self.schema_options)
         if self.report is not None:
             self.report.added_bounds = added
-        self.max_reasoning_tokens = check_reasoning_budget(max_reasoning_tokens)
         self.model = load_model(model, tokenizer)
         #: the reasoning markers in use (None: off)
-        self.reasoning = resolve_reasoning(reasoning, self.model.tokenizer)
+        self.reasoning = self.reasoning_options.markers(self.model.tokenizer)
         self.drafter = shared_drafter(self.model, self.speculative)
         #: how this model writes tool calls (its chat template's family, or the default)
         self.tool_format = detect_format(self.model.tokenizer)
         if self.tools is not None and self.tools.active:
-            self.spec = self.grammar_spec = self._tool_spec(self.tools)
-        self.compiled = self._compile(self.spec)
+            self.spec = self.grammar_spec = self._tool_spec(self.tools, self.schema_options)
+        self.compiled = self._compile(self.spec, self.schema_options)
 
-    def _toolset(self, tools: Any, tool_choice: Any, parallel: bool, schema: Any) -> ToolSet | None:
-        """The ToolSet of ``tools`` (None: none), checked before any model is loaded."""
-        if tools is None or isinstance(tools, ToolSet):
-            toolset = tools
-        else:
-            toolset = ToolSet(tools, tool_choice, parallel)
-        if toolset is not None and toolset.active and schema is not None:
-            raise ConfigError("a schema applies to text answers, and with tools the answer may "
-                              "be a call: give schema=None, or tool_choice='none'", option="schema")
-        return toolset
+    def _tool_spec(self, toolset: ToolSet, options: SchemaOptions) -> SchemaSpec:
+        """The grammar of ``toolset``'s calls for this model, with the bounds of ``options`` on
+        the arguments."""
+        return toolset.spec(self.tool_format, options.backend, options.layout,
+                            max_string_length=options.max_string_length,
+                            max_items=options.max_items)
 
-    def _tool_spec(self, toolset: ToolSet, bounds: dict[str, Any] | None = None) -> SchemaSpec:
-        """The grammar of ``toolset``'s calls for this model, with this Generator's bounds (or
-        those of ``bounds``) on the arguments."""
-        bounds = bounds or {}
-        return toolset.spec(self.tool_format, self.backend, self.layout,
-                            max_string_length=bounds.get("max_string_length", self.max_string_length),
-                            max_items=bounds.get("max_items", self.max_items))
-
-    def _prepare_spec(self, schema: Any, mode: SchemaMode) -> tuple[SchemaSpec | None, Any]:
-        """The spec of ``schema`` and its pre-flight report under ``mode`` (None, None for free
-        text). A call's own schema gets its own report: ``self.report`` stays the Generator's."""
+    @staticmethod
+    def _prepare_spec(schema: object, options: SchemaOptions
+                      ) -> tuple[SchemaSpec | None, PreflightReport | None]:
+        """The spec of ``schema`` and its pre-flight report under ``options`` (None, None for
+        free text). A call's own schema gets its own report: ``self.report`` stays the
+        Generator's."""
         if schema is None:
             return None, None
-        spec = normalize_schema(schema, layout=self.layout)
-        return spec, check_schema(spec, self.backend, mode)
+        spec = normalize_schema(schema, layout=options.layout)
+        return spec, check_schema(spec, options.backend, options.schema_mode)
 
-    def _bound(self, spec: SchemaSpec | None, options: dict[str, Any]) -> tuple[Any, list[Any]]:
-        if spec is None:
-            return None, []
-        return bound_schema(spec, max_string_length=options.get("max_string_length", self.max_string_length),
-                            max_items=options.get("max_items", self.max_items))
-
-    def _compile(self, spec: SchemaSpec | None, options: dict[str, Any] | None = None) -> Any:
-        """Compile ``spec`` with the bounds of this Generator (or of ``options``)."""
+    def _compile(self, spec: SchemaSpec | None, options: SchemaOptions) -> CompiledSpec | None:
+        """Compile ``spec`` with the bounds of ``options``."""
         if spec is None:
             return None
         if isinstance(spec.target, ToolParser):  # tool calls: bounds are in its arguments already
-            return compile_spec(spec, self.model.tokenizer_data, backend=self.backend)
-        grammar_spec, _ = self._bound(spec, options or {})
-        return compile_spec(grammar_spec, self.model.tokenizer_data, backend=self.backend)
+            return compile_spec(spec, self.model.tokenizer_data, backend=options.backend)
+        grammar_spec, _ = options.bound(spec)
+        return compile_spec(grammar_spec, self.model.tokenizer_data, backend=options.backend)
 
     # -- running ----------------------------------------------------------------------------
     def __call__(self, prompt: str | Messages | Sequence[str | Messages], *,
                  return_result: bool = False, **overrides: Any) -> Any:
         """Generate for one prompt (-> value) or a list of prompts (-> list, one batch).
 
-        ``overrides`` change this call's options: max_tokens, temperature, top_p, top_k, seed,
-        repetition_penalty, no_repeat_ngram_size, max_string_length, max_items, schema_mode,
-        max_retries, retry_temperature. Errors are raised; for a list the first failing item's
-        error is raised after the whole batch ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
+        ``overrides`` change this call's options: any :class:`SamplingParams` field,
+        ``max_string_length``, ``max_items``, ``schema_mode``, ``max_retries``,
+        ``retry_temperature``, ``reasoning``, ``max_reasoning_tokens``. Errors are raised; for
+        a list the first failing item's error is raised after the whole batch ran (use
+        :meth:`batch` with ``return_exceptions=True`` to keep going).
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
             # a list of prompts (a chat, Messages, is a list of dicts): a narrowing mypy
@@ -495,7 +556,7 @@ class Generator(Generic[T]):
         return out
 
     def batch(self, prompts: Sequence[str | Messages], *, return_result: bool = False,
-              return_exceptions: bool = True, schemas: Sequence[Any] | None = None,
+              return_exceptions: bool = True, schemas: Sequence[object] | None = None,
               on_tokens: Callable[[int, list[int]], None] | None = None,
               on_progress: Callable[[int], None] | None = None,
               **overrides: Any) -> list[Any]:
@@ -507,12 +568,14 @@ class Generator(Generic[T]):
         of failed attempts included: a progress count that leaves retries on. With
         ``max_retries``, the items that failed run again as one batch per retry.
         """
-        policy = RetryPolicy.resolve(overrides.pop("max_retries", self.max_retries),
-                                     overrides.pop("retry_temperature", self.retry_temperature),
-                                     streaming=on_tokens is not None)
+        retries = self.retries
+        if any(k in overrides for k in _RETRY_CALL_OPTIONS):
+            retries = RetryPolicy(overrides.pop("max_retries", retries.max_retries),
+                                  overrides.pop("retry_temperature", retries.temperature))
+        policy = retries.for_call(streaming=on_tokens is not None)
         results: list[Any] = [None] * len(prompts)
         stats: list[SpecStats | None] = [None] * len(prompts)
-        failed: list[list[Any]] = [[] for _ in prompts]  # each item's failed attempts so far
+        failed: list[list[ConstrainedSpecError]] = [[] for _ in prompts]  # each item's so far
         attempts = policy.attempts(range(len(prompts)))
         for attempt, todo in attempts:
             options = policy.options(overrides, attempt, self.sampling)
@@ -542,10 +605,10 @@ class Generator(Generic[T]):
         return results
 
     # -- building blocks (also used by servers that run their own engine loop) --------------
-    def make_request(self, prompt: str | Messages, *, schema: Any = _SAME,
+    def make_request(self, prompt: str | Messages, *, schema: object = _SAME,
                      schema_mode: SchemaMode | None = None,
                      on_tokens: Callable[[list[int]], None] | None = None,
-                     tools: Any = _SAME,
+                     tools: object = _SAME,
                      **overrides: Any) -> tuple[Request, SchemaSpec | None]:
         """A ready-to-run engine request for ``prompt`` and the spec to finalize it with.
 
@@ -558,49 +621,61 @@ class Generator(Generic[T]):
         ``"auto"``; default the Generator's; None: no tools); while calls are possible, its
         grammar replaces ``schema``.
         """
-        toolset = self.tools if tools is _SAME else self._toolset(tools, "auto", False, None)
-        mode = self.schema_mode if schema_mode is None else _check_schema_mode(schema_mode)
-        bounds = {k: overrides.pop(k) for k in _SPEC_OPTIONS if k in overrides}
-        markers = (resolve_reasoning(overrides.pop("reasoning"), self.model.tokenizer)
-                   if "reasoning" in overrides else self.reasoning)
-        budget = check_reasoning_budget(overrides.pop("max_reasoning_tokens",
-                                                      self.max_reasoning_tokens))
-        unknown = sorted(set(overrides) - set(SamplingParams.__dataclass_fields__))
-        if unknown:
-            known = sorted([*SamplingParams.__dataclass_fields__, *_SPEC_OPTIONS, *_CALL_OPTIONS,
-                            *_REASONING_OPTIONS])
-            raise ConfigError(f"unknown option {unknown[0]!r}; a call can set {', '.join(known)}",
-                              option=unknown[0])
-        params = SamplingParams(**{**self.sampling.__dict__, **overrides})
-        _check_count(bounds.get("max_string_length"), "max_string_length", minimum=1, allow_none=True)
-        _check_count(bounds.get("max_items"), "max_items", minimum=1, allow_none=True)
-        calls = toolset is not None and toolset.active
-        own_calls = self.tools is not None and self.tools.active  # self.spec is their grammar
-        if calls and schema is not _SAME and schema is not None:
-            self._toolset(toolset, "auto", False, schema)  # raises: a schema with calls
-        if calls and toolset is not None:
-            same = toolset is self.tools and not bounds
-            spec = self.spec if same else self._tool_spec(toolset, bounds)
-            compiled = self.compiled if same else self._compile(spec)
-        elif schema is _SAME and own_calls:
-            spec, compiled = None, None  # this call has no tools: free text
-        elif schema is _SAME:
-            spec, compiled = self.spec, self.compiled
-            if spec is not None and mode != self.schema_mode:
-                check_schema(spec, self.backend, mode)
-            if bounds:
-                compiled = self._compile(spec, bounds)
-        else:
-            spec, _ = self._prepare_spec(schema, mode)
-            compiled = self._compile(spec, bounds)
-        ids = _encode_with_check(self.model, prompt, None if calls else spec, self.system_prompt,
-                                 params.max_tokens, toolset)
-        matcher: Any
+        toolset = self.tools if tools is _SAME else _toolset(tools, "auto", False)
+        options, (markers, budget), params = self._call_options(overrides, schema_mode)
+        spec, compiled, calls = self._request_spec(schema, toolset, options)
+        ids = _encode_with_check(self.model, prompt, None if calls else spec,
+                                 options.system_prompt, params.max_tokens, toolset)
+        matcher: Matcher | None
         if markers is not None:  # the grammar starts after the reasoning
             matcher = reasoning_matcher(self.model, compiled, markers, ids, budget)
         else:
             matcher = compiled.new_matcher() if compiled is not None else None
         return Request(ids, matcher, params, self.model.eos_token_ids, on_tokens=on_tokens), spec
+
+    def _call_options(self, overrides: dict[str, Any], schema_mode: SchemaMode | None
+                      ) -> tuple[SchemaOptions, tuple[ReasoningMarkers | None, int | None],
+                                 SamplingParams]:
+        """A call's schema options, reasoning (its markers and budget) and sampling: the
+        Generator's, with ``overrides`` (taken out of it) and ``schema_mode`` over them."""
+        changes: dict[str, Any] = {k: overrides.pop(k) for k in _SCHEMA_CALL_OPTIONS
+                                   if k in overrides}
+        if schema_mode is not None:
+            changes["schema_mode"] = schema_mode
+        options = replace(self.schema_options, **changes) if changes else self.schema_options
+        own = self.reasoning_options
+        markers, budget = self.reasoning, own.max_reasoning_tokens
+        if any(k in overrides for k in _REASONING_CALL_OPTIONS):
+            call = ReasoningOptions(overrides.pop("reasoning", own.reasoning),
+                                    overrides.pop("max_reasoning_tokens", budget))
+            if call.reasoning != own.reasoning:
+                markers = call.markers(self.model.tokenizer)
+            budget = call.max_reasoning_tokens
+        unknown = sorted(set(overrides) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"unknown option {unknown[0]!r}; a call can set "
+                              f"{', '.join(_CALL_OPTIONS)}", option=unknown[0])
+        return options, (markers, budget), replace(self.sampling, **overrides)
+
+    def _request_spec(self, schema: object, toolset: ToolSet | None, options: SchemaOptions
+                      ) -> tuple[SchemaSpec | None, CompiledSpec | None, bool]:
+        """The spec and compiled grammar of a request with ``schema``, ``toolset`` and the
+        schema ``options``, and whether it may call tools (their grammar is then the spec)."""
+        _check_no_schema_with_calls(toolset, schema)
+        same_bounds = options.bounds == self.schema_options.bounds
+        if toolset is not None and toolset.active:
+            if toolset is self.tools and same_bounds:
+                return self.spec, self.compiled, True
+            calls = self._tool_spec(toolset, options)
+            return calls, self._compile(calls, options), True
+        if schema is not _SAME:
+            spec, _ = self._prepare_spec(schema, options)
+            return spec, self._compile(spec, options), False
+        if self.tools is not None and self.tools.active:
+            return None, None, False  # the Generator's spec is its calls; this call has none: free text
+        if self.spec is not None and options.schema_mode != self.schema_options.schema_mode:
+            check_schema(self.spec, options.backend, options.schema_mode)
+        return self.spec, self.compiled if same_bounds else self._compile(self.spec, options), False
 
     def new_engine(self) -> Engine:
         """An engine over this Generator's model runner and drafter."""
@@ -682,7 +757,15 @@ def _token_callback(index: int, on_tokens: Callable[[int, list[int]], None] | No
     return callback
 
 
-def _record_attempts(item: Any, stats: SpecStats | None, earlier: list[Any]) -> None:
+def _bound(spec: SchemaSpec | None, options: SchemaOptions
+           ) -> tuple[SchemaSpec | None, list[AddedBound]]:
+    """``spec`` with the bounds of ``options`` (the spec the grammar is compiled from) and the
+    bounds added."""
+    return (None, []) if spec is None else options.bound(spec)
+
+
+def _record_attempts(item: object, stats: SpecStats | None,
+                     earlier: list[ConstrainedSpecError]) -> None:
     """Put the summed stats of every attempt, their number and the errors of the ``earlier``
     (failed) attempts on a result or error."""
     if stats is None:
@@ -697,31 +780,32 @@ def _record_attempts(item: Any, stats: SpecStats | None, earlier: list[Any]) -> 
 
 
 @overload
-def generate(model: Any, prompt: str | Messages, *, schema: type[T], max_tokens: int = ...,
+def generate(model: object, prompt: str | Messages, *, schema: type[T], max_tokens: int = ...,
              temperature: float = ..., top_p: float = ..., top_k: int = ..., seed: int | None = ...,
              speculative: SpeculativeConfig | bool | None = ..., return_result: Literal[False] = ...,
              **options: Any) -> T: ...
 @overload
-def generate(model: Any, prompt: str | Messages, *, schema: type[T], max_tokens: int = ...,
+def generate(model: object, prompt: str | Messages, *, schema: type[T], max_tokens: int = ...,
              temperature: float = ..., top_p: float = ..., top_k: int = ..., seed: int | None = ...,
              speculative: SpeculativeConfig | bool | None = ..., return_result: Literal[True],
              **options: Any) -> GenerationResult[T]: ...
 @overload
-def generate(model: Any, prompt: str | Messages, *, schema: Any = ..., max_tokens: int = ...,
+def generate(model: object, prompt: str | Messages, *, schema: object = ..., max_tokens: int = ...,
              temperature: float = ..., top_p: float = ..., top_k: int = ..., seed: int | None = ...,
              speculative: SpeculativeConfig | bool | None = ..., return_result: bool = ...,
              **options: Any) -> Any: ...
-def generate(model: Any, prompt: Any, *, schema: Any = None, max_tokens: int = 512,
+def generate(model: object, prompt: str | Messages, *, schema: object = None, max_tokens: int = 512,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, speculative: SpeculativeConfig | bool | None = None,
              return_result: bool = False, **options: Any) -> Any:
-    """Generate one output that matches ``schema`` (see :class:`Generator` for every option).
+    """Generate one output that matches ``schema``.
 
     Returns the validated value: a Pydantic instance for a Pydantic model, a dict for a JSON
     Schema, the string for a regex or grammar, the chosen value for choices; or a
     :class:`GenerationResult` with ``return_result=True``. With ``tools=[...]`` (and
     ``tool_choice``, ``parallel_tool_calls``): a :class:`~constrained_spec.frontend.tools.ToolCall`, a
-    list of them, or the text (``tool_choice="auto"``).
+    list of them, or the text (``tool_choice="auto"``). ``options``: every other keyword of
+    :class:`Generator`, by group in docs/options.md.
     """
     gen: Generator[Any] = Generator(model, schema=schema, max_tokens=max_tokens,
                                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

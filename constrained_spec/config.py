@@ -1,14 +1,16 @@
-"""User-facing option objects: sampling parameters and the speculative-decoding config.
+"""User-facing option objects: sampling parameters and the speculative-decoding config, and
+the checks other option objects share (:func:`check_count`, :func:`is_real`).
 
 Both are validated on construction, so a bad value fails before any model is loaded, with
-the option's name in the message.
+the option's name in the message. The other groups of ``Generator`` options (schema, retries,
+reasoning, tools) live next to the code that uses them; docs/options.md lists every group.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from constrained_spec.errors import ConfigError
 
@@ -119,7 +121,7 @@ def resolve_speculative(speculative: Any) -> SpeculativeConfig | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen; ``temperature == 0`` is greedy.
+    """How tokens are chosen; ``temperature == 0`` is greedy (docs/options.md, "Sampling").
 
     ``repetition_penalty`` and ``no_repeat_ngram_size`` form the opt-in repetition guard
     (``sampling.apply_repetition_guard``): they change the model's distribution, identically
@@ -138,10 +140,10 @@ class SamplingParams:
     no_repeat_ngram_size: int = 0
 
     def __post_init__(self) -> None:
-        if not _is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
+        if not is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
             raise ConfigError(f"must be a finite number in [0, 100], got {self.temperature!r}",
                               option="temperature")
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"must be in (0, 1], got {self.top_p!r}", option="top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"must be an integer >= 0 (0 = off), got {self.top_k!r}", option="top_k")
@@ -151,7 +153,7 @@ class SamplingParams:
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ConfigError(f"must be None or an integer in [-2**63, 2**63 - 1] (a 64-bit "
                               f"generator seed), got {self.seed!r:.40}", option="seed")
-        if not _is_real(self.repetition_penalty) or not (
+        if not is_real(self.repetition_penalty) or not (
                 1.0 <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise ConfigError(f"must be a number in [1, {MAX_REPETITION_PENALTY:g}] (1 = off; 1.1 to "
                               f"1.3 is typical), got {self.repetition_penalty!r}",
@@ -171,5 +173,22 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
 
 
-def _is_real(x: Any) -> bool:
+def is_real(x: object) -> bool:
+    """Whether ``x`` is a finite int or float (a bool is not a number here)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@overload
+def check_count(value: object, option: str, *, minimum: int,
+                allow_none: Literal[False] = False) -> int: ...
+@overload
+def check_count(value: object, option: str, *, minimum: int, allow_none: bool) -> int | None: ...
+def check_count(value: object, option: str, *, minimum: int, allow_none: bool = False) -> int | None:
+    """``value`` when it is an integer >= ``minimum`` (or None where ``allow_none``); else a
+    :class:`ConfigError` naming ``option``. A bool is not a count."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"must be an integer >= {minimum}{' or None' if allow_none else ''}, "
+                          f"got {value!r}", option=option)
+    return value

@@ -214,7 +214,8 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
     Bad values fail here, before a model is loaded, with the library's own checks and messages.
     """
-    from constrained_spec.api import _check_count, _check_retry_temperature
+    from constrained_spec.api import RetryPolicy
+    from constrained_spec.config import check_count
     from constrained_spec.frontend.reasoning import check_reasoning_budget
 
     options: dict[str, Any] = {
@@ -223,11 +224,10 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "no_repeat_ngram_size": args.no_repeat_ngram_size}
     SamplingParams(**options)
     for name in ("max_string_length", "max_items"):
-        options[name] = _check_count(getattr(args, name), name, minimum=1, allow_none=True)
-    # None: the library's default (retries on, off while streaming)
-    options["max_retries"] = _check_count(args.max_retries, "max_retries", minimum=0,
-                                          allow_none=True)
-    options["retry_temperature"] = _check_retry_temperature(args.retry_temperature)
+        options[name] = check_count(getattr(args, name), name, minimum=1, allow_none=True)
+    # max_retries None: the library's default (retries on, off while streaming)
+    retries = RetryPolicy(args.max_retries, args.retry_temperature)
+    options["max_retries"], options["retry_temperature"] = retries.max_retries, retries.temperature
     reasoning = getattr(args, "reasoning", "auto")
     options["reasoning"] = {"auto": "auto", "on": True, "off": False}[reasoning]
     options["max_reasoning_tokens"] = check_reasoning_budget(getattr(args, "max_reasoning_tokens", None))

@@ -2,6 +2,7 @@
 and a grammar, and the model's text back into a result.
 
 `prompts.py` (chat template, schema description), `tools.py` (tool definitions, the tool-call
-grammar, calls read back), `reasoning.py` (reasoning markers and the request matcher) and
-`dsl.py` (the concise schema language of the command line). `constrained_spec.api` sits on top.
+grammar, calls read back), `reasoning.py` (reasoning markers, the reasoning options and the
+request matcher) and `dsl.py` (the concise schema language of the command line).
+`constrained_spec.api` sits on top.
 """

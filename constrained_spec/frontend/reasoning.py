@@ -5,7 +5,8 @@ grammar must constrain the answer only: :class:`~constrained_spec.grammar.reason
 ReasoningMatcher` lets the block run free and hands the tokens after the end marker to the
 schema's matcher; this module decides when a request gets one and splits the output after.
 
-The ``reasoning`` option (:func:`resolve_reasoning`):
+The ``reasoning`` option (:func:`resolve_reasoning`; :class:`ReasoningOptions` holds it with
+``max_reasoning_tokens`` for a Generator or a call):
 
 * ``"auto"`` (the default): on when the tokenizer's chat template names a known pair of markers
   (:data:`KNOWN_MARKERS`: ``<think>``/``</think>`` as in Qwen3 and DeepSeek-R1, ``[THINK]``/
@@ -26,9 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union, cast
 
 from constrained_spec.errors import ConfigError
+from constrained_spec.grammar import CompiledSpec, Matcher
 from constrained_spec.grammar.reasoning import (
     ANSWER,
     OPENING,
@@ -37,9 +39,12 @@ from constrained_spec.grammar.reasoning import (
     ReasoningTables,
 )
 
-__all__ = ["KNOWN_MARKERS", "ReasoningMarkers", "ReasoningOption", "check_reasoning_budget",
-           "detect_reasoning", "reasoning_matcher", "resolve_reasoning", "split_reasoning",
-           "start_phase"]
+if TYPE_CHECKING:
+    from constrained_spec.model.loading import LoadedModel
+
+__all__ = ["KNOWN_MARKERS", "ReasoningMarkers", "ReasoningOption", "ReasoningOptions",
+           "check_reasoning_budget", "check_reasoning_option", "detect_reasoning",
+           "reasoning_matcher", "resolve_reasoning", "split_reasoning", "start_phase"]
 
 
 @dataclass(frozen=True)
@@ -80,22 +85,30 @@ def detect_reasoning(tokenizer: Any) -> ReasoningMarkers | None:
     return None
 
 
-def resolve_reasoning(option: Any, tokenizer: Any) -> ReasoningMarkers | None:
+def check_reasoning_option(option: object) -> ReasoningOption:
+    """The ``reasoning`` option as given, when it is one: ``"auto"``, True, False (or None) or
+    a :class:`ReasoningMarkers`."""
+    if option is None or isinstance(option, (bool, ReasoningMarkers)) or (
+            isinstance(option, str) and option == "auto"):
+        return cast(ReasoningOption, option)
+    raise ConfigError(f"must be 'auto', True, False or a ReasoningMarkers, got {option!r:.40}",
+                      option="reasoning")
+
+
+def resolve_reasoning(option: object, tokenizer: Any) -> ReasoningMarkers | None:
     """The markers of the ``reasoning`` option for ``tokenizer`` (None: off; see the module
     docstring)."""
+    option = check_reasoning_option(option)
     if option is None or option is False:
         return None
     if isinstance(option, ReasoningMarkers):
         return option
     if option == "auto":
         return detect_reasoning(tokenizer)
-    if option is True:
-        return detect_reasoning(tokenizer) or KNOWN_MARKERS[0]
-    raise ConfigError(f"must be 'auto', True, False or a ReasoningMarkers, got {option!r:.40}",
-                      option="reasoning")
+    return detect_reasoning(tokenizer) or KNOWN_MARKERS[0]  # True
 
 
-def check_reasoning_budget(value: Any) -> int | None:
+def check_reasoning_budget(value: object) -> int | None:
     """``max_reasoning_tokens``: an integer >= 0 (0: the end marker right after the start), or
     None for no budget."""
     if value is None:
@@ -104,6 +117,35 @@ def check_reasoning_budget(value: Any) -> int | None:
         raise ConfigError(f"must be an integer >= 0 or None, got {value!r:.40}",
                           option="max_reasoning_tokens")
     return value
+
+
+@dataclass(frozen=True)
+class ReasoningOptions:
+    """The reasoning options of a Generator or of one call (docs/options.md, "Reasoning").
+
+    Checked on construction (a :class:`ConfigError` naming ``reasoning`` or
+    ``max_reasoning_tokens``); :meth:`markers` resolves ``reasoning`` for a model's tokenizer.
+
+    Parameters
+    ----------
+    reasoning:
+        ``"auto"`` (on when the chat template names known markers), True, False or a
+        :class:`ReasoningMarkers` (see the module docstring).
+    max_reasoning_tokens:
+        Thinking tokens before the end marker is forced (None: no budget); ``max_tokens``
+        counts the reasoning too.
+    """
+
+    reasoning: ReasoningOption = "auto"
+    max_reasoning_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        check_reasoning_option(self.reasoning)
+        check_reasoning_budget(self.max_reasoning_tokens)
+
+    def markers(self, tokenizer: Any) -> ReasoningMarkers | None:
+        """The markers in use with ``tokenizer`` (None: reasoning is off)."""
+        return resolve_reasoning(self.reasoning, tokenizer)
 
 
 def _marker_ids(tokenizer: Any, text: str) -> list[int]:
@@ -115,7 +157,7 @@ def _marker_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def _tables(loaded: Any, markers: ReasoningMarkers) -> ReasoningTables:
+def _tables(loaded: LoadedModel, markers: ReasoningMarkers) -> ReasoningTables:
     """The shared automaton and mask rows for the model's tokenizer and ``markers``."""
     tok = loaded.tokenizer_data
 
@@ -143,8 +185,8 @@ def start_phase(tokenizer: Any, prompt_ids: Sequence[int], markers: ReasoningMar
     return OPENING
 
 
-def reasoning_matcher(loaded: Any, compiled: Any, markers: ReasoningMarkers,
-                      prompt_ids: Sequence[int],
+def reasoning_matcher(loaded: LoadedModel, compiled: CompiledSpec | None,
+                      markers: ReasoningMarkers, prompt_ids: Sequence[int],
                       max_reasoning_tokens: int | None = None) -> ReasoningMatcher:
     """The matcher of one request of a reasoning model: free text, then ``compiled``'s grammar
     (None: a free-text answer) after the end marker.
@@ -166,7 +208,7 @@ def reasoning_matcher(loaded: Any, compiled: Any, markers: ReasoningMarkers,
                             phase=start_phase(loaded.tokenizer, prompt_ids, markers))
 
 
-def split_reasoning(tokenizer: Any, output_ids: Sequence[int], matcher: Any,
+def split_reasoning(tokenizer: Any, output_ids: Sequence[int], matcher: Matcher | None,
                     text: str) -> tuple[str | None, str]:
     """(reasoning, answer) texts of a finished request's output (``text``: all of it decoded).
 

@@ -6,19 +6,25 @@
   pre-flight mode can be set per call;
 - :class:`RetryPolicy`: any finish other than stop, error or cancelled is an incomplete output
   and a failed attempt (a future finish reason included), run again with seed + k; a call
-  that does not set ``max_retries`` gets two retries, none while streaming.
+  that does not set ``max_retries`` gets two retries, none while streaming;
+- the keywords build one option object per group (sampling, schema, retries, reasoning),
+  each checked on construction with the keyword's name in its error.
 """
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
 
 import constrained_spec.api as api
 from constrained_spec import ConfigError, Generator, IncompleteOutputError, SchemaError, generate
-from constrained_spec.api import RetryPolicy
-from constrained_spec.config import SamplingParams, SpeculativeConfig
+from constrained_spec.api import RetryPolicy, SchemaOptions
+from constrained_spec.config import SamplingParams, SpeculativeConfig, check_count
+from constrained_spec.frontend.reasoning import ReasoningMarkers, ReasoningOptions
+from constrained_spec.model.loading import load_model
+from constrained_spec.schemas import JsonLayout
 
 CHOICES = ["red", "green", "blue"]
 # "uniqueItems" is a keyword the grammar ignores: strict refuses it, default warns
@@ -63,6 +69,21 @@ def test_generators_share_the_drafter_of_an_equal_config_only(tiny_loaded, const
     assert other.drafter is not a.drafter
     assert len(constructions) == 2
     assert Generator(tiny_loaded, speculative=False).drafter is None
+
+
+def test_a_model_s_drafters_go_with_the_model(tiny_loaded):
+    # a new LoadedModel over the same weights: its own drafters, dropped when it is
+    fresh = load_model((tiny_loaded.model, tiny_loaded.tokenizer))
+    assert fresh is not tiny_loaded
+    config = fresh_config(9)
+    drafter = api.shared_drafter(fresh, config)
+    assert drafter is not None and api.shared_drafter(fresh, config) is drafter
+    assert api.shared_drafter(tiny_loaded, config) is not drafter
+    key = id(fresh)
+    assert key in api._drafters._by_model
+    del fresh
+    gc.collect()
+    assert key not in api._drafters._by_model
 
 
 def test_report_stays_the_generators_own_when_a_call_brings_another_schema(tiny_loaded):
@@ -165,3 +186,52 @@ def test_attempts_rerun_only_the_failed_items_and_stop_when_retries_run_out():
             ok = i == 0 or (i == 1 and attempt == 1)
             attempts.record(i, "value" if ok else IncompleteOutputError("x", partial_text=""))
     assert seen == [(0, [0, 1, 2]), (1, [1, 2]), (2, [2])]
+
+
+def test_the_keywords_build_one_option_object_per_group(tiny_loaded):
+    gen = Generator(tiny_loaded, schema=CHOICES, speculative=False, max_tokens=9, top_k=3,
+                    max_items=4, layout={"indent": 2}, max_retries=1, retry_temperature=0.5,
+                    reasoning=False, max_reasoning_tokens=7)
+    assert gen.sampling == SamplingParams(max_tokens=9, top_k=3)
+    assert gen.schema_options == SchemaOptions(max_items=4, layout=JsonLayout(indent=2))
+    assert gen.retries == RetryPolicy(1, 0.5)
+    assert gen.reasoning_options == ReasoningOptions(False, 7) and gen.reasoning is None
+    plain = Generator(tiny_loaded, speculative=False)
+    assert plain.schema_options == SchemaOptions() and plain.schema_options.layout == api.DEFAULT_LAYOUT
+    assert plain.retries == RetryPolicy(None) and plain.retries.retries == api.DEFAULT_MAX_RETRIES
+    assert plain.sampling == SamplingParams() and plain.reasoning_options == ReasoningOptions()
+
+
+@pytest.mark.parametrize("make, option", [
+    (lambda: SchemaOptions(backend="llguidance"), "backend"),  # type: ignore[arg-type]
+    (lambda: SchemaOptions(schema_mode="loose"), "schema_mode"),  # type: ignore[arg-type]
+    (lambda: SchemaOptions(layout="pretty"), "layout"),  # type: ignore[arg-type]
+    (lambda: SchemaOptions(system_prompt=5), "system_prompt"),  # type: ignore[arg-type]
+    (lambda: SchemaOptions(system_prompt="a \ud800"), "system_prompt"),
+    (lambda: SchemaOptions(max_string_length=0), "max_string_length"),
+    (lambda: SchemaOptions(max_items=True), "max_items"),
+    (lambda: ReasoningOptions("sometimes"), "reasoning"),  # type: ignore[arg-type]
+    (lambda: ReasoningOptions(max_reasoning_tokens=-1), "max_reasoning_tokens"),
+    (lambda: RetryPolicy(1.5), "max_retries"),  # type: ignore[arg-type]
+    (lambda: RetryPolicy(temperature=float("nan")), "retry_temperature"),
+    (lambda: check_count(0, "max_batch_size", minimum=1), "max_batch_size"),
+    (lambda: check_count(None, "max_batch_size", minimum=1), "max_batch_size"),
+])
+def test_option_objects_check_their_fields_on_construction(make, option):
+    with pytest.raises(ConfigError) as info:
+        make()
+    assert info.value.option == option
+
+
+def test_option_objects_resolve_what_was_left_unset():
+    assert SchemaOptions(layout={"indent": 2, "separators": [",", ": "]}).layout == JsonLayout(indent=2)
+    assert SchemaOptions(layout=None).layout == api.DEFAULT_LAYOUT
+    assert check_count(None, "max_items", minimum=1, allow_none=True) is None
+    unset = RetryPolicy(None, 0.5)
+    assert unset.for_call() == RetryPolicy(api.DEFAULT_MAX_RETRIES, 0.5)
+    assert unset.for_call(streaming=True) == RetryPolicy(0, 0.5)
+    assert RetryPolicy(0).for_call(streaming=True) == RetryPolicy(0)
+    with pytest.raises(ConfigError, match="streaming"):
+        RetryPolicy(1).for_call(streaming=True)
+    assert ReasoningOptions(ReasoningMarkers("[T]", "[/T]")).markers(None) == ReasoningMarkers("[T]", "[/T]")
+    assert ReasoningOptions(False).markers(None) is None

@@ -219,7 +219,7 @@ def test_bad_lever_values_raise_config_error(tiny_loaded, kwargs, option):
 
 def test_layout_from_json_options(tiny_loaded):
     gen = Generator(tiny_loaded, schema=STRING_SCHEMA, layout={"indent": 2, "separators": [",", ": "]})
-    assert gen.layout == JsonLayout(indent=2)
+    assert gen.schema_options.layout == JsonLayout(indent=2)
 
 
 def test_unknown_call_option_is_a_config_error(tiny_loaded):

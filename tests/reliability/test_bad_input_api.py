@@ -194,8 +194,10 @@ def test_layout_and_mode_mistakes_are_typed(no_model):
 
     with pytest.raises(SchemaError, match="separators"):
         JsonLayout(separators=(";", "="))
-    with pytest.raises(SchemaError, match="mode"):
+    # a bad mode is a bad option (as in a call), named before the schema is looked at
+    with pytest.raises(ConfigError, match="mode") as info:
         Generator(None, schema={"type": "string"}, schema_mode="loose")
+    assert info.value.option == "schema_mode"
 
 
 # -- with the embedded model: prompts, and serving on after errors ------------------------------
