@@ -51,7 +51,7 @@ def measure(threads: int, clock: str, context: int, repeats: int, rows: tuple[in
                     samples[name].append(dt * 1000)
         for name in runners:
             out[name][T] = statistics.median(samples[name])
-    out["int4_linears"] = runners["int4"].int4_linears
+    out["int4_linears"] = runners["int4"].quantized_linears
     return out
 
 

@@ -38,6 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from constrained_spec.model.runner import INT4_MAX_ROWS, linear
+from constrained_spec.model.weights import int8_pack
+
 HeadKind = Literal["eagle3", "mtp"]
 FINAL = -1  # feature layer id: the target's final normed hidden state (the LM head's input)
 
@@ -103,10 +106,11 @@ class HeadConfig:
 
 class QuantLinear(nn.Module):
     """A bias-free linear layer that runs forwards of few rows on torch's CPU int8 weight-only
-    kernel (`runner.pack_int8`: per-row scales, ~1% error; bf16 activations) and longer ones (a
-    new request's catch-up) on the dense weight, like the target runner. For drafting only: a
-    draft head's outputs need not be exact (verification decides), and a 1-row step runs ~8x
-    faster than the dense bf16 product on the CPU."""
+    kernel (`weights.int8_pack`: per-row scales, a re-quantization; bf16 activations) and
+    longer ones (a new request's catch-up) on the dense weight, like the target runner. For
+    drafting only: a draft head's outputs need not be exact (verification decides), and a
+    1-row step runs several times faster than the dense bf16 product on the CPU
+    (benchmarks/RESULTS.md, "Speculation on the benchmark tasks": why int8)."""
 
     def __init__(self, linear: nn.Linear, packed: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__()
@@ -114,25 +118,21 @@ class QuantLinear(nn.Module):
         self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from constrained_spec.model.runner import INT4_MAX_ROWS, _linear
-
         if x.numel() // x.shape[-1] > INT4_MAX_ROWS:
             return self.dense(x)
-        return _linear(x.to(torch.bfloat16), self.packed)
+        return linear(x.to(torch.bfloat16), self.packed)
 
 
 def quantize_for_drafting(head: DraftHead) -> DraftHead:
     """``head`` (bf16, CPU) with its linear layers, and an mtp head's shared LM head rows, on
     the int8 weight-only kernel for few-row forwards (in place)."""
-    from constrained_spec.model.runner import pack_int8
-
     for name, child in list(head.named_children()):
         if isinstance(child, nn.Linear) and child.bias is None:
-            packed = pack_int8(child.weight)
+            packed = int8_pack(child.weight)
             if packed is not None:
                 setattr(head, name, QuantLinear(child, packed))
     if head.config.kind == "mtp":
-        head.target_head_packed = pack_int8(head.shared_rows())
+        head.target_head_packed = int8_pack(head.shared_rows())
     return head
 
 
@@ -262,10 +262,8 @@ class DraftHead(nn.Module):
             return self.lm_head(self.norm(hidden))
         h = self.shared_norm(hidden)
         packed = getattr(self, "target_head_packed", None)
-        from constrained_spec.model.runner import INT4_MAX_ROWS, _linear
-
         if packed is not None and h.numel() // h.shape[-1] <= INT4_MAX_ROWS:
-            return _linear(h.to(torch.bfloat16), packed)
+            return linear(h.to(torch.bfloat16), packed)
         return F.linear(h, self.shared_rows().to(hidden.dtype))
 
     def target_ids(self) -> torch.Tensor:

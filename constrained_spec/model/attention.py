@@ -5,10 +5,10 @@ the bits a 1-row decode of the same token at the same position gets, whatever th
 of the forward, the other requests of the batch, their lengths or the padding. SDPA's CPU
 kernel does not promise that: it hands a block of queries to one GEMM whose shape is the number
 of queries, and the keys to GEMMs whose shape is the keys' count modulo its key split, and
-oneDNN's reductions change with those shapes (measured, bf16, 9 heads of 64 on an AVX-512 CPU:
-a query among 6 differs from the same query alone at some key counts; a query over 64 more
-masked keys differs from the same query without them when the last key block holds 192 to 320
-keys).
+oneDNN's reductions change with those shapes (measured: a query among several differs from the
+same query alone at some key counts, and a query over more masked keys from the same query
+without them; benchmarks/RESULTS.md, "Exactness by default: why SDPA could not give it, what
+replaced it, what it costs").
 
 So every call here has ONE shape, whatever the forward: the queries go in groups of exactly
 `QUERY_GROUP` (padded), with the ``G = H / KV`` heads that share a kv head as rows of the same
@@ -23,9 +23,9 @@ request in the batch, a verify forward reaching one more chunk) change nothing. 
 ``softmax`` runs on rows padded to a multiple of 64, so every element takes the vectorized
 ``exp`` (torch's scalar tail loop computes ``exp`` with other bits).
 
-Cost against one SDPA call (bf16, 2 cores, 9 heads of 64): about the same from ~500 keys on, a
-few tens of microseconds more per layer at ~150 keys (tests/kernels/test_row_invariance.py
-checks the property, benchmarks/RESULTS.md has the in-model cost).
+tests/kernels/test_row_invariance.py checks the property; what it costs against one SDPA call,
+per layer and in the model: benchmarks/RESULTS.md, the same section and "Exact runner: its
+cost with query-invariant chunked attention".
 """
 
 from __future__ import annotations

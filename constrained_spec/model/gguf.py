@@ -2,7 +2,7 @@
 
 ``transformers`` loads a GGUF by dequantizing every tensor to float32 (about 3.6x the peak
 memory of llama.cpp on the same file), and only a Q4_1 file reaches a packed kernel afterwards
-(``runner.int4_weights`` finds the exact 4-bit groups again in the float weights). Here the
+(``runner.exact_4bit_groups`` finds the exact 4-bit groups again in the float weights). Here the
 file is memory-mapped (gguf-py's ``GGUFReader``) and each tensor is unpacked only when asked
 for, straight from its blocks. What each GGML type unpacks to is its row of `quant.TYPES`:
 

@@ -35,6 +35,7 @@ from constrained_spec.model.embedded import (
     converted_default_dir,
     fetch_default_gguf,
 )
+from constrained_spec.model.quant import TYPES
 from constrained_spec.settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
 from constrained_spec.settings import overridden, settings
 
@@ -55,7 +56,7 @@ class LoadedModel:
     path: Path | None = None
     _runner: Any = field(default=None, repr=False)
     _tok_data: Any = field(default=None, repr=False)
-    _int4: Any = field(default=None, repr=False)  # exact 4-bit groups (runner.int4_weights)
+    _int4: Any = field(default=None, repr=False)  # quantized groups (runner.exact_4bit_groups)
     dtype_choice: str = "auto"  # as asked: "auto" lets the kernel plan choose per phase
     plan_cache: Path | None = None  # where this model's kernel plans are kept per machine
     # whether the plan may run weights on the int8 kernel (a per-row re-quantization): for
@@ -72,7 +73,7 @@ class LoadedModel:
             from constrained_spec.model.runner import make_runner
             from constrained_spec.model.skeleton import SkeletonForCausalLM, release_copied_weights
 
-            runner = make_runner(self.model, dtype=self.dtype, device=self.device, int4=self._int4)
+            runner = make_runner(self.model, dtype=self.dtype, device=self.device, groups=self._int4)
             if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
                 release_copied_weights(self.model, _tensors_held(runner))  # before the packs
             if hasattr(runner, "set_plan"):
@@ -109,7 +110,7 @@ class LoadedModel:
                        "transformers' own forward)", plan_source="fixed", resident_bytes=sum(
                            p.numel() * p.element_size() for p in self.model.parameters()))
             return out
-        linears = [L[n] for L in runner.layers for n in ("qkv", "o", "gate_up", "down")]
+        linears = runner.linears()
         four = sum(lin.int4 is not None for lin in linears)
         eight = sum(lin.int4 is None and lin.dense is None for lin in linears)
         out.update(weights=f"{four} of {len(linears)} linears exact 4-bit groups, {eight} exact "
@@ -197,11 +198,12 @@ def load_model(
     when exact, unless ``CONSTRAINED_SPEC_INT4=0``; False: always dense.
 
     A GGUF file (the embedded model's too) that the lean runner runs is converted ONCE into our
-    cache, keyed by its content hash (`load_gguf_lean`): 4-bit tensors (Q4_0, Q4_1, Q4_K) stay
-    4-bit, the rest is kept in bf16, and no dense float32 copy of the model is ever built; the
-    returned ``model`` is then the runner's light view of it (`skeleton.SkeletonForCausalLM`:
-    config, generation config, weights under transformers' names, no forward, no transformers
-    modeling code imported) whose 4-bit linears are on the meta device (the runner holds them).
+    cache, keyed by its content hash (`load_gguf_lean`): matrices of a type a packed kernel
+    runs keep the file's own 4-bit or 8-bit groups (`quant.TYPES`), the rest is kept in bf16,
+    and no dense float32 copy of the model is ever built; the returned ``model`` is then the
+    runner's light view of it (`skeleton.SkeletonForCausalLM`: config, generation config,
+    weights under transformers' names, no forward, no transformers modeling code imported)
+    whose grouped linears are on the meta device (the runner holds them).
     ``full_model=True`` loads a complete transformers model instead (for callers that run
     transformers' own forward or train on its weights).
     """
@@ -280,7 +282,7 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
     exact 4-bit groups taken first, while the weights are still float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from constrained_spec.model.runner import int4_weights, lean_runner_supports
+    from constrained_spec.model.runner import exact_4bit_groups, lean_runner_supports
 
     is_default = spec == "default"
     t0 = time.perf_counter()
@@ -296,7 +298,7 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
     hf.eval()
     packs = None
     if int4 and dev.type == "cpu" and dtype in ("auto", "bfloat16"):
-        packs = int4_weights(hf)  # from the float32 weights, before any cast
+        packs = exact_4bit_groups(hf)  # from the float32 weights, before any cast
     if env_dtype == "auto" and dev.type == "cpu" and lean_runner_supports(hf) and not full_model:
         # the kernel plan chooses per phase; dense weights are kept in bf16 (fp32 phases read
         # 4-bit weights exactly from their groups)
@@ -316,7 +318,10 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
 
 
 # -- a GGUF converted once into the lean runner's form -------------------------------------
-_LEAN_VERSION = 3  # 3: 8-bit groups (the LM head's Q8_0, Q8_0 / Q5_0 / Q5_1 linears)
+# bumped whenever a converted folder's contents change, e.g. a type of `quant.TYPES` gains a
+# kernel (its matrices are then stored as groups): 3: 8-bit groups (the LM head's Q8_0,
+# Q8_0 / Q5_0 / Q5_1 linears)
+_LEAN_VERSION = 3
 _GROUP_PARTS = (".nibbles", ".scale", ".min")
 _Q8_PARTS = (".q8_values", ".q8_scale", ".q8_min")  # 8-bit groups (weights.Q8Groups), min optional
 
@@ -375,18 +380,13 @@ def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = Fals
     return loaded
 
 
-# matrix types that are lossy already and not exact 4-bit groups: their dense form is a
-# dequantization, and an int8 re-quantization of it adds ~0.4-0.8% error (gguf_weights) for
-# half the bytes of bf16 per decode step
-_INT8_WORTH = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q2_K", "Q3_K"}
-
-
 def int8_worth_it(gguf: Path) -> bool:
-    """Whether ``gguf``'s decoder layers hold matrices of a type in `_INT8_WORTH`: then the
-    kernel plan also times the int8 weight-only kernel for every phase, the LM head included,
-    and picks it where it is faster. A file whose layers are exact 4-bit or float matrices
-    keeps its own numbers (int8 stays opt-in there, whatever its embedding's type: the
-    embedded model's Q8_0 embedding does not make its LM head int8)."""
+    """Whether ``gguf``'s decoder layers hold matrices of a type whose row of `quant.TYPES`
+    says so (`quant.QuantType.int8_worth_it`: lossy already, and no 4-bit kernel runs the
+    file's own values): then the kernel plan also times the int8 weight-only kernel for every
+    phase, the LM head included, and picks it where it is faster. A file whose layers are
+    exact 4-bit or float matrices keeps its own numbers (int8 stays opt-in there, whatever its
+    embedding's type: the embedded model's Q8_0 embedding does not make its LM head int8)."""
     from constrained_spec.model.gguf import read_gguf
 
     try:
@@ -397,8 +397,8 @@ def int8_worth_it(gguf: Path) -> bool:
 
 
 def _int8_worth(g: Any) -> bool:
-    """`int8_worth_it` of a file read by `gguf_weights.read_gguf`."""
-    return any(len(t.shape) == 2 and t.ggml_type in _INT8_WORTH and ".layers." in name
+    """`int8_worth_it` of a file read by `gguf.read_gguf`."""
+    return any(len(t.shape) == 2 and TYPES[t.ggml_type].int8_worth_it and ".layers." in name
                for name, t in g.tensors.items())
 
 
@@ -454,18 +454,21 @@ def release_free_memory() -> None:
 
 def _fused_parts(meta: Any) -> dict[str, list[str]]:
     """Runner key ``"{layer}.{name}"`` -> the parameter names it concatenates (q, k, v ...)."""
-    from constrained_spec.model.runner import _linears
+    from constrained_spec.model.families import FAMILIES, layer_linears
 
+    spec = FAMILIES[meta.config.model_type]
     names = {id(m): n for n, m in meta.named_modules()}
     return {f"{i}.{key}": [names[id(m)] + ".weight" for m in mods]
-            for i, layer in enumerate(meta.model.layers) for key, mods in _linears(layer).items()}
+            for i, layer in enumerate(meta.model.layers) for key, mods in layer_linears(spec, layer).items()}
 
 
 def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     """Write config, tokenizer and ``weights.safetensors``: exact 4-bit groups for every fused
-    linear whose parts all have them, exact 8-bit groups for one whose parts all have 8-bit or
-    4-bit ones (Q8_0, Q5_0, Q5_1 with Q4_x), every other tensor dequantized (bf16 for
-    matrices, fp32 for vectors), and the LM head's 8-bit groups too when the file has them."""
+    linear whose parts are all of types the q4 kernel runs, exact 8-bit groups for one whose
+    parts are all of types the q4 or q8 kernel runs (8-bit ones, or 4-bit ones beside them),
+    every other tensor dequantized (bf16 for matrices, fp32 for vectors), and the LM head's
+    8-bit groups too when the q8 kernel runs its type. Which kernel runs a type is its row of
+    `quant.TYPES`."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -480,9 +483,7 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     if not lean_runner_supports(meta):
         raise _NotLean(f"architecture {g.arch!r} is not one the lean runner runs")
     every = _fused_parts(meta)
-    fused = {key: parts for key, parts in every.items()
-             if all(p in g.tensors and g.tensors[p].ggml_type in ("Q4_0", "Q4_1", "Q4_K")
-                    and g.tensors[p].shape[1] % 32 == 0 for p in parts)}
+    fused = {key: parts for key, parts in every.items() if _on_kernels(g, parts, ("q4",))}
     grouped = {p for parts in fused.values() for p in parts}
     out: dict[str, torch.Tensor] = {}
     bar = tqdm(total=len(g.tensors), desc=f"convert {gguf.name} (once)", disable=quiet,
@@ -508,7 +509,7 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
             bar.update(1)
     bar.close()
     head = g.tensors.get("lm_head.weight") or g.tensors.get("model.embed_tokens.weight")
-    q8 = None if head is None else head.q8_groups()
+    q8 = head.q8_groups() if head is not None and _on_kernels(g, [head.name], ("q8",)) else None
     if q8 is not None:  # beside its dense form (the embedding, the drafters read it)
         out.update({"lm_head" + part: t for part, t in zip(_Q8_PARTS, q8) if t is not None})
     save_file(out, str(tmp / "weights.safetensors"), metadata={"format": "pt"})
@@ -525,15 +526,12 @@ def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.
     file's parts it concatenates) whose parts all have 8-bit or 4-bit groups (a 4-bit part's q
     fits in int8; parts without a min get a zero one when another part has one). Returns the
     parts stored so."""
-    from constrained_spec.model.gguf import INT4_TYPES, INT8_TYPES
-
     stored: set[str] = set()
     for key, parts in fused.items():
-        ts = [g.tensors.get(p) for p in parts]
-        if any(t is None or t.ggml_type not in INT8_TYPES + INT4_TYPES
-                              or t.shape[1] % 32 for t in ts):
+        ts = _on_kernels(g, parts, ("q4", "q8"))
+        if ts is None:
             continue
-        found = [t.q8_groups() if t.ggml_type in INT8_TYPES else t.int4_groups() for t in ts]
+        found = [t.q8_groups() if TYPES[t.ggml_type].groups == "int8" else t.int4_groups() for t in ts]
         if any(f is None for f in found):
             continue
         with_min = any(f[2] is not None for f in found)
@@ -545,6 +543,20 @@ def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.
                                                  for f in found])
         stored |= set(parts)
     return stored
+
+
+def _on_kernels(g: Any, parts: list[str], kernels: tuple[str, ...]) -> list[Any] | None:
+    """The file's tensors ``parts`` (`gguf.QuantTensor`) when every one is of a type that a
+    kernel of ``kernels`` runs (its row of `quant.TYPES`) and all are in whole groups of one
+    size (they are concatenated by rows into one matrix), else None."""
+    ts = [g.tensors.get(p) for p in parts]
+    if any(t is None or TYPES[t.ggml_type].kernel not in kernels for t in ts):
+        return None
+    groups = {TYPES[t.ggml_type].group for t in ts}
+    group = groups.pop() if len(groups) == 1 else None
+    if group is None or any(len(t.shape) != 2 or t.shape[1] % group for t in ts):
+        return None
+    return ts
 
 
 def _q8_groups(stored: dict[str, torch.Tensor], key: str) -> Any:
@@ -602,10 +614,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
     """The lean runner's view of the model: `skeleton.skeleton_model` for the families it lays
     out, else a transformers model built on the meta device (which imports its modeling code)."""
+    from constrained_spec.model.families import FAMILIES
     from constrained_spec.model.runner import lean_runner_supports
-    from constrained_spec.model.skeleton import SKELETON_FAMILIES, skeleton_model
+    from constrained_spec.model.skeleton import skeleton_model
 
-    if getattr(config, "model_type", None) in SKELETON_FAMILIES:
+    if getattr(config, "model_type", None) in FAMILIES:
         model = skeleton_model(config, dense)
         if lean_runner_supports(model):
             return model

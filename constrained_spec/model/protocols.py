@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from constrained_spec.errors import ConfigError
+from constrained_spec.model.families import FAMILIES
 
 
 @runtime_checkable
@@ -97,9 +98,7 @@ def feature_source(runner: object) -> FeatureSource:
     states (eagle3, mtp) cannot run on it and what to use instead."""
     if isinstance(runner, FeatureSource):
         return runner
-    from constrained_spec.model.runner import LEAN_FAMILIES
-
     raise ConfigError(f"{type(runner).__name__} does not keep hidden states; drafters that read "
                       "them (eagle3, mtp) need a target the lean runner runs (model types "
-                      f"{', '.join(LEAN_FAMILIES)}; see runner.Family); use method 'ngram' or "
+                      f"{', '.join(FAMILIES)}; see families.FAMILIES); use method 'ngram' or "
                       "'draft_model' for this one", option="speculative.method")

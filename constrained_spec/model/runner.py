@@ -1,7 +1,7 @@
 """Target model runners: they own the KV cache and turn token ids into logits.
 
 The engine knows nothing about tokenization or model internals; it talks to a runner in slots
-(one per running request) and positions:
+(one per running request) and positions (the contract: `protocols.Runner`):
 
 - ``forward(slots, tokens, num_logits)`` appends ``tokens[i]`` to slot ``slots[i]`` at the
   positions after its current length, in ONE batched forward for all slots, and returns the
@@ -9,24 +9,25 @@ The engine knows nothing about tokenization or model internals; it talks to a ru
 - ``truncate(slot, n)`` keeps the first ``n`` positions. The cache is written by position, so
   rejected draft positions are simply overwritten by the next forward (no rollback copies).
 
-``LeanRunner`` (also importable as ``LlamaRunner``) is a lean, batched runner with a per-slot
-cache indexed by position for the decoder families people run locally: llama (3.x rope
-scaling included), mistral, qwen2/2.5, qwen3, gemma2, gemma3 (text) and phi3. They are one
-block with a few switches (`Family`, read from the transformers config): q/k/v biases, q/k
-norms, Gemma's (1 + w) norms with extra norms around attention and MLP, scaled embeddings,
-gelu-tanh MLPs, sliding-window layers, logit soft-capping, fused phi3 weights, partial RoPE.
-RoPE comes from the model's own rotary module, which applies the config's scaling. Whatever
-`Family.of` does not recognise (a config switch not implemented here) runs on ``HFRunner``,
-which wraps any ``transformers`` causal LM with one ``DynamicCache`` per slot: slower, never
-wrong (`lean_runner_supports`).
+``LeanRunner`` is a lean, batched runner with a per-slot cache indexed by position for the
+decoder families in `families.FAMILIES` (llama with its RoPE scalings, mistral, qwen2/2.5,
+qwen3, gemma2, gemma3 text, phi3). They are one block with a few switches, one row of that
+table each (`families.Family`, read from the transformers config): q/k/v biases, q/k norms,
+Gemma's (1 + w) norms with extra norms around attention and MLP, scaled embeddings, gelu-tanh
+MLPs, sliding-window layers, logit soft-capping, fused phi3 weights, partial RoPE. RoPE comes
+from the model's own rotary module, which applies the config's scaling. Whatever
+`families.Family.of` does not recognise (a config switch not implemented here) runs on
+``HFRunner``, which wraps any ``transformers`` causal LM with one ``DynamicCache`` per slot:
+slower, never wrong (`lean_runner_supports`).
 
-Weights and kernels: every matrix is a `weights.Linear` -- the exact 4-bit groups of a
-checkpoint converted from a 4-bit GGUF (each group of 32 input weights of a row is exactly
-``d * q + m``, detected by `int4_weights`), or a dense tensor -- and the kernel plan
-(`constrained_spec.model.plan`, measured per machine) picks the kernel per phase and rows: fp32 or
-bf16 dense, torch's int4 kernel on the file's own 4-bit values, or int8. The activations take
-the kernel's dtype; the KV cache has the plan's. Every weight multiply goes through one method,
-`LeanRunner._matmul`.
+Weights and kernels: every matrix is a `weights.Linear` -- the file's own quantized groups
+(`weights.Int4Groups`: exactly ``d * q + m`` in every group of 32 input weights of a row,
+from a 4-bit GGUF or found in a checkpoint dequantized from one by `exact_4bit_groups`;
+`weights.Q8Groups`: a GGUF's 8-bit groups), or a dense tensor -- and the kernel plan
+(`constrained_spec.model.plan`, measured per machine) picks the kernel per phase and rows: fp32
+or bf16 dense, torch's int4 kernel on the file's own 4-bit values, int8, or this package's q4 /
+q8. The activations take the kernel's dtype; the KV cache has the plan's. Every weight multiply
+goes through one method, `LeanRunner._matmul`.
 
 Row invariance (``exact``: the default on a CPU, ``CONSTRAINED_SPEC_EXACT=0`` turns it off):
 every row of a forward -- a verify row, a padded batch row, a prompt row -- is computed exactly
@@ -34,64 +35,73 @@ as a forward of that row alone at the same position would compute it, so a greed
 not depend on speculation or on the other requests in the batch. What it takes: the linears
 and the LM head run a kernel whose per-row reduction does not depend on the number of rows
 (`weights.ROW_INVARIANT_KERNELS`, measured: torch's int4 and int8 weight-only kernels; bf16 on
-oneDNN with a 1-row product padded to 2 rows; this package's q4 and q8; not MKL's fp32 GEMM), one kernel for every
-decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`); decode / verify
-attention is this package's C kernel where it builds (`kernels.cpu_native.attention`: each row over
-its own keys, in key order, one instruction sequence per row), else
-`exact_attention.chunked_attention`, which calls the CPU flash-attention kernel in
-ONE shape (queries in groups of `exact_attention.QUERY_GROUP`, keys in chunks of `KEY_BLOCK`
-from position 0) and combines the chunks in a fixed order, so a query's bits depend on nothing
-else in the call (SDPA over all of a verify's queries does not give that: its GEMM shapes
-follow the number of queries and keys). Its cost against the not-exact path is within ~10% of a
-forward (benchmarks/RESULTS.md). Prompts (``phase="prefill"``) run one per forward in a batch,
-so a prompt's kernel and SDPA's query blocks come from its own length. RoPE, norms, embeddings
-and activations are per row already.
+oneDNN with a 1-row product padded to 2 rows; this package's q4 and q8; not MKL's fp32 GEMM),
+one kernel for every decode / verify forward whatever its rows (`plan.KernelPlan.decode_kernel`);
+decode / verify attention is this package's C kernel where it builds
+(`kernels.cpu_native.attention`: each row over its own keys, in key order, one instruction
+sequence per row), else `attention.chunked_attention`, which calls the CPU flash-attention
+kernel in ONE shape (queries in groups of `attention.QUERY_GROUP`, keys in chunks of
+`KEY_BLOCK` from position 0) and combines the chunks in a fixed order, so a query's bits depend
+on nothing else in the call (SDPA over all of a verify's queries does not give that: its GEMM
+shapes follow the number of queries and keys). What that costs against the not-exact path:
+benchmarks/RESULTS.md, "Exact runner: its cost with query-invariant chunked attention" and
+"Exactness by default". Prompts (``phase="prefill"``) run one per forward in a batch, so a
+prompt's kernel and SDPA's query blocks come from its own length. RoPE, norms, embeddings and
+activations are per row already.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
 
 from constrained_spec.kernels import cpu_native
 from constrained_spec.model.attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
-from constrained_spec.model.plan import exact_mode
+from constrained_spec.model.families import Family, FamilySpec, UnsupportedModel, layer_linears
+from constrained_spec.model.plan import KernelPlan, exact_mode
+from constrained_spec.model.protocols import feature_source
 from constrained_spec.model.slots import SlotAllocator
 from constrained_spec.model.weights import (
     ACT_DTYPE,
-    GROUP,
     Int4Groups,
     Linear,
     Q8Groups,
     int4_kernel_available,
     int8_kernel_available,
-    int8_pack,
     packed_matmul,
 )
+from constrained_spec.plan_syntax import ALL_ROWS
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 logger = logging.getLogger(__name__)
 
+# a linear's quantized groups as a checkpoint holds them (`LeanRunner`'s ``groups``)
+Groups = Int4Groups | Q8Groups
+
 
 def make_runner(model: Any, *, dtype: torch.dtype, device: torch.device,
-                int4: dict[str, Any] | None = None, exact: bool | None = None) -> Runner:
-    """The fastest runner that supports ``model``'s architecture (``int4``: see `int4_weights`;
-    ``exact``: see `LeanRunner`)."""
+                groups: Mapping[str, Groups] | None = None, exact: bool | None = None) -> RunnerBase:
+    """The fastest runner that supports ``model``'s architecture (``groups`` and ``exact``:
+    see `LeanRunner`)."""
     try:
         Family.of(model)
     except UnsupportedModel as e:
         logger.info("%s runs on the transformers forward (HFRunner): %s", type(model).__name__, e)
         return HFRunner(model, dtype=dtype, device=device)
-    return LeanRunner(model, dtype=dtype, device=device, int4=int4, exact=exact)
+    return LeanRunner(model, dtype=dtype, device=device, groups=groups, exact=exact)
 
 
 def lean_runner_supports(model: Any) -> bool:
     """Whether `LeanRunner` computes exactly what ``model``'s transformers forward computes
-    (`Family.of` says why not)."""
+    (`families.Family.of` says why not)."""
     try:
         Family.of(model)
     except UnsupportedModel:
@@ -99,121 +109,13 @@ def lean_runner_supports(model: Any) -> bool:
     return True
 
 
-is_llama_family = lean_runner_supports  # the old name (the lean runner covers more than Llama now)
-
-
-class UnsupportedModel(ValueError):
-    """The lean runner does not implement something ``model``'s forward does (HFRunner runs it)."""
-
-
-_GEMMA = {"gemma2", "gemma3_text"}
-LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
-# families whose config.sliding_window applies to every layer; the others read layer_types
-_WINDOW_ON_EVERY_LAYER = {"mistral", "phi3"}
-_LAYER_TYPED = {"qwen2", "qwen3", "gemma2", "gemma3_text"}
-# rope types whose frequencies the rotary module fixes at init (it only rescales them there)
-_ROPE_FIXED = {"default", "linear", "llama3", "yarn"}
-_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class Family:
-    """How a decoder family's block differs from Llama's, read from a transformers model
-    (`Family.of`). One forward reads these switches for every family."""
-
-    model_type: str
-    # gemma: RMSNorm scales by (1 + w) in float32 before the cast; a norm on the attention
-    # output and on the MLP output, and the MLP's input norm is pre_feedforward_layernorm
-    gemma_norms: bool
-    # qwen3, gemma3: RMSNorm over head_dim on every q and k head, before RoPE
-    qk_norm: bool
-    # gemma: embeddings times sqrt(hidden_size), the factor rounded to the model dtype
-    embed_scale: float | None
-    act: Literal["silu", "gelu_tanh"]
-    attn_scale: float  # 1/sqrt(head_dim), or gemma's 1/sqrt(query_pre_attn_scalar)
-    attn_softcap: float | None  # gemma2: tanh soft-capping of attention scores
-    final_softcap: float | None  # gemma2/3: tanh soft-capping of the logits
-    # per layer: the sliding window (key j visible to query p iff p - window < j <= p) or None
-    windows: tuple[int | None, ...]
-    # per layer: the layer_type argument of the rotary module (gemma3: a base per type) or None
-    rope_keys: tuple[str | None, ...]
-    # "batched": one rotary call per forward (frequencies fixed at init); "per_slot": longrope
-    # picks its short or long factors from the last position of each call, so each slot gets
-    # its own call, as each sequence does in transformers; "original": dynamic NTK equals plain
-    # RoPE up to max_position_embeddings and grows statefully past it: the original
-    # frequencies, and the runner refuses positions past that length
-    rope: Literal["batched", "per_slot", "original"]
-
-    @classmethod
-    def of(cls, model: Any) -> Family:
-        """The family switches of ``model`` (a transformers causal LM); raises UnsupportedModel
-        for anything this runner does not compute exactly as its transformers forward does."""
-        cfg = model.config
-        mt = getattr(cfg, "model_type", None)
-        if mt not in LEAN_FAMILIES:
-            raise UnsupportedModel(f"model_type {mt!r} is not one of {', '.join(LEAN_FAMILIES)}")
-        inner: Any = getattr(model, "model", None)  # checked for the modules below
-        if not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm", "rotary_emb")):
-            raise UnsupportedModel("no model.model.{layers, embed_tokens, norm, rotary_emb}")
-        head = model.get_output_embeddings()
-        if getattr(head, "weight", None) is None or getattr(head, "bias", None) is not None:
-            raise UnsupportedModel("the LM head is not a bias-free linear layer")
-        gemma = mt in _GEMMA
-        act_name = cfg.hidden_activation if gemma else cfg.hidden_act
-        if act_name not in _ACTS:
-            raise UnsupportedModel(f"activation {act_name!r}")
-        if getattr(cfg, "use_bidirectional_attention", False):
-            raise UnsupportedModel("bidirectional attention")
-        n = cfg.num_hidden_layers
-        if len(inner.layers) != n:
-            raise UnsupportedModel(f"{len(inner.layers)} decoder layers for num_hidden_layers {n}")
-        window = getattr(cfg, "sliding_window", None) or None
-        if mt in _WINDOW_ON_EVERY_LAYER:
-            types = ["sliding_attention" if window else "full_attention"] * n
-        elif mt in _LAYER_TYPED:
-            types = list(cfg.layer_types)
-        else:
-            types = ["full_attention"] * n
-        if set(types) - {"full_attention", "sliding_attention"}:
-            raise UnsupportedModel(f"layer types {sorted(set(types))}")
-        if "sliding_attention" in types and not window:
-            raise UnsupportedModel("sliding_attention layers without a sliding_window")
-        windows = tuple(window if t == "sliding_attention" else None for t in types)
-        rope_type = inner.rotary_emb.rope_type  # gemma3: a dict by layer type
-        rope_keys = tuple(types) if isinstance(rope_type, dict) else (None,) * n
-        kinds = set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
-        if kinds - _ROPE_FIXED - {"dynamic", "longrope"}:
-            raise UnsupportedModel(f"rope type {sorted(kinds - _ROPE_FIXED)}")
-        if {"dynamic", "longrope"} <= kinds:
-            raise UnsupportedModel("dynamic and longrope RoPE in one model")
-        rope = "original" if "dynamic" in kinds else "per_slot" if "longrope" in kinds else "batched"
-        try:  # q/k/v + o, gate/up + down (phi3: qkv_proj and gate_up_proj, kept fused)
-            _linears(inner.layers[0])
-        except AttributeError as e:
-            raise UnsupportedModel(f"decoder layer without the expected linear layers ({e})") from None
-        qk_norm = mt in ("qwen3", "gemma3_text")
-        if qk_norm and not hasattr(inner.layers[0].self_attn, "q_norm"):
-            raise UnsupportedModel("no q_norm / k_norm on the attention")
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        scale = cfg.query_pre_attn_scalar ** -0.5 if gemma else head_dim ** -0.5
-        return cls(
-            model_type=mt, gemma_norms=gemma, qk_norm=qk_norm,
-            embed_scale=cfg.hidden_size ** 0.5 if gemma else None, act=_ACTS[act_name],  # type: ignore[arg-type]
-            attn_scale=scale,
-            # transformers' gemma3 attention does not pass its softcap on: neither do we
-            attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if mt == "gemma2" else None,
-            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
-            windows=windows, rope_keys=rope_keys, rope=rope)  # type: ignore[arg-type]
-
-
-INT4_GROUP = GROUP
 # Up to this many rows in a forward (batch x tokens) the int4 kernel is faster than the dense
-# bf16 GEMM on a CPU with bf16 units (measured crossover ~12 on a 2-core x86 CPU): the bucket
-# of the plan for an explicit bfloat16 dtype and for draft models. A measured plan finds its own.
+# bf16 GEMM on a CPU with bf16 units (benchmarks/RESULTS.md, "Target forward: dense bf16 vs
+# exact int4 weights"): the bucket of the plan for an explicit bfloat16 dtype and for draft
+# models and heads (on the int8 kernel). A measured plan finds its own.
 INT4_MAX_ROWS = 12
-_LINEARS = ("qkv", "o", "gate_up", "down")
 # keys an exact forward reads come in whole chunks of this many positions from position 0
-# (`exact_attention.chunked_attention` reduces a query chunk by chunk)
+# (`attention.chunked_attention` reduces a query chunk by chunk)
 KEY_BLOCK = KEY_CHUNK
 # ... and a sliding-window layer's first key is a multiple of this (a whole number of chunks,
 # and of SDPA's key split on CPU for exact prompts): from any other first key the chunks, hence
@@ -221,41 +123,39 @@ KEY_BLOCK = KEY_CHUNK
 WINDOW_KEY_BLOCK = 512
 
 
-def pack_int4(weight: torch.Tensor, group: int = INT4_GROUP, *,
-              exact: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel when every group of 32 input
-    weights of every row is exactly ``d * q + m`` (`weights.Int4Groups.from_dense`), else None.
-    ``exact=False`` quantizes any weight that way (round to nearest)."""
-    if group != GROUP or weight.shape[0] % 16:
-        return None
-    groups = Int4Groups.from_dense(weight, exact=exact)
-    return None if groups is None else groups.int4_pack()
+@dataclass
+class LayerWeights:
+    """One decoder layer as the lean runner holds it: the four matrices (q/k/v and gate/up
+    concatenated) and the norm weights in the form `LeanRunner._rms` reads (``1 + w`` in
+    float32 for a family with ``norm_offset``)."""
 
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    attn_in: torch.Tensor  # the norm before attention
+    mlp_in: torch.Tensor  # the norm before the MLP
+    attn_out: torch.Tensor | None = None  # on the attention output (gemma)
+    mlp_out: torch.Tensor | None = None  # on the MLP output (gemma)
+    # the q and k norms, one row per q head then per kv head: [H + KV, head_dim] (qwen3, gemma3)
+    qk_norm: torch.Tensor | None = None
 
-pack_int8 = int8_pack
-
-
-def _linears(layer: Any) -> dict[str, list[Any]]:
-    """The decoder layer's linear modules per fused matrix of the runner: q/k/v and gate/up
-    are concatenated (phi3 stores them fused already)."""
-    a, m = layer.self_attn, layer.mlp
-    qkv = [a.qkv_proj] if hasattr(a, "qkv_proj") else [a.q_proj, a.k_proj, a.v_proj]
-    gate_up = [m.gate_up_proj] if hasattr(m, "gate_up_proj") else [m.gate_proj, m.up_proj]
-    return {"qkv": qkv, "o": [a.o_proj], "gate_up": gate_up, "down": [m.down_proj]}
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 def _fused_weight(lins: Sequence[Any]) -> torch.Tensor:
     return lins[0].weight if len(lins) == 1 else torch.cat([lin.weight for lin in lins])
 
 
-def _layer_weights(layer: Any) -> dict[str, torch.Tensor]:
-    return {name: _fused_weight(lins) for name, lins in _linears(layer).items()}
+def _fused_weights(spec: FamilySpec, layer: Any) -> dict[str, torch.Tensor]:
+    return {name: _fused_weight(lins) for name, lins in layer_linears(spec, layer).items()}
 
 
-def _layer_biases(layer: Any) -> dict[str, torch.Tensor | None]:
+def _fused_biases(spec: FamilySpec, layer: Any) -> dict[str, torch.Tensor | None]:
     """The fused biases (zeros for a part without one), None where no part has one."""
     out: dict[str, torch.Tensor | None] = {}
-    for name, lins in _linears(layer).items():
+    for name, lins in layer_linears(spec, layer).items():
         if all(lin.bias is None for lin in lins):
             out[name] = None
         else:
@@ -264,33 +164,35 @@ def _layer_biases(layer: Any) -> dict[str, torch.Tensor | None]:
     return out
 
 
-def int4_weights(model: Any) -> dict[str, Int4Groups] | None:
+def exact_4bit_groups(model: Any) -> dict[str, Int4Groups] | None:
     """The exact 4-bit groups (`weights.Int4Groups`) of every linear of a ``model`` the lean
-    runner supports whose float32 weights are exactly 4-bit, keyed ``"{layer}.{name}"``; None
-    when there are none, the lean runner does not run the model, or the CPU kernel is missing.
-    Call before casting to bf16."""
-    if not lean_runner_supports(model) or not int4_kernel_available():
+    runner supports whose float32 weights are exactly 4-bit, keyed ``"{layer}.{matrix}"`` (the
+    runner's ``groups``); None when there are none, the lean runner does not run the model, or
+    the CPU kernel is missing. Call before casting to bf16."""
+    try:
+        spec = Family.of(model).spec
+    except UnsupportedModel:
+        return None
+    if not int4_kernel_available():
         return None
     groups = {}
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
-            for name, w in _layer_weights(layer).items():
+            for name, w in _fused_weights(spec, layer).items():
                 g = Int4Groups.from_dense(w.detach()) if w.shape[0] % 16 == 0 else None
                 if g is not None:
                     groups[f"{i}.{name}"] = g
     return groups or None
 
 
-def _default_plan(dtype: torch.dtype, int4: bool) -> Any:
-    from constrained_spec.model.plan import KernelPlan
-
+def _default_plan(dtype: torch.dtype, int4: bool) -> KernelPlan:
     if dtype == torch.float32:
         return KernelPlan.uniform("fp32")
     return KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int4" if int4 else "bf16"),
-                                             (1 << 30, "bf16")], lm_head="bf16")
+                                             (ALL_ROWS, "bf16")], lm_head="bf16")
 
 
-class Runner(SlotAllocator):
+class RunnerBase(SlotAllocator):
     """What the runners share: their slots (`slots.SlotAllocator`). Each is a
     `protocols.Runner`; `LeanRunner` is a `protocols.FeatureSource` too."""
 
@@ -302,15 +204,18 @@ class Runner(SlotAllocator):
         raise NotImplementedError
 
     def enable_features(self, layers: Sequence[int]) -> None:
-        from constrained_spec.model.protocols import feature_source
-
         feature_source(self)  # raises the ConfigError: this runner keeps no hidden states
 
 
-class LeanRunner(Runner):
-    """Batched forward of the decoder families in `Family` with a position-indexed KV cache per
-    slot (every layer keeps every position, sliding-window layers included: only their mask
-    differs).
+class LeanRunner(RunnerBase):
+    """Batched forward of the decoder families in `families.FAMILIES` with a position-indexed
+    KV cache per slot (every layer keeps every position, sliding-window layers included: only
+    their mask differs).
+
+    ``groups``: the checkpoint's quantized groups by ``"{layer}.{matrix}"`` (matrix: one of
+    `families.MATRICES`), and ``"lm_head"``: `weights.Int4Groups` (exactly 4-bit, from a 4-bit
+    GGUF or `exact_4bit_groups`) or `weights.Q8Groups` (a GGUF's 8-bit groups); on a CPU those
+    linears keep their groups, every other one is dense in ``dtype``.
 
     ``exact`` (default: `plan.exact_mode`, on for a CPU unless ``CONSTRAINED_SPEC_EXACT=0``):
     every row is computed as it would be alone (the module docstring says how); it holds on
@@ -319,7 +224,7 @@ class LeanRunner(Runner):
     """
 
     def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device,
-                 int4: dict[str, Any] | None = None, exact: bool | None = None) -> None:
+                 groups: Mapping[str, Groups] | None = None, exact: bool | None = None) -> None:
         super().__init__()
         self.exact = exact_mode(device) if exact is None else bool(exact)
         if self.exact and device.type != "cpu":
@@ -335,57 +240,26 @@ class LeanRunner(Runner):
         self.max_context = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
         self.rotary = model.model.rotary_emb
         inner = model.model
-
-        def w(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(device=device, dtype=dtype).contiguous()
-
-        def norm(t: torch.Tensor) -> torch.Tensor:
-            # Gemma scales by (1 + w) in float32 (see _rms)
-            return (1.0 + t.detach().to(device=device, dtype=torch.float32)) if fam.gemma_norms else w(t)
-
-        self.embed = w(inner.embed_tokens.weight)
+        held = groups if groups is not None and device.type == "cpu" else {}
+        self.embed = self._weight(inner.embed_tokens.weight)
         # as transformers: the factor rounded to the model dtype, then a product in that dtype
         self.embed_scale = None if fam.embed_scale is None else \
             torch.tensor(fam.embed_scale).to(device=device, dtype=dtype)
-        # the LM head, shaped like a layer for _matmul
-        # (with the file's Q8_0 values for the q8 kernel when the int4 dict brings them, under
-        # the key "lm_head": `weights.Q8Groups`)
-        head_q8 = (int4 or {}).get("lm_head") if device.type == "cpu" else None
-        self.head: dict[str, Any] = {"lm_head": Linear(dense=w(model.get_output_embeddings().weight),
-                                                       q8=head_q8, float_out=True)}
-        self.norm = norm(inner.norm.weight)
-        self.int4_linears = 0
-        self.layers: list[dict[str, Any]] = []
-        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
-        for i, layer in enumerate(inner.layers):
-            a = layer.self_attn
-            L: dict[str, Any] = {"ln_attn": norm(layer.input_layernorm.weight)}
-            if fam.gemma_norms:
-                L["post_attn"] = norm(layer.post_attention_layernorm.weight)
-                L["ln_mlp"] = norm(layer.pre_feedforward_layernorm.weight)
-                L["post_mlp"] = norm(layer.post_feedforward_layernorm.weight)
-            else:
-                L["ln_mlp"] = norm(layer.post_attention_layernorm.weight)
-            if fam.qk_norm:  # one weight row per q and k head: one norm call over [B, T, H + KV, hd]
-                L["qk_norm"] = norm(torch.cat([a.q_norm.weight.expand(H, hd), a.k_norm.weight.expand(KV, hd)]))
-            biases = _layer_biases(layer)
-            for name, lins in _linears(layer).items():
-                groups = (int4 or {}).get(f"{i}.{name}") if device.type == "cpu" else None
-                # exact 4-bit weights keep their groups (their dense parts are meta tensors: a
-                # torch.cat of those would import torch._dynamo, triton and sympy, ~100 MB);
-                # the rest stay dense in the runner's dtype (bf16 by default: half the bytes)
-                if isinstance(groups, Q8Groups):  # the file's 8-bit groups (Q8_0, Q5_x)
-                    L[name] = Linear(q8=groups, bias=biases[name])
-                else:
-                    L[name] = Linear(int4=groups, bias=biases[name]) if groups is not None else \
-                        Linear(dense=w(_fused_weight(lins)), bias=biases[name])
-                    self.int4_linears += groups is not None
-            self.layers.append(L)
+        # the LM head (with the file's Q8_0 values for the q8 kernel when ``groups`` brings
+        # them, under "lm_head")
+        head_q8 = held.get("lm_head")
+        self.head = Linear(dense=self._weight(model.get_output_embeddings().weight),
+                           q8=head_q8 if isinstance(head_q8, Q8Groups) else None, float_out=True)
+        self.norm = self._norm(inner.norm.weight)
+        self.layers = [self._layer_weights(i, layer, held) for i, layer in enumerate(inner.layers)]
+        # linears held as quantized groups (after `quantize_for_drafting`: on the int8 kernel)
+        self.quantized_linears = sum(lin.dense is None for lin in self.linears())
+        four_bit = any(lin.int4 is not None for lin in self.linears())
         self.vocab_size = int(self.lm_head.shape[0])
         self.hidden_size = int(self.embed.shape[1])
         # which kernel runs each phase (constrained_spec.model.plan); until a plan is chosen, as
         # before plans: the 4-bit kernel for few rows where exact, dense in `dtype` otherwise
-        self.plan = _default_plan(dtype, bool(self.int4_linears) and device.type == "cpu")
+        self.plan = _default_plan(dtype, four_bit and device.type == "cpu")
         self.kv_dtype = torch.float32 if self.plan.kv == "fp32" else torch.bfloat16
         self._cap_slots, self._cap_len = 0, 0
         self.k_cache: list[torch.Tensor] = []
@@ -394,14 +268,56 @@ class LeanRunner(Runner):
         self.feature_layers: tuple[int, ...] = ()
         self.f_cache: torch.Tensor | None = None
 
+    def _weight(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _norm(self, t: torch.Tensor) -> torch.Tensor:
+        """A norm weight as `_rms` reads it: ``1 + w`` in float32 for a family with
+        ``norm_offset`` (Gemma), else in the runner's dtype."""
+        if self.family.norm_offset:
+            return 1.0 + t.detach().to(device=self.device, dtype=torch.float32)
+        return self._weight(t)
+
+    def _layer_weights(self, i: int, layer: Any, groups: Mapping[str, Groups]) -> LayerWeights:
+        """Decoder layer ``i`` of the model as the runner holds it (`LayerWeights`)."""
+        spec = self.family.spec
+        norms = spec.norms
+        biases = _fused_biases(spec, layer)
+        linears: dict[str, Linear] = {}
+        for name, lins in layer_linears(spec, layer).items():
+            g = groups.get(f"{i}.{name}")
+            # quantized weights keep their groups (their dense parts are meta tensors: a
+            # torch.cat of those would import torch._dynamo, triton and sympy); the rest
+            # stay dense in the runner's dtype (bf16 by default: half the bytes)
+            if isinstance(g, Q8Groups):  # the file's 8-bit groups (Q8_0, Q5_x)
+                linears[name] = Linear(q8=g, bias=biases[name])
+            elif g is not None:
+                linears[name] = Linear(int4=g, bias=biases[name])
+            else:
+                linears[name] = Linear(dense=self._weight(_fused_weight(lins)), bias=biases[name])
+        qk_norm = None
+        if spec.qk_norm:  # one weight row per q and k head: one norm call over [B, T, H + KV, hd]
+            a, (H, KV, hd) = layer.self_attn, (self.n_heads, self.n_kv, self.head_dim)
+            qk_norm = self._norm(torch.cat([a.q_norm.weight.expand(H, hd), a.k_norm.weight.expand(KV, hd)]))
+
+        def norm(name: str | None) -> torch.Tensor | None:
+            return None if name is None else self._norm(getattr(layer, name).weight)
+
+        attn_in, mlp_in = norm(norms.attn_in), norm(norms.mlp_in)
+        assert attn_in is not None and mlp_in is not None
+        return LayerWeights(**linears, attn_in=attn_in, mlp_in=mlp_in, attn_out=norm(norms.attn_out),
+                            mlp_out=norm(norms.mlp_out), qk_norm=qk_norm)
+
     @property
     def lm_head(self) -> torch.Tensor:
         """The LM head weight [V, D] (model dtype, on the device): drafters share its rows."""
-        return self.head["lm_head"].dense
+        dense = self.head.dense
+        assert dense is not None  # the head is built dense (its q8 groups come beside it)
+        return dense
 
     @property
     def lm_head_weight(self) -> Linear:
-        return self.head["lm_head"]
+        return self.head
 
     def quantize_for_drafting(self) -> int:
         """Run every linear and the LM head on the weight-only quantized kernels for few-row
@@ -411,28 +327,27 @@ class LeanRunner(Runner):
         quantized kernel."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not int8_kernel_available():
             return 0
-        from constrained_spec.model.plan import KernelPlan
-
-        self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (1 << 30, "bf16")],
+        self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (ALL_ROWS, "bf16")],
                                lm_head="int8", source="drafting")
         # a draft model's rows change drafts only, never the output: its buckets may switch
         self.exact = False
-        linears = self._linears() + [self.lm_head_weight]
+        linears = self.linears() + [self.lm_head_weight]
         for lin in linears:
             lin.prepare({self._kernel(lin, "int8"), "bf16"}, resident=lin.int4 is None)
-        self.int4_linears = len(linears) - 1
+        self.quantized_linears = len(linears) - 1
         return len(linears)
 
     # -- kernels --------------------------------------------------------------------------
-    def _linears(self) -> list[Linear]:
-        return [L[n] for L in self.layers for n in _LINEARS]
+    def linears(self) -> list[Linear]:
+        """Every decoder layer's matrices, layer by layer (the LM head is `lm_head_weight`)."""
+        return [lin for L in self.layers for lin in L.linears()]
 
     def supports_kernel(self, kernel: str) -> bool:
         """Whether ``kernel`` runs any of this runner's linears (the others fall back; "q4"
         and "q8" stand for the native kernels, each weight on the one its groups fit)."""
         if kernel in ("q4", "q8"):
-            return any(lin.supports("q4") or lin.supports("q8") for lin in self._linears())
-        return any(lin.supports(kernel) for lin in self._linears())
+            return any(lin.supports("q4") or lin.supports("q8") for lin in self.linears())
+        return any(lin.supports(kernel) for lin in self.linears())
 
     @staticmethod
     def _kernel(lin: Linear, kernel: str) -> str:
@@ -448,7 +363,7 @@ class LeanRunner(Runner):
                 return "int4"
         return kernel if lin.supports(kernel) else "bf16"
 
-    def set_plan(self, plan: Any) -> None:
+    def set_plan(self, plan: KernelPlan) -> None:
         """Use ``plan`` from now on: build the packs and resident copies its kernels need, drop
         the rest, and put the KV cache in its dtype (every slot's cache is dropped)."""
         self.plan = plan
@@ -456,7 +371,7 @@ class LeanRunner(Runner):
         # dense forms a decode step uses stay resident (a per-step dequantization would cost
         # more than the step); a prefill's too unless the plan is lean on memory
         resident_for = decode if plan.memory == "lean" else plan.kernels()
-        for lin in self._linears():
+        for lin in self.linears():
             lin.prepare({self._kernel(lin, k) for k in plan.kernels()},
                         resident=any(self._kernel(lin, d) in ("fp32", "bf16") for d in resident_for))
         self.lm_head_weight.prepare({self._kernel(self.lm_head_weight, plan.lm_head)}, resident=True)
@@ -477,7 +392,7 @@ class LeanRunner(Runner):
 
     def resident_bytes(self) -> int:
         """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
-        total = sum(lin.nbytes() for lin in self._linears() + [self.lm_head_weight])
+        total = sum(lin.nbytes() for lin in self.linears() + [self.lm_head_weight])
         if self.embed.data_ptr() != self.lm_head.data_ptr():
             total += self.embed.numel() * self.embed.element_size()
         return total
@@ -547,17 +462,16 @@ class LeanRunner(Runner):
                 f_cache[:old_slots, :old_len] = old_f
 
     # -- the pieces of the forward --------------------------------------------------------
-    def _matmul(self, x: torch.Tensor, L: dict[str, Any], name: str, kernel: str) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` for the linear ``L[name]`` with the phase's ``kernel`` (from the
+    def _matmul(self, x: torch.Tensor, lin: Linear, kernel: str) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` for the linear ``lin`` with the phase's ``kernel`` (from the
         plan): EVERY weight multiply of the forward (qkv, o, gate_up, down, lm_head) goes
         through here."""
-        lin = L[name]
         return lin(x, self._kernel(lin, kernel), row_invariant=self.exact)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim as the family's transformers module computes it."""
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.family.gemma_norms:  # Gemma: (x * (1 + w)) in fp32, then cast (weight holds 1 + w)
+        if self.family.norm_offset:  # Gemma: (x * (1 + w)) in fp32, then cast (weight holds 1 + w)
             return (h * weight).to(x.dtype)
         return weight.to(x.dtype) * h.to(x.dtype)  # Llama: cast, then scale in the activations' dtype
 
@@ -636,23 +550,34 @@ class LeanRunner(Runner):
         return out.reshape(B, T, H * hd)
 
     # -- forward --------------------------------------------------------------------------
+    @overload
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int], *, return_hidden: Literal[False] = False,
+                phase: str | None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int], *, return_hidden: Literal[True],
+                phase: str | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     @torch.inference_mode()
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
                 num_logits: Sequence[int], *, return_hidden: bool = False,
-                phase: str | None = None) -> Any:
+                phase: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``phase``: "prefill" (a prompt) or "decode" (decode / verify rows); None = prefill
         when no logits are asked for. With the rows of the forward it picks the plan's kernel,
-        and the kernel the activations' dtype."""
+        and the kernel the activations' dtype. ``return_hidden``: the final-normed hidden
+        states of the same rows too, as ``(logits, hidden)``."""
         if phase is None:
             phase = "decode" if any(num_logits) else "prefill"
         if self.exact and phase == "prefill" and len(slots) > 1:
             # each prompt alone, whatever it is batched with: its kernel from its own rows, and
             # SDPA's query blocks (which depend on the number of queries) from its own length
-            outs = [self.forward([s], [t], [n], return_hidden=return_hidden, phase=phase)
-                    for s, t, n in zip(slots, tokens, num_logits)]
+            rows = list(zip(slots, tokens, num_logits))
             if return_hidden:
-                return tuple(torch.cat(parts) for parts in zip(*outs))
-            return torch.cat(outs)
+                pairs = [self.forward([s], [t], [n], return_hidden=True, phase=phase) for s, t, n in rows]
+                return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+            return torch.cat([self.forward([s], [t], [n], phase=phase) for s, t, n in rows])
         fb = self._batch(slots, tokens, phase)
         x = F.embedding(fb.ids, self.embed)  # [B, T, D]
         if self.embed_scale is not None:
@@ -733,16 +658,16 @@ class LeanRunner(Runner):
             out[win] = torch.stack([slot_t[:, None].expand(B, T), lo, hi]).reshape(3, B * T).to(torch.int32)
         return out
 
-    def _layer(self, i: int, L: dict[str, Any], x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
+    def _layer(self, i: int, L: LayerWeights, x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
         """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""
         fam, kernel = self.family, fb.kernel
         B, T = fb.ids.shape
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
-        h = self._rms(x, L["ln_attn"])
-        qkv = self._matmul(h, L, "qkv", kernel).view(B, T, H + 2 * KV, hd)
+        h = self._rms(x, L.attn_in)
+        qkv = self._matmul(h, L.qkv, kernel).view(B, T, H + 2 * KV, hd)
         qk, v = qkv[:, :, : H + KV], qkv[:, :, H + KV:]  # q and k heads together: [B, T, H + KV, hd]
-        if fam.qk_norm:
-            qk = self._rms(qk, L["qk_norm"])
+        if L.qk_norm is not None:
+            qk = self._rms(qk, L.qk_norm)
         cos, sin = fb.rope[fam.rope_keys[i]]
         rd = cos.shape[-1]  # < hd: partial rotary (phi3), the rest passes through
         rot = qk[..., :rd] * cos + _rotate_half(qk[..., :rd]) * sin
@@ -767,32 +692,32 @@ class LeanRunner(Runner):
         return self._layer_rest(L, x, self._attend(q, keys.to(act), vals.to(act), mask,
                                                    fb.chunked.get(fam.windows[i])), fb)
 
-    def _layer_rest(self, L: dict[str, Any], x: torch.Tensor, att: torch.Tensor,
+    def _layer_rest(self, L: LayerWeights, x: torch.Tensor, att: torch.Tensor,
                     fb: _ForwardBatch) -> torch.Tensor:
         """The rest of a decoder layer after its attention ``att`` [B, T, H * hd]: the output
         projection, the residual, the MLP."""
         fam, kernel = self.family, fb.kernel
-        a = self._matmul(att, L, "o", kernel)  # [B, T, D]
-        if fam.gemma_norms:
-            a = self._rms(a, L["post_attn"])
+        a = self._matmul(att, L.o, kernel)  # [B, T, D]
+        if L.attn_out is not None:
+            a = self._rms(a, L.attn_out)
         x = x + a
-        h = self._rms(x, L["ln_mlp"])
-        gate, up = self._matmul(h, L, "gate_up", kernel).chunk(2, dim=-1)
+        h = self._rms(x, L.mlp_in)
+        gate, up = self._matmul(h, L.gate_up, kernel).chunk(2, dim=-1)
         gate = F.silu(gate) if fam.act == "silu" else F.gelu(gate, approximate="tanh")
-        m = self._matmul(gate * up, L, "down", kernel)
-        if fam.gemma_norms:
-            m = self._rms(m, L["post_mlp"])
+        m = self._matmul(gate * up, L.down, kernel)
+        if L.mlp_out is not None:
+            m = self._rms(m, L.mlp_out)
         return x + m
 
     def _logits(self, x: torch.Tensor, tokens: Sequence[Sequence[int]], num_logits: Sequence[int],
-                return_hidden: bool) -> Any:
+                return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits only for the rows asked for: the last ``num_logits[b]`` real positions of
         each slot (and their final-normed hidden states with ``return_hidden``)."""
         B, T = x.shape[:2]
         rows = [b * T + len(t) - n + j for b, (t, n) in enumerate(zip(tokens, num_logits)) for j in range(n)]
         idx = torch.tensor(rows, device=x.device, dtype=torch.long)
         hidden = self._rms(x.reshape(B * T, -1).index_select(0, idx), self.norm)
-        logits = self._matmul(hidden, self.head, "lm_head", self.plan.lm_head).float()  # [sum num_logits, V]
+        logits = self._matmul(hidden, self.head, self.plan.lm_head).float()  # [sum num_logits, V]
         fam = self.family
         if fam.final_softcap is not None:
             logits = torch.tanh(logits / fam.final_softcap) * fam.final_softcap
@@ -820,11 +745,10 @@ class _ForwardBatch:
     rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-LlamaRunner = LeanRunner  # the old name, kept for callers
-
-
-def _linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for a dense weight or a pack (`weights.packed_matmul`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a dense weight or a weight-only pack (`weights.int8_pack`,
+    `weights.Int4Groups.int4_pack`: bf16 out, `weights.packed_matmul`)."""
     y = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else packed_matmul(x, weight)
     return y if bias is None or isinstance(weight, torch.Tensor) else y + bias
 
@@ -833,10 +757,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
          scale: float | None = None) -> torch.Tensor:
     """Masked SDPA of q [B, H, T, hd] over k / v [B, KV, S, hd] (KV dividing H) -> [B, H, T, hd],
     as every runner attention call makes it. On the CPU a single query goes in twice: the
-    kernel's one-query path is 2-3x slower than two queries in a microbenchmark (bf16, 9
-    heads: 170 against 79 us per layer at 150 keys, 730 against 260 at 1,000); in the
-    embedded model that is 9% of a 1-row forward at 1,000 keys (nothing at 150). (An exact
-    runner's decode rows do not come here: `exact_attention.chunked_attention`.)"""
+    kernel's one-query path is slower than two queries (benchmarks/RESULTS.md, "Decode
+    attention: one query sent twice, and the exact runner's cost after it"). (An exact
+    runner's decode rows do not come here: `attention.chunked_attention`.)"""
     T = q.shape[2]
     if T == 1 and q.device.type == "cpu":
         B, H, _, hd = q.shape
@@ -851,7 +774,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class HFRunner(Runner):
+class HFRunner(RunnerBase):
     """Any transformers causal LM: one DynamicCache per slot, one forward per slot."""
 
     def __init__(self, model: Any, *, dtype: torch.dtype, device: torch.device) -> None:
@@ -860,9 +783,7 @@ class HFRunner(Runner):
         self.device, self.dtype = device, dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
-        self._caches: dict[int, Any] = {}
-        import inspect
-
+        self._caches: dict[int, DynamicCache] = {}
         # transformers 5.x renamed past_key_values -> cache
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -885,9 +806,20 @@ class HFRunner(Runner):
         if extra > 0:
             cache.crop(-extra)  # a negative crop removes from the end in every transformers version
 
-    @torch.inference_mode()
+    @overload
     def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
-                num_logits: Sequence[int], *, return_hidden: bool = False) -> Any:
+                num_logits: Sequence[int], *, return_hidden: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int], *,
+                return_hidden: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @torch.inference_mode()
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], num_logits: Sequence[int],
+                *, return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One transformers forward per slot (`protocols.Runner.forward`); ``return_hidden``: as
+        `LeanRunner.forward`."""
         out, hid = [], []
         for s, t, n in zip(slots, tokens, num_logits):
             ids = torch.tensor([list(t)], device=self.device)

@@ -1,33 +1,37 @@
 """A transformers-shaped causal LM without transformers' modeling code, for the lean runner.
 
-`runner.LeanRunner` and `runner.Family` read a causal LM's config, its modules' weights and its
+`runner.LeanRunner` and `families.Family` read a causal LM's config, its modules' weights and its
 rotary (RoPE) module; they never call its forward. Building the transformers model just to
 have those objects imports ``transformers.modeling_utils`` (every ``modeling_<family>.py``
-pulls it in, and with it torch.distributed, dynamo / inductor, sympy, scipy...: ~215 MB of
-resident memory) for a process that never runs it. `skeleton_model` builds the same object
+pulls it in, and with it torch.distributed, dynamo / inductor, sympy, scipy...: resident
+memory, benchmarks/RESULTS.md, "Memory: one copy of the 4-bit weights, the auto memory mode")
+for a process that never runs it. `skeleton_model` builds the same object
 graph from a config and a state dict -- the same module and parameter names and shapes as the
-family's transformers model, ``model.model.{embed_tokens, layers, norm, rotary_emb}``,
+family's transformers model (its row of `families.FAMILIES` names them),
+``model.model.{embed_tokens, layers, norm, rotary_emb}``,
 ``lm_head`` / ``get_output_embeddings()``, ``config``, ``generation_config`` -- with only the
 light parts of transformers (``modeling_rope_utils``, ``GenerationConfig``). Its config is a
 `LightConfig`: the attributes of the family's transformers config, as that class resolved
 them once (`light_config` keeps them in the converted folder), without importing the class --
 a transformers config module imports ``transformers.activations`` and through it
-torch.distributed and sympy (~55 MB of resident memory).
+torch.distributed and sympy (benchmarks/RESULTS.md, "Memory: what a lean load no longer
+holds").
 
 `RotaryEmbedding` computes what the family's transformers rotary module computes, bit for bit
 (tests compare the runner's logits on both): the frequencies come from transformers' own
 ``ROPE_INIT_FUNCTIONS`` (the family's ``compute_default_rope_parameters`` for
 ``rope_type="default"``, copied: phi3 applies ``partial_rotary_factor`` there, the others do
-not), and the forward repeats its arithmetic: ``pos[..., None].float() * inv_freq`` in
-float32, cos / sin of the frequencies twice over, times ``attention_scaling``, cast to the
-input's dtype. longrope picks its long factors when the call's last position is past
-``original_max_position_embeddings`` (transformers' ``dynamic_rope_update``); dynamic NTK
-equals its init frequencies up to ``max_position_embeddings``, and past it transformers
-rescales statefully, which this module refuses (so does the runner).
+not: the row's ``partial_rotary``), and the forward repeats its arithmetic:
+``pos[..., None].float() * inv_freq`` in float32, cos / sin of the frequencies twice over,
+times ``attention_scaling``, cast to the input's dtype. longrope picks its long factors when
+the call's last position is past ``original_max_position_embeddings`` (transformers'
+``dynamic_rope_update``); dynamic NTK equals its init frequencies up to
+``max_position_embeddings``, and past it transformers rescales statefully, which this module
+refuses (so does the runner).
 
 A parameter missing from the state dict is a meta tensor of its shape, as on a transformers
 model built on the meta device: the 4-bit matrices of a converted GGUF, which the runner takes
-as groups instead (``models._open_lean`` checks that every one is).
+as groups instead (``loading._open_lean`` checks that every one is).
 """
 
 from __future__ import annotations
@@ -41,14 +45,7 @@ import torch
 from torch import nn
 
 from constrained_spec.errors import ModelLoadError
-
-# the families whose transformers layout `parameter_shapes` writes down (runner.LEAN_FAMILIES)
-SKELETON_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
-_GEMMA = ("gemma2", "gemma3_text")
-_QK_NORM = ("qwen3", "gemma3_text")
-# attention biases: on q/k/v/o when config.attention_bias (qwen2: always on q/k/v, never on o)
-_ATTENTION_BIAS = ("llama", "qwen3", "gemma2", "gemma3_text")
-
+from constrained_spec.model.families import FAMILIES, MATRICES, head_dim
 
 # the resolved attributes of a converted folder's transformers config (`light_config`)
 LIGHT_CONFIG = "light_config.json"
@@ -91,14 +88,14 @@ def light_config(folder: Path) -> Any:
     try:
         values = json.loads(path.read_text())
         if values.get("transformers_version") == transformers.__version__ and \
-                values.get("model_type") in SKELETON_FAMILIES:
+                values.get("model_type") in FAMILIES:
             return LightConfig(values)
     except (OSError, ValueError, AttributeError):
         pass
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(folder))
-    if getattr(config, "model_type", None) in SKELETON_FAMILIES:
+    if getattr(config, "model_type", None) in FAMILIES:
         values = config.to_dict()
         values["transformers_version"] = transformers.__version__
         from constrained_spec.cache import write_cached_json
@@ -107,45 +104,33 @@ def light_config(folder: Path) -> Any:
     return config
 
 
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def parameter_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """The parameters (state-dict names, shapes) of ``config``'s transformers causal LM, for
-    the families in `SKELETON_FAMILIES` (raises ModelLoadError for another)."""
+    """The parameters (state-dict names, shapes) of ``config``'s transformers causal LM, laid
+    out from its row of `families.FAMILIES` (raises ModelLoadError for a family without one)."""
     mt = getattr(config, "model_type", None)
-    if mt not in SKELETON_FAMILIES:
+    spec = FAMILIES.get(mt) if isinstance(mt, str) else None
+    if spec is None:
         raise ModelLoadError(f"no light model layout for model_type {mt!r} (known: "
-                             f"{', '.join(SKELETON_FAMILIES)}); load it with transformers")
+                             f"{', '.join(FAMILIES)}); load it with transformers")
     D, F, V = config.hidden_size, config.intermediate_size, config.vocab_size
     H = config.num_attention_heads
     KV = getattr(config, "num_key_value_heads", None) or H
-    hd = _head_dim(config)
-    attn_bias = bool(getattr(config, "attention_bias", False)) and mt in _ATTENTION_BIAS
-    mlp_bias = bool(getattr(config, "mlp_bias", False)) and mt == "llama"
+    hd = head_dim(config)
+    rows = {"q": H * hd, "k": KV * hd, "v": KV * hd, "o": D, "gate": F, "up": F, "down": D}
+    inputs = {"qkv": D, "o": H * hd, "gate_up": D, "down": F}  # per runner matrix
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        if mt == "phi3":  # fused q/k/v and gate/up, no biases
-            linears = {"self_attn.qkv_proj": ((H + 2 * KV) * hd, D), "self_attn.o_proj": (D, H * hd),
-                       "mlp.gate_up_proj": (2 * F, D), "mlp.down_proj": (D, F)}
-        else:
-            linears = {"self_attn.q_proj": (H * hd, D), "self_attn.k_proj": (KV * hd, D),
-                       "self_attn.v_proj": (KV * hd, D), "self_attn.o_proj": (D, H * hd),
-                       "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
-        for name, shape in linears.items():
-            shapes[p + name + ".weight"] = shape
-            biased = (mlp_bias if name.startswith("mlp.") else
-                      attn_bias or (mt == "qwen2" and name != "self_attn.o_proj"))
-            if biased:
-                shapes[p + name + ".bias"] = shape[:1]
-        if mt in _QK_NORM:
+        for matrix in MATRICES:
+            biased = spec.bias(matrix, config)
+            for part in spec.linears.parts(matrix):
+                out = sum(rows[b] for b in part.blocks)
+                shapes[p + part.path + ".weight"] = (out, inputs[matrix])
+                if biased:
+                    shapes[p + part.path + ".bias"] = (out,)
+        if spec.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        norms = ["input_layernorm", "post_attention_layernorm"]
-        if mt in _GEMMA:
-            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-        for name in norms:
+        for name in spec.norms.names():
             shapes[p + name + ".weight"] = (D,)
     shapes["model.norm.weight"] = (D,)
     shapes["lm_head.weight"] = (V, D)
@@ -249,8 +234,8 @@ def release_copied_weights(model: SkeletonForCausalLM, kept: Iterable[torch.Tens
     shares into a meta tensor of its shape, and return the bytes released. Call it with the
     tensors a runner built from ``model`` holds: the parts it fused into one matrix (q/k/v,
     gate/up) or cast to another dtype are copies there, and holding both doubles those layers
-    (~470 MB on a 0.5B model with dense matrices). Embeddings, the LM head and the final norm
-    stay (drafters and head training read them)."""
+    (benchmarks/RESULTS.md, "Memory: what a lean load no longer holds"). Embeddings, the LM
+    head and the final norm stay (drafters and head training read them)."""
     ptrs = {t.untyped_storage().data_ptr() for t in kept if not t.is_meta}
     released = 0
     for holder in model.model.layers.modules():
@@ -288,7 +273,8 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_type: str | dict[str, str]
-        if config.model_type == "gemma3_text":  # one set of frequencies per layer type
+        self.spec = FAMILIES[config.model_type]
+        if self.spec.rope_by_layer_type:  # one set of frequencies per layer type (gemma3)
             self.rope_type = {}
             for layer_type in sorted(set(config.layer_types)):
                 params = config.rope_parameters[layer_type]
@@ -324,11 +310,11 @@ class RotaryEmbedding(nn.Module):
 
     def _default_frequencies(self, layer_type: str | None) -> tuple[torch.Tensor, float]:
         """The family's ``compute_default_rope_parameters``, copied: the base of the layer
-        type (gemma3), a partial rotary dimension (phi3 only)."""
+        type (gemma3), a partial rotary dimension (the families whose row says so: phi3)."""
         params = self._params(layer_type)
         base = params["rope_theta"]
-        dim = _head_dim(self.config)
-        if self.config.model_type == "phi3":
+        dim = head_dim(self.config)
+        if self.spec.partial_rotary:
             dim = int(dim * params.get("partial_rotary_factor", 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0

@@ -20,7 +20,7 @@ from constrained_spec.errors import GenerationError
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.generation.serving import EngineLoop, QueueFullError
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.model.slots import SlotAllocator
 from constrained_spec.schemas import Regex, normalize_schema
 
@@ -286,7 +286,7 @@ def test_continuous_batching_keeps_each_schema_and_matches_solo_runs(tiny_model,
     cases = list(itertools.product(PROMPTS, range(len(SCHEMAS))))
 
     def engine():
-        runner = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+        runner = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
         return Engine(runner, speculative=spec, drafter=NgramDrafter(4, 1), max_batch_size=64)
 
     solo = []

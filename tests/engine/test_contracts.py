@@ -22,14 +22,14 @@ from constrained_spec.generation.engine import Engine, Request, contain
 from constrained_spec.generation.stats import SpecStats
 from constrained_spec.generation.timing import StepTimer
 from constrained_spec.model.protocols import FeatureSource, Runner
-from constrained_spec.model.runner import HFRunner, LlamaRunner
+from constrained_spec.model.runner import HFRunner, LeanRunner
 from constrained_spec.model.slots import SlotAllocator
 
 CPU = torch.device("cpu")
 
 
 def test_the_lean_runner_is_a_feature_source_and_the_transformers_runner_is_not(tiny_model):
-    lean = LlamaRunner(tiny_model, dtype=torch.float32, device=CPU)
+    lean = LeanRunner(tiny_model, dtype=torch.float32, device=CPU)
     hf = HFRunner(tiny_model, dtype=torch.float32, device=CPU)
     assert isinstance(lean, Runner) and isinstance(lean, FeatureSource)
     assert isinstance(hf, Runner) and not isinstance(hf, FeatureSource)
@@ -49,7 +49,7 @@ def test_an_object_that_is_not_a_drafter_is_refused_when_the_engine_is_built(tin
         def propose(self, states, k):
             pass
 
-    runner = LlamaRunner(tiny_model, dtype=torch.float32, device=CPU)
+    runner = LeanRunner(tiny_model, dtype=torch.float32, device=CPU)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
     with pytest.raises(ConfigError, match="resumable") as info:
         Engine(runner, speculative=spec, drafter=ProposeOnly())

@@ -28,7 +28,7 @@ from constrained_spec.config import SamplingParams
 from constrained_spec.drafters import DraftModelDrafter, make_drafter
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}
@@ -60,12 +60,12 @@ def draft_spec(k: int = 4, forced: bool = True, model: object = "draft") -> Spec
 
 
 def drafter_for(model) -> DraftModelDrafter:
-    return DraftModelDrafter(LlamaRunner(model, dtype=torch.float32, device=CPU), vocab_size=V)
+    return DraftModelDrafter(LeanRunner(model, dtype=torch.float32, device=CPU), vocab_size=V)
 
 
 def run(target, tok, schema, prompts, params, spec=None, drafter=None):
     compiled = compile_spec(normalize_schema(schema), tok) if schema is not None else None
-    eng = Engine(LlamaRunner(target, dtype=torch.float32, device=CPU), speculative=spec,
+    eng = Engine(LeanRunner(target, dtype=torch.float32, device=CPU), speculative=spec,
                  drafter=drafter)
     reqs = [Request(list(p), compiled.new_matcher() if compiled else None, params, EOS)
             for p in prompts]
@@ -118,7 +118,7 @@ def test_batched_mixed_requests_match_runs_without_speculation(tiny_model, tiny_
     compiled = {n: compile_spec(normalize_schema(s), tiny_tok) for n, s in SCHEMAS.items()
                 if s is not None}
     combos = list(itertools.product(range(len(PROMPTS)), SCHEMAS))
-    eng = Engine(LlamaRunner(tiny_model, dtype=torch.float32, device=CPU),
+    eng = Engine(LeanRunner(tiny_model, dtype=torch.float32, device=CPU),
                  speculative=draft_spec(), drafter=drafter_for(small_draft))
     reqs = [Request(list(PROMPTS[i]), compiled[n].new_matcher() if n in compiled else None,
                     params, EOS) for i, n in combos]
@@ -164,7 +164,7 @@ class CheckedDrafter(DraftModelDrafter):
 @pytest.mark.parametrize("forced", [False, True])
 def test_draft_cache_stays_in_step_with_the_context(tiny_model, tiny_tok, small_draft, forced):
     params = SamplingParams(max_tokens=40)
-    drafter = CheckedDrafter(LlamaRunner(small_draft, dtype=torch.float32, device=CPU),
+    drafter = CheckedDrafter(LeanRunner(small_draft, dtype=torch.float32, device=CPU),
                              vocab_size=V)
     reqs = run(tiny_model, tiny_tok, SCHEMAS["json"], PROMPTS, params, draft_spec(forced=forced),
                drafter)
@@ -177,10 +177,10 @@ def test_draft_cache_stays_in_step_with_the_context(tiny_model, tiny_tok, small_
 
 def test_draft_slots_are_freed_when_requests_finish(tiny_model, tiny_tok, small_draft):
     params = SamplingParams(max_tokens=20)
-    drafter = CheckedDrafter(LlamaRunner(small_draft, dtype=torch.float32, device=CPU),
+    drafter = CheckedDrafter(LeanRunner(small_draft, dtype=torch.float32, device=CPU),
                              vocab_size=V)
     compiled = compile_spec(normalize_schema(SCHEMAS["regex"]), tiny_tok)
-    eng = Engine(LlamaRunner(tiny_model, dtype=torch.float32, device=CPU),
+    eng = Engine(LeanRunner(tiny_model, dtype=torch.float32, device=CPU),
                  speculative=draft_spec(), drafter=drafter, max_batch_size=2)
 
     def boom(_ids):
@@ -214,7 +214,7 @@ def test_sampled_drafts_keep_the_sequence_distribution(tiny_model, tiny_tok, dra
     exact = exact_distribution(tiny_model, compiled, params, tiny_tok.vocab_size, PROMPT)
     n = 1500
     drafter = drafter_for(near_copy(tiny_model) if draft == "near" else tiny_model)
-    eng = Engine(LlamaRunner(tiny_model, dtype=torch.float32, device=CPU),
+    eng = Engine(LeanRunner(tiny_model, dtype=torch.float32, device=CPU),
                  speculative=draft_spec(k=3, forced=False), drafter=drafter, max_batch_size=n)
     reqs = [Request(PROMPT, compiled.new_matcher(),
                     SamplingParams(**{**params.__dict__, "seed": 1000 + i}), EOS) for i in range(n)]

@@ -12,7 +12,7 @@ from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import Drafter, NgramDrafter
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import HFRunner, LlamaRunner
+from constrained_spec.model.runner import HFRunner, LeanRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}
@@ -25,7 +25,7 @@ def ids(text_tokens: list[str]) -> list[int]:
 
 def make_engine(model, spec: SpeculativeConfig | None, k: int | None = None, runner=None,
                 dtype: torch.dtype = torch.float32):
-    runner = runner or LlamaRunner(model, dtype=dtype, device=torch.device("cpu"))
+    runner = runner or LeanRunner(model, dtype=dtype, device=torch.device("cpu"))
     drafter = None
     if spec is not None and spec.method == "ngram":
         drafter = NgramDrafter(spec.prompt_lookup_max, spec.prompt_lookup_min)
@@ -59,7 +59,7 @@ def test_lean_runner_matches_transformers_logits(tiny_model):
     seq = list(range(1, 20))
     with torch.inference_mode():
         ref = tiny_model(torch.tensor([seq])).logits[0]
-    lean = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    lean = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
     hf = HFRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
     for runner in (lean, hf):
         s = runner.new_slot()
@@ -72,7 +72,7 @@ def test_lean_runner_matches_transformers_logits(tiny_model):
 
 
 def test_lean_runner_batches_ragged_slots_like_single_runs(tiny_model):
-    lean = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    lean = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
     seqs = [list(range(1, 9)), list(range(3, 6)), list(range(10, 30))]
     slots = [lean.new_slot() for _ in seqs]
     batched = lean.forward(slots, seqs, [2, 1, 3])
@@ -165,7 +165,7 @@ class SpyMatcher:
 def test_forbidden_draft_is_never_accepted_or_emitted(tiny_model, tiny_tok, temperature):
     forbidden = ID["z"] if "z" in ID else ID["xyz"]
     compiled = compile_spec(normalize_schema(Regex("[ab]{6}")), tiny_tok)
-    runner = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
     eng = Engine(runner, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=1,
                                                        forced=False),
                  drafter=RogueDrafter(forbidden))
@@ -182,7 +182,7 @@ def test_forbidden_draft_is_never_accepted_or_emitted(tiny_model, tiny_tok, temp
 
 def test_lean_runner_padded_rows_fit_at_cache_capacity_edge(tiny_model):
     # a short row padded to a long neighbour writes beyond its own end: that must fit
-    lean = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    lean = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
     a, b = lean.new_slot(), lean.new_slot()
     toks = lambda n: [1 + i % 30 for i in range(n)]  # noqa: E731
     lean.forward([a, b], [toks(19), toks(199)], [1, 1])

@@ -15,7 +15,7 @@ import torch
 from cs_testlib import tiny_llama
 
 from constrained_spec.model.plan import KernelPlan
-from constrained_spec.model.runner import KEY_BLOCK, LeanRunner, int4_weights
+from constrained_spec.model.runner import KEY_BLOCK, LeanRunner, exact_4bit_groups
 
 CPU = torch.device("cpu")
 V = 40
@@ -39,10 +39,10 @@ def int4_model():
 
 def runner_for(model, kernel: str) -> LeanRunner:
     if kernel == "int4":
-        groups = int4_weights(model)
+        groups = exact_4bit_groups(model)
         if groups is None:
             pytest.skip("no CPU int4 kernel in this torch build")
-        runner = LeanRunner(model, dtype=torch.bfloat16, device=CPU, int4=groups)
+        runner = LeanRunner(model, dtype=torch.bfloat16, device=CPU, groups=groups)
     else:
         runner = LeanRunner(model, dtype=torch.bfloat16, device=CPU)
     runner.set_plan(KernelPlan(prefill=kernel, decode=[(1 << 30, kernel)], lm_head="bf16"))

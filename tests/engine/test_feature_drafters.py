@@ -44,7 +44,7 @@ from constrained_spec.drafters.feature import (
 from constrained_spec.drafters.heads import DraftHead, HeadConfig, HeadKind
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import normalize_schema
 
 KINDS = ["eagle3", "mtp"]
@@ -236,7 +236,7 @@ def hf_features(model, ids: list[int], layers) -> torch.Tensor:
 
 def test_runner_features_are_transformers_hidden_states(tiny_model):
     layers = (0, 1, -1)  # embeddings, after layer 0, after the final norm
-    runner = LlamaRunner(tiny_model, dtype=torch.float32, device=CPU)
+    runner = LeanRunner(tiny_model, dtype=torch.float32, device=CPU)
     g = torch.Generator().manual_seed(0)
     a = torch.randint(1, V, (300,), generator=g).tolist()
     b = torch.randint(1, V, (30,), generator=g).tolist()
@@ -273,7 +273,7 @@ def test_runner_features_are_transformers_hidden_states(tiny_model):
 
 
 def test_final_feature_is_the_normed_hidden_the_lm_head_reads(tiny_model):
-    runner = LlamaRunner(tiny_model, dtype=torch.float32, device=CPU)
+    runner = LeanRunner(tiny_model, dtype=torch.float32, device=CPU)
     runner.enable_features((2,))  # n_layers: the same state as -1
     ids = [ID[c] for c in "abcabd"]
     s = runner.new_slot()
@@ -292,7 +292,7 @@ def run(target, tok, combos, params, *, kind=None, k=3, forced=True, head=None,
     """Requests ``(prompt index, schema name)``, batched, through an Engine over a fresh
     runner; with a FeatureDrafter reading that runner when ``kind`` is given."""
     compiled = compiled_schemas(tok)
-    runner = LlamaRunner(target, dtype=dtype, device=CPU)
+    runner = LeanRunner(target, dtype=dtype, device=CPU)
     drafter = spec = None
     if kind is not None:
         drafter = drafter_cls(head, runner, vocab_size=V)
@@ -429,7 +429,7 @@ def test_mtp_head_that_predicts_the_target_has_its_drafts_accepted(bigram, tiny_
 
 # -- sampling: the sequence distribution is unchanged -----------------------------------------
 def sample(target, compiled, params, head, kind, n, k=3):
-    runner = LlamaRunner(target, dtype=torch.float32, device=CPU)
+    runner = LeanRunner(target, dtype=torch.float32, device=CPU)
     drafter = FeatureDrafter(head, runner, vocab_size=V)
     eng = Engine(runner, speculative=SpeculativeConfig(method=kind, num_speculative_tokens=k,
                                                        forced=False),

@@ -75,7 +75,7 @@ def test_gguf_runs_on_the_lean_runner_with_the_files_own_4bit_groups(tiny_gguf):
     runner = lean.runner
     assert isinstance(runner, LeanRunner)
     four_bit = {(i, name) for i, L in enumerate(runner.layers)
-                for name in ("qkv", "o", "gate_up", "down") if L[name].int4 is not None}
+                for name in ("qkv", "o", "gate_up", "down") if getattr(L, name).int4 is not None}
     # every fused matrix whose parts are all Q4_0 / Q4_1 / Q4_K, and no other
     assert four_bit == {(0, "qkv"), (0, "o"), (0, "gate_up"), (0, "down"), (1, "down")}
     # no dense copy of a 4-bit weight anywhere: the transformers model holds them on meta
@@ -102,7 +102,7 @@ def test_second_load_reuses_the_converted_checkpoint(tiny_gguf, monkeypatch):
     monkeypatch.setattr(models, "_convert_gguf", no_second_conversion)
     again = load_model(tiny_gguf, quiet=True)
     assert again.path == first.path and cache_complete(again.path)
-    assert again.runner.layers[0]["qkv"].int4 is not None
+    assert again.runner.layers[0].qkv.int4 is not None
 
 
 def test_info_describes_the_plan_and_weights_of_a_gguf(tiny_gguf, capsys):

@@ -15,17 +15,17 @@ from test_runner_int4 import quantized_tiny_llama
 
 from constrained_spec.errors import ConfigError
 from constrained_spec.model.plan import PLAN_FILE, KernelPlan, _merge, choose_plan, machine_info, measure
-from constrained_spec.model.runner import LlamaRunner, int4_weights
+from constrained_spec.model.runner import LeanRunner, exact_4bit_groups
 from constrained_spec.model.weights import Int4Groups, Linear
 
 CPU = torch.device("cpu")
 
 
-def _runner() -> LlamaRunner:
+def _runner() -> LeanRunner:
     model = quantized_tiny_llama()
-    packs = int4_weights(model)
-    return LlamaRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU,
-                       int4=packs)
+    packs = exact_4bit_groups(model)
+    return LeanRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU,
+                       groups=packs)
 
 
 def test_plan_text_round_trips_and_bad_text_names_the_variable():
@@ -65,7 +65,7 @@ def test_int4_groups_dequantize_exactly_and_every_kernel_follows_the_dense_produ
 
 @pytest.mark.parametrize("kernel", ["fp32", "bf16", "int4"])
 def test_every_planned_kernel_gives_the_models_logits(kernel):
-    ref = LlamaRunner(quantized_tiny_llama(), dtype=torch.float32, device=CPU)
+    ref = LeanRunner(quantized_tiny_llama(), dtype=torch.float32, device=CPU)
     runner = _runner()
     runner.set_plan(KernelPlan.uniform(kernel))
     prompt = [3, 9, 4, 1, 7, 2, 8, 5]
@@ -94,11 +94,11 @@ def test_mixed_plan_prefill_fp32_then_decode_int4_keeps_one_cache():
     assert (outs[0] - outs[1]).abs().max() <= 0.03 * outs[1].abs().max()
     assert runner.k_cache[0].dtype == torch.bfloat16
     # lean memory: no dense copy of 4-bit weights is kept for a streamed fp32 prefill
-    assert all(not L["qkv"]._dense for L in runner.layers)
+    assert all(not L.qkv._dense for L in runner.layers)
     # fast memory (the default): the prefill's fp32 copies stay resident, the numbers do not change
     fast = _runner()
     fast.set_plan(KernelPlan.parse("prefill=fp32,decode=int4,lm_head=bf16,kv=bf16,memory=fast"))
-    assert all(L["qkv"]._dense for L in fast.layers)
+    assert all(L.qkv._dense for L in fast.layers)
     slot = fast.new_slot()
     fast.forward([slot], [[3, 9, 4, 1, 7, 2, 8, 5]], [0], phase="prefill")
     # (fp32 products may split their reduction differently with the machine's load: not bits)

@@ -19,7 +19,7 @@ from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ALPHA = 1e-3
@@ -27,7 +27,7 @@ PROMPT = [CHARS.index(c) for c in "ababcab"]
 
 
 def sample(model, compiled, params, spec, n: int) -> tuple[Counter[tuple[int, ...]], list[Request]]:
-    runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(model, dtype=torch.float32, device=torch.device("cpu"))
     drafter = NgramDrafter(3, 1) if spec is not None and spec.method == "ngram" else None
     eng = Engine(runner, speculative=spec, drafter=drafter, max_batch_size=n)
     reqs = [Request(PROMPT, compiled.new_matcher(),

@@ -27,7 +27,7 @@ from constrained_spec.frontend.reasoning import (
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.grammar import TokenizerData, compile_spec
 from constrained_spec.grammar.reasoning import ReasoningMatcher, ReasoningTables
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 VOCAB = CHARS + ["<think>", "</think>", "</", "th", "ink", ">", "k>", "k>{", "\n", "i", "h", "k", "bab", "aa",
@@ -319,7 +319,7 @@ def generate_ids(model, tok, compiled, prompts, spec="off", *, marker="one", bud
     """Run ``prompts`` (token lists) through an engine; returns (requests, engine)."""
     config = SPECS[spec]
     drafter = NgramDrafter(4, 1) if config is not None and config.method == "ngram" else None
-    runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(model, dtype=torch.float32, device=torch.device("cpu"))
     eng = RecordingEngine(runner, speculative=config, drafter=drafter)
     t = tables(tok, multi=marker == "multi")
     reqs = [Request(list(p), ReasoningMatcher(t, compiled.new_matcher, max_reasoning_tokens=budget,

@@ -1,6 +1,7 @@
 """The lean runner on every decoder family it covers, against transformers' own forward.
 
-For each family a tiny random model (hidden 64, 3 layers, 4 query / 2 kv heads, vocabulary
+For each family (every row of `families.FAMILIES` has at least one tiny config here: a test
+checks it) a tiny random model (hidden 64, 3 layers, 4 query / 2 kv heads, vocabulary
 100, a sliding window of 5 where the family has one, rope scaling where asked, soft-capping
 for gemma2) in float32:
 
@@ -27,14 +28,9 @@ from cs_testlib import byte_level_bpe
 
 from constrained_spec import ConfigError, Generator, SpeculativeConfig
 from constrained_spec.drafters.heads import DraftHead, HeadConfig
-from constrained_spec.model.runner import (
-    Family,
-    HFRunner,
-    LeanRunner,
-    LlamaRunner,
-    lean_runner_supports,
-    make_runner,
-)
+from constrained_spec.model.families import FAMILIES as FAMILY_TABLE
+from constrained_spec.model.families import Family
+from constrained_spec.model.runner import HFRunner, LeanRunner, lean_runner_supports, make_runner
 
 CPU = torch.device("cpu")
 V = 100
@@ -91,6 +87,23 @@ def _config(name: str, vocab: int):
 
 FAMILIES = ["llama3", "llama-linear", "llama-dynamic", "llama-yarn", "mistral", "qwen2", "qwen3",
             "gemma2", "gemma3", "phi3"]
+
+
+def tiny_of_family(model_type: str) -> str:
+    """The first tiny config of ``FAMILIES`` whose model is of ``model_type`` (a row of
+    `families.FAMILIES`): every row needs one, so that every test here runs it."""
+    for name in FAMILIES:
+        if _config(name, V).model_type == model_type:
+            return name
+    raise KeyError(f"no tiny model of family {model_type!r}: add its config to _config and "
+                   "its name to FAMILIES in tests/engine/test_runner_families.py")
+
+
+def test_every_row_of_the_family_table_has_a_tiny_model():
+    """A row of `families.FAMILIES` runs against transformers' own model of its family (the
+    tests here and in test_skeleton.py) only through a tiny config of it: every row has one,
+    and every tiny config is of a row."""
+    assert {_config(name, V).model_type for name in FAMILIES} == set(FAMILY_TABLE)
 
 
 def tiny_family(name: str, vocab: int = V, seed: int = 0):
@@ -288,10 +301,9 @@ def test_family_switches_follow_the_config():
     assert fam["phi3"].rope == "per_slot"
     phi3 = model_of("phi3").model.layers[0]  # fused in the checkpoint, fused in the runner
     runner = LeanRunner(model_of("phi3"), dtype=torch.float32, device=CPU)
-    assert torch.equal(runner.layers[0]["qkv"].dense, phi3.self_attn.qkv_proj.weight)
-    assert torch.equal(runner.layers[0]["gate_up"].dense, phi3.mlp.gate_up_proj.weight)
+    assert torch.equal(runner.layers[0].qkv.dense, phi3.self_attn.qkv_proj.weight)
+    assert torch.equal(runner.layers[0].gate_up.dense, phi3.mlp.gate_up_proj.weight)
     assert fam["llama3"].rope == "batched" and fam["llama3"].windows == (None,) * 3
-    assert LlamaRunner is LeanRunner
 
 
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
@@ -302,7 +314,7 @@ def test_int4_packs_cover_biased_and_fused_linears_and_follow_the_float32_model(
 
     from test_runner_int4 import q4_1
 
-    from constrained_spec.model.runner import int4_weights
+    from constrained_spec.model.runner import exact_4bit_groups
 
     model = copy.deepcopy(model_of(name))
     with torch.no_grad():
@@ -310,10 +322,10 @@ def test_int4_packs_cover_biased_and_fused_linears_and_follow_the_float32_model(
             for lin in layer.modules():
                 if isinstance(lin, torch.nn.Linear):
                     lin.weight.copy_(q4_1(lin.weight))
-    packs = int4_weights(model)
+    packs = exact_4bit_groups(model)
     assert packs is not None and len(packs) == 4 * model.config.num_hidden_layers
     ref = LeanRunner(model, dtype=torch.float32, device=CPU)
-    fast = LeanRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU, int4=packs)
+    fast = LeanRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU, groups=packs)
     dense = LeanRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU)
     seq = tokens(12, 15)
     outs = []
@@ -326,7 +338,7 @@ def test_int4_packs_cover_biased_and_fused_linears_and_follow_the_float32_model(
     # layout or a lost bias moves the logits by O(their scale)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= max(2 * (bf16 - want).abs().max().item(), 0.05 * scale)
-    assert fast.int4_linears == len(packs) and dense.int4_linears == 0
+    assert fast.quantized_linears == len(packs) and dense.quantized_linears == 0
 
 
 # -- fallbacks ---------------------------------------------------------------------------------
@@ -389,10 +401,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 PROMPTS = ["Ada Lovelace, 36", "Alan Turing, 41, from London"]
 
 
-@pytest.mark.parametrize("name", ["llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
-def test_greedy_output_with_an_mtp_head_drafting_equals_no_speculation(name):
+@pytest.mark.parametrize("model_type", list(FAMILY_TABLE))
+def test_greedy_output_with_an_mtp_head_drafting_equals_no_speculation(model_type):
     tok = byte_level_bpe()
-    model = tiny_family(name, vocab=len(tok) + 2, seed=2)
+    model = tiny_family(tiny_of_family(model_type), vocab=len(tok) + 2, seed=2)
     loaded = _loaded(model, tok)
     assert isinstance(loaded.runner, LeanRunner)
     # single attempts: a retry samples, and sampling keeps the distribution, not the tokens

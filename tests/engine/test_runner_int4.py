@@ -1,4 +1,4 @@
-"""The int4 weight path of LlamaRunner: exact 4-bit weights (as dequantized from a Q4_1 GGUF)
+"""The int4 weight path of LeanRunner: exact 4-bit weights (as dequantized from a Q4_1 GGUF)
 run on torch's int4 kernel and give the logits of the same weights computed densely."""
 
 from __future__ import annotations
@@ -9,13 +9,9 @@ import pytest
 import torch
 from cs_testlib import tiny_llama
 
-from constrained_spec.model.runner import (
-    INT4_GROUP,
-    LlamaRunner,
-    _linear,
-    int4_weights,
-    pack_int4,
-)
+from constrained_spec.model.quant import TYPES
+from constrained_spec.model.runner import LeanRunner, exact_4bit_groups, linear
+from constrained_spec.model.weights import Int4Groups
 
 CPU = torch.device("cpu")
 
@@ -27,7 +23,8 @@ def q4_1(weight: torch.Tensor) -> torch.Tensor:
     """What a Q4_1 GGUF round trip leaves: each group of 32 inputs is d * q + m, q in 0..15,
     with d and m stored as float16 (as llama.cpp does)."""
     N, K = weight.shape
-    g = weight.float().view(N, K // INT4_GROUP, INT4_GROUP)
+    G = TYPES["Q4_1"].block  # one group per Q4_1 block
+    g = weight.float().view(N, K // G, G)
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     d = ((hi - lo) / 15).half().float()
     m = lo.half().float()
@@ -46,6 +43,12 @@ def quantized_tiny_llama():
     return model
 
 
+def pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """torch's int4 pack of ``weight`` when every group of it is exactly 4-bit, else None."""
+    groups = Int4Groups.from_dense(weight)
+    return None if groups is None else groups.int4_pack()
+
+
 def test_pack_int4_refuses_weights_that_are_not_4_bit():
     torch.manual_seed(0)
     assert pack_int4(torch.randn(64, 64)) is None
@@ -59,27 +62,27 @@ def test_int4_linear_matches_the_dense_product_of_the_same_weights():
     packed = pack_int4(w)
     assert packed is not None
     x = torch.randn(5, 128).bfloat16()
-    got = _linear(x, packed).float()
+    got = linear(x, packed).float()
     want = x.float() @ w.t()
     assert torch.allclose(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
     # row-independent: one row alone gives the same bits as inside the batch
-    assert torch.equal(_linear(x[2:3], packed), _linear(x, packed)[2:3])
+    assert torch.equal(linear(x[2:3], packed), linear(x, packed)[2:3])
 
 
-def test_int4_weights_cover_every_linear_only_when_exact():
-    assert int4_weights(tiny_llama()) is None
-    packs = int4_weights(quantized_tiny_llama())
+def test_exact_4bit_groups_cover_every_linear_only_when_exact():
+    assert exact_4bit_groups(tiny_llama()) is None
+    packs = exact_4bit_groups(quantized_tiny_llama())
     assert packs is not None and len(packs) == 2 * 4  # qkv, o, gate_up, down per layer
 
 
 def test_runner_on_int4_weights_follows_the_float32_model():
     model = quantized_tiny_llama()
-    packs = int4_weights(model)
-    ref = LlamaRunner(model, dtype=torch.float32, device=CPU)
-    fast = LlamaRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU,
-                       int4=packs)
-    dense = LlamaRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU)
-    assert fast.int4_linears == 8 and dense.int4_linears == 0
+    packs = exact_4bit_groups(model)
+    ref = LeanRunner(model, dtype=torch.float32, device=CPU)
+    fast = LeanRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU,
+                       groups=packs)
+    dense = LeanRunner(copy.deepcopy(model).to(torch.bfloat16), dtype=torch.bfloat16, device=CPU)
+    assert fast.quantized_linears == 8 and dense.quantized_linears == 0
     prompt = [3, 9, 4, 1, 7, 2, 8, 5]
     outs = []
     for runner in (ref, fast, dense):
@@ -99,8 +102,8 @@ def test_runner_on_int4_weights_follows_the_float32_model():
 def test_quantize_for_drafting_packs_every_matrix_and_stays_close():
     """A draft model's runner: any weights on the int8 kernel, LM head included."""
     model = tiny_llama(vocab_size=48)
-    dense = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
-    approx = LlamaRunner(model, dtype=torch.bfloat16, device=CPU)
+    dense = LeanRunner(model, dtype=torch.bfloat16, device=CPU)
+    approx = LeanRunner(model, dtype=torch.bfloat16, device=CPU)
     assert approx.quantize_for_drafting() == 4 * model.config.num_hidden_layers + 1
     assert approx.plan.lm_head == "int8" and approx.lm_head_weight.packed_kernels == ("int8",)
     ids = [[3, 7, 11, 5, 9, 2]]
@@ -112,4 +115,4 @@ def test_quantize_for_drafting_packs_every_matrix_and_stays_close():
     assert bool((cos > 0.999).all()), cos
     assert not torch.equal(outs[0], outs[1])  # it did change the arithmetic
     # float32 (or any device but the CPU in bf16): nothing to do
-    assert LlamaRunner(model, dtype=torch.float32, device=CPU).quantize_for_drafting() == 0
+    assert LeanRunner(model, dtype=torch.float32, device=CPU).quantize_for_drafting() == 0

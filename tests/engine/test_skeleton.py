@@ -13,8 +13,10 @@ For every family the lean runner covers (the tiny random models of test_runner_f
   ``transformers.activations``, torch.distributed and sympy come), nor torch._dynamo / triton
   (checked in a fresh interpreter): each costs resident memory the runner never uses.
 
-The skeletons here are built, as `models._open_lean` builds them, over a `LightConfig` of the
-transformers config's resolved attributes.
+Every row of `families.FAMILIES` is checked against transformers' model of its family (a tiny
+config of each: test_runner_families), its bias switches off and on. The skeletons here are
+built, as `loading._open_lean` builds them, over a `LightConfig` of the transformers config's
+resolved attributes.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ import sys
 
 import pytest
 import torch
-from test_runner_families import FAMILIES, PHI3_ORIGINAL, model_of
+from test_runner_families import FAMILIES, PHI3_ORIGINAL, close, hf_logits, model_of, tiny_of_family, tokens
 
 from constrained_spec.errors import ModelLoadError
-from constrained_spec.model.runner import LEAN_FAMILIES, LeanRunner
+from constrained_spec.model.families import FAMILIES as FAMILY_TABLE
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.model.skeleton import (
-    SKELETON_FAMILIES,
     LightConfig,
     light_config,
     parameter_shapes,
@@ -48,8 +50,25 @@ def skeleton_of(model):
     return skeleton_model(LightConfig(copy.deepcopy(model.config.to_dict())), model.state_dict())
 
 
-def test_every_lean_family_has_a_skeleton_layout():
-    assert set(SKELETON_FAMILIES) == set(LEAN_FAMILIES)
+@pytest.mark.parametrize("model_type", sorted(FAMILY_TABLE))
+def test_each_row_of_the_family_table_lays_out_and_runs_its_family_as_transformers(model_type):
+    """A row of `families.FAMILIES` against transformers' own model of its family: the
+    skeleton's parameters with every bias switch of the config off and on (a row's bias
+    facts), and the lean runner's logits on the skeleton."""
+    from transformers import AutoModelForCausalLM
+
+    model = model_of(tiny_of_family(model_type))
+    assert model.config.model_type == model_type
+    for biases in (False, True):
+        config = copy.deepcopy(model.config)
+        config.attention_bias = config.mlp_bias = biases
+        with torch.device("meta"):
+            theirs = AutoModelForCausalLM.from_config(config)
+        assert parameter_shapes(config) == {k: tuple(v.shape) for k, v in theirs.state_dict().items()}
+    seq = tokens(12, 16)
+    runner = LeanRunner(skeleton_of(model), dtype=torch.float32, device=CPU)
+    slot = runner.new_slot()
+    close(runner.forward([slot], [seq], [len(seq)]), hf_logits(model, seq))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -202,7 +221,7 @@ def test_releasing_the_weights_a_runner_copied_keeps_its_logits_and_frees_the_pa
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 100, (9,), generator=g).tolist()]
     want = _run(LeanRunner(skeleton_of(model), dtype=torch.bfloat16, device=CPU), seqs, [5, 7, 9])
-    sk = skeleton_of(model.to(torch.bfloat16))  # bf16 weights: the runner shares o / down
+    sk = skeleton_of(copy.deepcopy(model).to(torch.bfloat16))  # bf16: the runner shares o / down
     runner = LeanRunner(sk, dtype=torch.bfloat16, device=CPU)
     released = release_copied_weights(sk, _tensors_held(runner))
     layer = sk.model.layers[0]

@@ -26,7 +26,7 @@ from constrained_spec.drafters import NgramDrafter
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.generation.loops import MAX_PERIOD, MIN_LENGTH, MIN_REPEATS, LoopDetector, find_loop
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import normalize_schema
 
 
@@ -164,7 +164,7 @@ def loop_model():
                          ids=["off", "forced+ngram"])
 def test_the_engine_stops_a_looping_attempt_with_finish_reason_loop(loop_model, tiny_tok, spec):
     compiled = compile_spec(normalize_schema(STRING_SCHEMA), tiny_tok)
-    runner = LlamaRunner(loop_model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(loop_model, dtype=torch.float32, device=torch.device("cpu"))
     eng = Engine(runner, speculative=spec, drafter=NgramDrafter(3, 1) if spec else None)
     params = SamplingParams(max_tokens=400)
     looping = Request([ID["a"]], compiled.new_matcher(), params, (0,))

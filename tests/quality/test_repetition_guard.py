@@ -27,7 +27,7 @@ from constrained_spec.generation.sampling import (
     probs_from_logits,
 )
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}
@@ -69,7 +69,7 @@ def loop_model():
 
 def run(model, tok, schema, prompts, params, spec):
     compiled = compile_spec(normalize_schema(schema), tok)
-    runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(model, dtype=torch.float32, device=torch.device("cpu"))
     drafter = NgramDrafter(3, 1) if spec is not None and spec.method == "ngram" else None
     eng = Engine(runner, speculative=spec, drafter=drafter, max_batch_size=64)
     reqs = [Request(list(p), compiled.new_matcher(), params, EOS) for p in prompts]
@@ -213,7 +213,7 @@ class RandomQDrafter(Drafter):
 
 
 def sample(model, compiled, params, spec, drafter, n: int) -> tuple[Counter, list]:
-    runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(model, dtype=torch.float32, device=torch.device("cpu"))
     eng = Engine(runner, speculative=spec, drafter=drafter, max_batch_size=n)
     reqs = [Request(PROMPT, compiled.new_matcher(), SamplingParams(**{**params.__dict__, "seed": 7000 + i}),
                     EOS) for i in range(n)]

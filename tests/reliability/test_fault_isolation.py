@@ -24,7 +24,7 @@ from constrained_spec.generation import engine as engine_module
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.generation.serving import EngineLoop
 from constrained_spec.grammar import compile_spec
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.schemas import Regex, normalize_schema
 
 ID = {c: i for i, c in enumerate(CHARS)}
@@ -80,7 +80,7 @@ def compiled(tiny_tok):
 @pytest.fixture
 def make_engine(tiny_model):
     def make(drafter=None):
-        runner = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+        runner = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
         return Engine(runner, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
                       drafter=drafter or NgramDrafter(4, 1), max_batch_size=64)
     return make
@@ -97,7 +97,7 @@ def solo(tiny_model, compiled):
     """Each request run alone: what its neighbours must reproduce inside a faulty batch."""
     out = []
     for r in requests(compiled):
-        runner = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+        runner = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
         Engine(runner, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
                drafter=NgramDrafter(4, 1)).run([r])
         out.append((r.output_ids, r.finish_reason))
@@ -380,7 +380,7 @@ def test_a_batch_size_below_one_is_a_config_error_naming_it(tiny_model, size):
     """0 used to admit nothing and spin at 100% CPU in run() forever."""
     from constrained_spec import ConfigError, Generator
 
-    runner = LlamaRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
+    runner = LeanRunner(tiny_model, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="max_batch_size"):
         Engine(runner, speculative=None, max_batch_size=size)
     with pytest.raises(ConfigError, match="max_batch_size"):

@@ -155,7 +155,7 @@ def test_sampled_tool_calls_keep_their_exact_distribution_under_speculation():
     from constrained_spec.frontend.tools import FORMATS
     from constrained_spec.generation.engine import Engine, Request
     from constrained_spec.grammar import TokenizerData, compile_spec
-    from constrained_spec.model.runner import LlamaRunner
+    from constrained_spec.model.runner import LeanRunner
 
     fmt = FORMATS["llama3"]
     tok = TokenizerData.from_tokens(PIECES, eos_token_id=0, vocab_size=len(PIECES) + 2)
@@ -170,7 +170,7 @@ def test_sampled_tool_calls_keep_their_exact_distribution_under_speculation():
     n = 800
     counts = {}
     for spec_cfg in (None, SpeculativeConfig(method="ngram", num_speculative_tokens=3)):
-        runner = LlamaRunner(model, dtype=torch.float32, device=torch.device("cpu"))
+        runner = LeanRunner(model, dtype=torch.float32, device=torch.device("cpu"))
         drafter = NgramDrafter(3, 1) if spec_cfg is not None else None
         eng = Engine(runner, speculative=spec_cfg, drafter=drafter, max_batch_size=n)
         reqs = [Request(prompt, compiled.new_matcher(),

@@ -16,7 +16,7 @@ from constrained_spec.config import SpeculativeConfig
 from constrained_spec.drafters import make_drafter
 from constrained_spec.errors import ConfigError
 from constrained_spec.model.loading import load_model
-from constrained_spec.model.runner import LlamaRunner
+from constrained_spec.model.runner import LeanRunner
 from constrained_spec.training.distill import (
     draft_model_loss,
     new_draft_model,
@@ -109,7 +109,7 @@ def test_draft_learns_resumes_and_drafts_losslessly(target, corpus, tmp_path):
     prompts = [r["prompt_ids"] for r in corpus[:3]]
 
     def runner():
-        return LlamaRunner(target.model, dtype=torch.float32, device=torch.device("cpu"))
+        return LeanRunner(target.model, dtype=torch.float32, device=torch.device("cpu"))
 
     assert greedy_outputs(runner(), compiled, prompts, spec, drafter) == \
         greedy_outputs(runner(), compiled, prompts)

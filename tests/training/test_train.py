@@ -106,10 +106,10 @@ def test_train_resume_and_load(kind, draft_vocab, target, feature_dirs, tmp_path
 
     class Loaded:  # what make_drafter needs of a LoadedModel
         def __init__(self):
-            from constrained_spec.model.runner import LlamaRunner
+            from constrained_spec.model.runner import LeanRunner
 
             self.model = target
-            self.runner = LlamaRunner(target, dtype=torch.float32, device=torch.device("cpu"))
+            self.runner = LeanRunner(target, dtype=torch.float32, device=torch.device("cpu"))
             self.vocab_size = len(CHARS) + 2
             self.is_default = False
             self.path = None
@@ -131,8 +131,8 @@ def test_train_resume_and_load(kind, draft_vocab, target, feature_dirs, tmp_path
     compiled = compile_spec(normalize_schema(schema), tiny_tok)
     prompts = [[ID[c] for c in "abcab"], [ID[c] for c in "ddd"]]
 
-    from constrained_spec.model.runner import LlamaRunner
+    from constrained_spec.model.runner import LeanRunner
 
-    fresh = LlamaRunner(target, dtype=torch.float32, device=torch.device("cpu"))
+    fresh = LeanRunner(target, dtype=torch.float32, device=torch.device("cpu"))
     assert greedy_outputs(drafter.runner, compiled, prompts, spec, drafter) == \
         greedy_outputs(fresh, compiled, prompts)
