@@ -23,7 +23,7 @@ import torch
 
 from benchmarks._results import write_section
 from constrained_spec import load_model
-from constrained_spec.model.runner import INT4_MAX_ROWS
+from constrained_spec.model.runner import FEW_ROWS
 
 ROWS = (1, 2, 4, 6, 8, 10, 12, 13, 16, 22)
 
@@ -68,7 +68,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
         f"{args.repeats}), {cpu} ({torch.get_num_threads()} torch threads), torch "
         f"{torch.__version__}. The int4 path covers {res['int4_linears']} linears (every q/k/v, o, "
         f"gate/up, down of the 30 layers; the tied embedding / LM head is Q8_0 in the GGUF and "
-        f"stays dense bf16); past {INT4_MAX_ROWS} rows the runner switches to the dense copy, so "
+        f"stays dense bf16); past {FEW_ROWS} rows the runner switches to the dense copy, so "
         "the int4 column above that shows the dense cost. `python -m benchmarks.runner`.",
         "", *lines])
 

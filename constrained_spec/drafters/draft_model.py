@@ -150,7 +150,7 @@ def load_draft_model(model: Any, target: Any) -> DraftModelDrafter:
         raise ModelLoadError(f"could not load the draft model (speculative.model): {e}") from e
     check_same_tokenizer(target.tokenizer, draft.tokenizer, draft.name)
     runner = make_runner(draft.model, dtype=draft.dtype, device=draft.device,
-                         groups=getattr(draft, "_int4", None))
+                         groups=getattr(draft, "weight_groups", None))
     from constrained_spec.drafters.feature import quantized_drafters
 
     if hasattr(runner, "quantize_for_drafting") and quantized_drafters():

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from constrained_spec.model.runner import INT4_MAX_ROWS, linear
+from constrained_spec.model.runner import FEW_ROWS, linear
 from constrained_spec.model.weights import int8_pack
 
 HeadKind = Literal["eagle3", "mtp"]
@@ -118,7 +118,7 @@ class QuantLinear(nn.Module):
         self.packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] > INT4_MAX_ROWS:
+        if x.numel() // x.shape[-1] > FEW_ROWS:
             return self.dense(x)
         return linear(x.to(torch.bfloat16), self.packed)
 
@@ -262,7 +262,7 @@ class DraftHead(nn.Module):
             return self.lm_head(self.norm(hidden))
         h = self.shared_norm(hidden)
         packed = getattr(self, "target_head_packed", None)
-        if packed is not None and h.numel() // h.shape[-1] <= INT4_MAX_ROWS:
+        if packed is not None and h.numel() // h.shape[-1] <= FEW_ROWS:
             return linear(h.to(torch.bfloat16), packed)
         return F.linear(h, self.shared_rows().to(hidden.dtype))
 

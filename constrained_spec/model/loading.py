@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from constrained_spec.model.embedded import (
     fetch_default_gguf,
 )
 from constrained_spec.model.quant import TYPES
+from constrained_spec.model.weights import Int4Groups, Q8Groups
 from constrained_spec.settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
 from constrained_spec.settings import overridden, settings
 
@@ -56,7 +58,9 @@ class LoadedModel:
     path: Path | None = None
     _runner: Any = field(default=None, repr=False)
     _tok_data: Any = field(default=None, repr=False)
-    _int4: Any = field(default=None, repr=False)  # quantized groups (runner.exact_4bit_groups)
+    weight_groups: Mapping[str, Int4Groups | Q8Groups] | None = field(default=None, repr=False)
+    """The file's exact 4-bit and 8-bit groups per linear (`runner.exact_4bit_groups`, a
+    GGUF's conversion): the lean runner multiplies with them instead of a dense copy."""
     dtype_choice: str = "auto"  # as asked: "auto" lets the kernel plan choose per phase
     plan_cache: Path | None = None  # where this model's kernel plans are kept per machine
     # whether the plan may run weights on the int8 kernel (a per-row re-quantization): for
@@ -73,7 +77,7 @@ class LoadedModel:
             from constrained_spec.model.runner import make_runner
             from constrained_spec.model.skeleton import SkeletonForCausalLM, release_copied_weights
 
-            runner = make_runner(self.model, dtype=self.dtype, device=self.device, groups=self._int4)
+            runner = make_runner(self.model, dtype=self.dtype, device=self.device, groups=self.weight_groups)
             if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
                 release_copied_weights(self.model, _tensors_held(runner))  # before the packs
             if hasattr(runner, "set_plan"):
@@ -313,7 +317,7 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
     logger.info("loaded %s in %.1fs (%s on %s)", spec, time.perf_counter() - t0, chosen, dev)
     return LoadedModel(name=DEFAULT_MODEL_NAME if is_default else spec, model=hf, tokenizer=tok,
                        device=dev, dtype=chosen, vocab_size=_logits_width(hf),
-                       is_default=is_default, path=path, _int4=packs, dtype_choice=env_dtype,
+                       is_default=is_default, path=path, weight_groups=packs, dtype_choice=env_dtype,
                        plan_cache=path if is_default else _plan_cache_dir(spec), quiet=quiet)
 
 
@@ -598,7 +602,7 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     tok = AutoTokenizer.from_pretrained(str(folder), config=config)
     return LoadedModel(name=name, model=model, tokenizer=tok, device=torch.device("cpu"),
                        dtype=torch.bfloat16, vocab_size=_logits_width(model), path=folder,
-                       _int4=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
+                       weight_groups=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
                        quiet=quiet)
 
 

@@ -109,11 +109,11 @@ def lean_runner_supports(model: Any) -> bool:
     return True
 
 
-# Up to this many rows in a forward (batch x tokens) the int4 kernel is faster than the dense
-# bf16 GEMM on a CPU with bf16 units (benchmarks/RESULTS.md, "Target forward: dense bf16 vs
-# exact int4 weights"): the bucket of the plan for an explicit bfloat16 dtype and for draft
-# models and heads (on the int8 kernel). A measured plan finds its own.
-INT4_MAX_ROWS = 12
+# Up to this many rows in a forward (batch x tokens) the packed kernels are faster than the
+# dense bf16 GEMM on a CPU with bf16 units (benchmarks/RESULTS.md, "Target forward: dense bf16
+# vs exact int4 weights"): the bucket of the plan for an explicit bfloat16 dtype (int4) and for
+# draft models and heads (int8). A measured plan finds its own.
+FEW_ROWS = 12
 # keys an exact forward reads come in whole chunks of this many positions from position 0
 # (`attention.chunked_attention` reduces a query chunk by chunk)
 KEY_BLOCK = KEY_CHUNK
@@ -188,7 +188,7 @@ def exact_4bit_groups(model: Any) -> dict[str, Int4Groups] | None:
 def _default_plan(dtype: torch.dtype, int4: bool) -> KernelPlan:
     if dtype == torch.float32:
         return KernelPlan.uniform("fp32")
-    return KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int4" if int4 else "bf16"),
+    return KernelPlan(prefill="bf16", decode=[(FEW_ROWS, "int4" if int4 else "bf16"),
                                              (ALL_ROWS, "bf16")], lm_head="bf16")
 
 
@@ -327,7 +327,7 @@ class LeanRunner(RunnerBase):
         quantized kernel."""
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not int8_kernel_available():
             return 0
-        self.plan = KernelPlan(prefill="bf16", decode=[(INT4_MAX_ROWS, "int8"), (ALL_ROWS, "bf16")],
+        self.plan = KernelPlan(prefill="bf16", decode=[(FEW_ROWS, "int8"), (ALL_ROWS, "bf16")],
                                lm_head="int8", source="drafting")
         # a draft model's rows change drafts only, never the output: its buckets may switch
         self.exact = False

@@ -197,7 +197,7 @@ def extract_features(model: Any, corpus: list[dict[str, Any]], layers: Sequence[
     chunk, rows:
         ``"runner"`` only: answer tokens per sequence per forward, and rows per forward at most
         (``rows // chunk`` sequences share a forward). Keep ``rows`` at or under the runner's
-        few-row kernel limit (``runner.INT4_MAX_ROWS``) to get the features decoding gets.
+        few-row kernel limit (``runner.FEW_ROWS``) to get the features decoding gets.
     max_len, batch_tokens:
         Longest sequence kept; ``"hf"``: padded tokens per forward (sequences of similar length
         are batched together, right-padded).

@@ -89,7 +89,7 @@ def test_runner_on_int4_weights_follows_the_float32_model():
         slot = runner.new_slot()
         first = runner.forward([slot], [prompt], [3])  # int4 kernel (8 rows)
         step = runner.forward([slot], [[6, 2]], [2])  # incremental, on the cache
-        long = runner.forward([slot], [list(range(1, 16))], [15])  # past INT4_MAX_ROWS: dense
+        long = runner.forward([slot], [list(range(1, 16))], [15])  # past FEW_ROWS: dense
         outs.append(torch.cat([first, step, long]))
     want, got, bf16 = outs
     # as close to the float32 model as dense bf16 weights are (the int4 path keeps the 4-bit
