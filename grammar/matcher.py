@@ -75,7 +75,7 @@ class Matcher(abc.ABC):
         grammar (coverage sweeps; does not change the state)."""
 
 
-def _check_row(bitmask: torch.Tensor, row: int, words: int) -> None:
+def check_bitmask_row(bitmask: torch.Tensor, row: int, words: int) -> None:
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
         raise ValueError(f"bitmask must be a 2-D int32 CPU tensor, got {bitmask.dtype} "
                          f"{tuple(bitmask.shape)} on {bitmask.device}")
@@ -113,7 +113,7 @@ class XGrammarMatcher(Matcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         if self._m.is_terminated():
-            _check_row(bitmask, row, self._words)
+            check_bitmask_row(bitmask, row, self._words)
             bitmask[row].zero_()
             return
         self._m.fill_next_token_bitmask(bitmask, row)
@@ -276,7 +276,7 @@ class OutlinesMatcher(Matcher):
         self._terminated = terminated
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        _check_row(bitmask, row, self._t.words)
+        check_bitmask_row(bitmask, row, self._t.words)
         if self._terminated:
             bitmask[row].zero_()
         else:

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .matcher import Matcher, _check_row
+from .matcher import Matcher, check_bitmask_row
 from .tokenizer import TokenizerData
 
 __all__ = ["ReasoningMatcher", "ReasoningTables"]
@@ -282,13 +282,13 @@ class ReasoningMatcher(Matcher):
             if self._inner is not None:
                 self._inner.fill_bitmask(bitmask, row)
                 return
-            _check_row(bitmask, row, self._t.words)
+            check_bitmask_row(bitmask, row, self._t.words)
             if s.terminated:
                 bitmask[row].zero_()
             else:
                 bitmask[row].copy_(self._t.answer_row())
             return
-        _check_row(bitmask, row, self._t.words)
+        check_bitmask_row(bitmask, row, self._t.words)
         if s.phase == THINKING:
             bitmask[row].copy_(self._t.thinking_row(s.kmp))
             return

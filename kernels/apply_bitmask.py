@@ -9,7 +9,7 @@ row to a bitmask row, so the K + 1 verified positions of a request can share one
 Three implementations with one signature:
 
 - `apply_bitmask_reference`: plain torch, the definition.
-- `_apply_bitmask_torch`: the vectorised torch path (CPU; CUDA without Triton). It expands every bitmask byte through a
+- `apply_bitmask_torch`: the vectorised torch path (CPU; CUDA without Triton). It expands every bitmask byte through a
   [256, 8] table of +inf / -inf and takes `minimum(logits, limit)`, which vectorises; a
   `masked_fill_` with a random-looking mask is branchy and several times slower on CPU, as is
   xgrammar's C++ kernel (see benchmarks/kernels.py).
@@ -50,7 +50,7 @@ def apply_bitmask_reference(
         [R] integer: logits row i uses bitmask row indices[i]. None: row i uses row i
         (then R' >= R).
     """
-    _check_args(logits, bitmask, indices)
+    check_bitmask_args(logits, bitmask, indices)
     num_rows, vocab = logits.shape
     rows = bitmask[:num_rows] if indices is None else bitmask[indices.long()]  # [R, W]
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
@@ -67,7 +67,7 @@ def apply_bitmask_triton(
     indices: torch.Tensor | None = None,
 ) -> None:
     """`apply_bitmask_reference` as a Triton kernel: one program per (row, 4096 logits)."""
-    _check_args(logits, bitmask, indices)
+    check_bitmask_args(logits, bitmask, indices)
     check_triton_can_run(logits.device)
     from . import _triton
 
@@ -102,16 +102,16 @@ def apply_bitmask(
     if resolve_backend(backend, logits.device) == "triton":
         apply_bitmask_triton(logits, bitmask, indices)
     else:
-        _apply_bitmask_torch(logits, bitmask, indices)
+        apply_bitmask_torch(logits, bitmask, indices)
 
 
-def _apply_bitmask_torch(
+def apply_bitmask_torch(
     logits: torch.Tensor,
     bitmask: torch.Tensor,
     indices: torch.Tensor | None = None,
 ) -> None:
     """Vectorised torch path: logits = minimum(logits, +inf where allowed, -inf where not)."""
-    _check_args(logits, bitmask, indices)
+    check_bitmask_args(logits, bitmask, indices)
     if sys.byteorder != "little":  # the byte table below assumes little-endian words
         apply_bitmask_reference(logits, bitmask, indices)
         return
@@ -137,7 +137,7 @@ def _byte_limit_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return table.to(dtype=dtype, device=device)
 
 
-def _check_args(logits: torch.Tensor, bitmask: torch.Tensor,
+def check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor,
                 indices: torch.Tensor | None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")

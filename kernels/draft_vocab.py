@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import Backend, cdiv, check_triton_can_run, resolve_backend
-from .apply_bitmask import _apply_bitmask_torch, _check_args, apply_bitmask_reference
+from .apply_bitmask import apply_bitmask_reference, apply_bitmask_torch, check_bitmask_args
 
 
 def d2t_from_offsets(d2t_offsets: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ def apply_target_bitmask_to_draft_logits_triton(
 ) -> None:
     """The fused Triton kernel: one program per (row, 4096 draft logits)."""
     _check_bitmask_and_d2t(bitmask, d2t)
-    _check_args(draft_logits, bitmask, indices)
+    check_bitmask_args(draft_logits, bitmask, indices)
     check_triton_can_run(draft_logits.device)
     from . import _triton
 
@@ -171,11 +171,11 @@ def apply_target_bitmask_to_draft_logits(
     if resolve_backend(backend, draft_logits.device) == "triton":
         apply_target_bitmask_to_draft_logits_triton(draft_logits, bitmask, d2t, indices)
         return
-    _check_args(draft_logits, bitmask, indices)
+    check_bitmask_args(draft_logits, bitmask, indices)
     if indices is None:
         bitmask = bitmask[: draft_logits.shape[0]]
     draft_bitmask = bitmask_to_draft_vocab_reference(bitmask, d2t)
-    _apply_bitmask_torch(draft_logits, draft_bitmask, indices)
+    apply_bitmask_torch(draft_logits, draft_bitmask, indices)
 
 
 def _target_bits(bitmask: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:

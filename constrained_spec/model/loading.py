@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,12 @@ from constrained_spec.model.weights import Int4Groups, Q8Groups
 from constrained_spec.settings import DtypeChoice as DtypeChoice  # re-exported: load_model's dtype type
 from constrained_spec.settings import overridden, settings
 
+if TYPE_CHECKING:
+    from constrained_spec.grammar import TokenizerData
+    from constrained_spec.model.gguf import GGUFModel, QuantTensor
+    from constrained_spec.model.plan import KernelPlan
+    from constrained_spec.model.runner import RunnerBase
+
 logger = logging.getLogger(__name__)
 
 
@@ -56,8 +62,8 @@ class LoadedModel:
     vocab_size: int  # logits width (may exceed len(tokenizer))
     is_default: bool = False
     path: Path | None = None
-    _runner: Any = field(default=None, repr=False)
-    _tok_data: Any = field(default=None, repr=False)
+    _runner: RunnerBase | None = field(default=None, repr=False)
+    _tok_data: TokenizerData | None = field(default=None, repr=False)
     weight_groups: Mapping[str, Int4Groups | Q8Groups] | None = field(default=None, repr=False)
     """The file's exact 4-bit and 8-bit groups per linear (`runner.exact_4bit_groups`, a
     GGUF's conversion): the lean runner multiplies with them instead of a dense copy."""
@@ -72,7 +78,7 @@ class LoadedModel:
     spec: str | None = None
 
     @property
-    def runner(self) -> Any:
+    def runner(self) -> RunnerBase:
         if self._runner is None:
             from constrained_spec.model.runner import make_runner
             from constrained_spec.model.skeleton import SkeletonForCausalLM, release_copied_weights
@@ -86,7 +92,7 @@ class LoadedModel:
             self._runner = runner
         return self._runner
 
-    def _plan(self, runner: Any) -> Any:
+    def _plan(self, runner: RunnerBase) -> KernelPlan:
         """The runner's kernel plan (`plan.choose_plan`). One still to measure is measured in
         a child process when one can load this model the same way: measuring builds dense
         copies of the weights for the candidate kernels, and their peak would otherwise stay
@@ -108,13 +114,14 @@ class LoadedModel:
         runner = self.runner
         out: dict[str, Any] = {"name": self.name, "runner": type(runner).__name__,
                                "device": str(self.device)}
-        plan = getattr(runner, "plan", None)
-        if plan is None:
+        from constrained_spec.model.runner import LeanRunner
+
+        if not isinstance(runner, LeanRunner) or runner.plan is None:
             out.update(weights=f"dense {str(self.dtype).removeprefix('torch.')}", plan="(none: "
                        "transformers' own forward)", plan_source="fixed", resident_bytes=sum(
                            p.numel() * p.element_size() for p in self.model.parameters()))
             return out
-        linears = runner.linears()
+        plan, linears = runner.plan, runner.linears()
         four = sum(lin.int4 is not None for lin in linears)
         eight = sum(lin.int4 is None and lin.dense is None for lin in linears)
         out.update(weights=f"{four} of {len(linears)} linears exact 4-bit groups, {eight} exact "
@@ -124,7 +131,7 @@ class LoadedModel:
         return out
 
     @property
-    def tokenizer_data(self) -> Any:
+    def tokenizer_data(self) -> TokenizerData:
         if self._tok_data is None:
             from constrained_spec.grammar import TokenizerData
 
@@ -400,7 +407,7 @@ def int8_worth_it(gguf: Path) -> bool:
     return _int8_worth(g)
 
 
-def _int8_worth(g: Any) -> bool:
+def _int8_worth(g: GGUFModel) -> bool:
     """`int8_worth_it` of a file read by `gguf.read_gguf`."""
     return any(len(t.shape) == 2 and TYPES[t.ggml_type].int8_worth_it and ".layers." in name
                for name, t in g.tensors.items())
@@ -525,7 +532,7 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
 
 
-def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.Tensor]) -> set[str]:
+def _store_q8_linears(g: GGUFModel, fused: dict[str, list[str]], out: dict[str, torch.Tensor]) -> set[str]:
     """Into ``out``: the exact 8-bit groups of every linear of ``fused`` (runner key -> the
     file's parts it concatenates) whose parts all have 8-bit or 4-bit groups (a 4-bit part's q
     fits in int8; parts without a min get a zero one when another part has one). Returns the
@@ -535,8 +542,9 @@ def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.
         ts = _on_kernels(g, parts, ("q4", "q8"))
         if ts is None:
             continue
-        found = [t.q8_groups() if TYPES[t.ggml_type].groups == "int8" else t.int4_groups() for t in ts]
-        if any(f is None for f in found):
+        read = [t.q8_groups() if TYPES[t.ggml_type].groups == "int8" else t.int4_groups() for t in ts]
+        found = [f for f in read if f is not None]
+        if len(found) < len(read):
             continue
         with_min = any(f[2] is not None for f in found)
         q = torch.cat([f[0].to(torch.int8) for f in found])
@@ -549,12 +557,14 @@ def _store_q8_linears(g: Any, fused: dict[str, list[str]], out: dict[str, torch.
     return stored
 
 
-def _on_kernels(g: Any, parts: list[str], kernels: tuple[str, ...]) -> list[Any] | None:
+def _on_kernels(g: GGUFModel, parts: list[str], kernels: tuple[str, ...]) -> list[QuantTensor] | None:
     """The file's tensors ``parts`` (`gguf.QuantTensor`) when every one is of a type that a
     kernel of ``kernels`` runs (its row of `quant.TYPES`) and all are in whole groups of one
     size (they are concatenated by rows into one matrix), else None."""
-    ts = [g.tensors.get(p) for p in parts]
-    if any(t is None or TYPES[t.ggml_type].kernel not in kernels for t in ts):
+    if any(p not in g.tensors for p in parts):
+        return None
+    ts = [g.tensors[p] for p in parts]
+    if any(TYPES[t.ggml_type].kernel not in kernels for t in ts):
         return None
     groups = {TYPES[t.ggml_type].group for t in ts}
     group = groups.pop() if len(groups) == 1 else None
@@ -563,9 +573,7 @@ def _on_kernels(g: Any, parts: list[str], kernels: tuple[str, ...]) -> list[Any]
     return ts
 
 
-def _q8_groups(stored: dict[str, torch.Tensor], key: str) -> Any:
-    from constrained_spec.model.weights import Q8Groups
-
+def _q8_groups(stored: dict[str, torch.Tensor], key: str) -> Q8Groups:
     return Q8Groups(stored[key + _Q8_PARTS[0]], stored[key + _Q8_PARTS[1]], stored.get(key + _Q8_PARTS[2]))
 
 
@@ -585,7 +593,7 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS + _Q8_PARTS)}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
-    groups: dict[str, Any] = {
+    groups: dict[str, Int4Groups | Q8Groups] = {
         key: Int4Groups(nibbles=stored[key + ".nibbles"], scale=stored[key + ".scale"],
                         min=stored[key + ".min"])
         for key in fused if key + ".nibbles" in stored}
