@@ -5,7 +5,7 @@
   scales, as Q4_1 has), 1 / 4 / 7 / 16 rows: every matrix once per pass, so the weights come
   from memory as in a forward, not from the cache;
 - q8 against the bf16 product for the 49,152 x 576 LM head (a Q8_0 matrix);
-- the exact decode attention against `exact_attention.chunked_attention` (9 heads over 3 kv
+- the exact decode attention against `model.attention.chunked_attention` (9 heads over 3 kv
   heads of 64, one request, 7 verify rows) at 200 / 450 / 700 keys, per layer.
 
 Medians of ``--repeats`` alternating rounds. Run it on a quiet machine; for the AVX2 build
