@@ -22,6 +22,7 @@ import torch
 from benchmarks._results import write_section
 from constrained_spec import load_model
 from constrained_spec.model.plan import machine_info
+from constrained_spec.model.runner import LeanRunner
 
 CASES = (("1 row", 1, 1), ("6-row verify", 1, 6), ("4 requests x 6 rows", 4, 6))
 HEADING = "## Exact runner: its cost with query-invariant chunked attention"
@@ -30,6 +31,7 @@ HEADING = "## Exact runner: its cost with query-invariant chunked attention"
 def measure(keys: list[int], rounds: int, repeats: int) -> tuple[dict, str]:
     loaded = load_model(None, quiet=True)
     runner = loaded.runner
+    assert isinstance(runner, LeanRunner)  # the embedded model always runs on the lean runner
     out: dict = {}
     for n in keys:
         slots = [runner.new_slot() for _ in range(4)]
