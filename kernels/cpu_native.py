@@ -197,10 +197,10 @@ def _exact_in_half(t: torch.Tensor) -> bool:
 
 def _check(N: int, K: int, scale: torch.Tensor, build: str | None, bits: int) -> tuple[str, int]:
     b = build_for_this_cpu() if build is None else build
-    if b is None or not supports(N, K, b):
+    if b is None or not supports(N, K, b, bits=bits):
         raise ValueError(f"a {N} x {K} weight does not fit the q4 / q8 kernels here (available: "
                          f"{available(b)}; N a multiple of the tile, K of {GROUP})")
-    if tuple(scale.shape) != (N, K // GROUP) or GROUP not in GROUPS[bits]:
+    if tuple(scale.shape) != (N, K // GROUP):
         raise ValueError(f"scales {tuple(scale.shape)} are not one per group of {GROUP} inputs "
                          f"of a {N} x {K} weight (the group size the {bits}-bit kernel takes)")
     return b, tile(b)
