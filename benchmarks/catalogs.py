@@ -90,7 +90,9 @@ def fetch_wheel(spec: str, dest: Path | None = None) -> Path:
                          "schemas and the results can be reproduced), a wheel file or a folder")
     name, ver = m.groups()
     dest = dest or package_cache()
-    dest.mkdir(parents=True, exist_ok=True)
+    from constrained_spec.cache import private_mkdir
+
+    private_mkdir(dest)  # owner-only, as the rest of the cache
 
     def found() -> Path | None:
         for whl in sorted(dest.glob("*.whl")):

@@ -43,14 +43,19 @@ What counts
       explained when an issue's pointer is a prefix of the error's keyword location in the
       schema document, or of a location on the way there (``absolute_schema_path`` re-walked
       through the document, following ``$ref`` hops, which jsonschema does not record), or the
-      error sits under a ``then`` /
-      ``else`` whose sibling ``if`` has an issue, or it is an ``anyOf`` / ``oneOf`` error one of
-      whose branches fails only with explained errors. Default mode counts "ignored" issues
-      (the only ones a default-mode compile can have); lenient mode also counts "unsupported"
-      ones (lenient compiles them with a warning). Raw backends declare nothing.
+      error sits under a ``then`` / ``else`` whose sibling ``if`` has an issue, or under the
+      ``additionalProperties`` / ``unevaluatedProperties`` of an object one of whose
+      ``patternProperties`` keys has an issue (a key pattern not enforced, e.g. a look-ahead,
+      lets keys through that it excludes, which those keywords then refuse), or it is an
+      ``anyOf`` / ``oneOf`` error one of whose branches fails only with explained errors.
+      Default mode counts "ignored" issues (the only ones a default-mode compile can have);
+      lenient mode also counts "unsupported" ones (lenient compiles them with a warning). Raw
+      backends declare nothing.
     * a valid instance rejected because it has a property its object does not declare is
       strict mode's narrowing (xgrammar ``strict_mode=True``, the library's default: only
-      declared properties are generated; `Prepared.undeclared_property`). One that is outside
+      declared properties are generated, and an extra-keys keyword that admits anything next
+      to ``properties`` and ``patternProperties`` is dropped, `backends.extra_bypass`;
+      `Prepared.undeclared_property`). One that is outside
       the schema as read through the pre-flight report's "narrowed" issues (a node without
       ``type`` generated as the object / array its keywords describe) plus strict mode is a
       declared narrowing (`Prepared.narrowing_declared`). The table shows the valid-rejected
@@ -361,9 +366,16 @@ class Declarations:
         for issue in self.paths:
             if len(issue) <= len(path) and path[:len(issue)] == issue:
                 return True
-            # then / else only act through their sibling if (reported there)
             for k, seg in enumerate(path):
+                # then / else only act through their sibling if (reported there)
                 if seg in ("then", "else") and issue == path[:k] + ["if"]:
+                    return True
+                # a patternProperties key reported as not enforced (a look-ahead, say) lets
+                # keys through that the pattern excludes: the extra-keys keyword of the same
+                # object then fails on them
+                if (seg in ("additionalProperties", "unevaluatedProperties")
+                        and len(issue) == k + 2 and issue[k] == "patternProperties"
+                        and issue[:k] == path[:k]):
                     return True
         return False
 
@@ -617,9 +629,18 @@ class Prepared:
     @staticmethod
     def _reading(schema: Any) -> Any:
         """The validator of `schema` with strict mode's closed objects (False if unusable)."""
-        from constrained_spec.schemas.backends import declarable_required, map_schema
+        from constrained_spec.schemas.backends import (
+            constrains_nothing,
+            declarable_required,
+            extra_bypass,
+            map_schema,
+        )
 
         def close(node: Any) -> Any:
+            extra = extra_bypass(node)
+            if extra is not None and constrains_nothing(node[extra]):
+                # dropped by the xgrammar rewrite (backends.extra_bypass): no extra keys
+                node = {k: v for k, v in node.items() if k != extra}
             if isinstance(node, dict) and any(k in node for k in ("properties", "patternProperties")) \
                     and not any(k in node for k in ("additionalProperties", "unevaluatedProperties")):
                 node = {**node, "properties": {**(node.get("properties") or {}),

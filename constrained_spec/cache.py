@@ -4,6 +4,15 @@ One folder (``CONSTRAINED_SPEC_CACHE``, else the platform's user cache folder), 
 processes at once and killed at any point: every build goes through `cached_build` (a private
 temp folder renamed into place under a lock, with a manifest checked before use). The model
 loader and the native kernels both use it; it imports neither.
+
+The cache is owner-only whatever the umask: every folder this package creates in it is 0700
+and every file 0600 (`private_mkdir`, `write_private`, `restrict_tree`, the lock files of
+`cache_lock`), because what it holds decides what runs: converted weights and tokenizers,
+kernel plans, and the native kernels' shared library (which `kernels.cpu_native` loads only
+after its own owner, permission and digest checks). Nothing here changes the process's umask
+(a library must not change process state): modes are set explicitly after creation, while the
+new file or folder is still unreachable by anyone else. A cache root that someone else owns,
+or that group or others can write, is used with a warning (`cache_dir`).
 """
 
 from __future__ import annotations
@@ -13,24 +22,131 @@ import json
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from constrained_spec.errors import ConfigError
 from constrained_spec.settings import settings
 
 logger = logging.getLogger(__name__)
 
+_VARIABLE = "CONSTRAINED_SPEC_CACHE"
+_warned_roots: set[Path] = set()  # cache roots already warned about (once per process)
+
 
 def cache_dir() -> Path:
-    """Where fetched and converted models live (``CONSTRAINED_SPEC_CACHE`` overrides)."""
+    """Where fetched and converted models live (``CONSTRAINED_SPEC_CACHE`` overrides), created
+    owner-only if missing.
+
+    Raises
+    ------
+    ConfigError
+        The folder is a file, cannot be created or cannot be read (``option`` names
+        ``CONSTRAINED_SPEC_CACHE``, the way to choose another).
+    """
     chosen = settings().cache
     if chosen is not None:
-        return chosen
-    from platformdirs import user_cache_dir
+        root = chosen
+    else:
+        from platformdirs import user_cache_dir
 
-    return Path(user_cache_dir("constrained_spec"))
+        root = Path(user_cache_dir("constrained_spec"))
+    _check_root(root, chosen is not None)
+    return root
+
+
+def _check_root(root: Path, from_env: bool) -> None:
+    """`cache_dir`'s checks of ``root``: usable (a ConfigError otherwise), and a warning, once,
+    when someone else could write it."""
+    which = f"{_VARIABLE}={root}" if from_env else f"the default cache folder {root}"
+    fix = f"set {_VARIABLE} to a folder of your own (it is created if missing)"
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{which} is a file, not a folder: {fix}", option=_VARIABLE)
+    try:
+        private_mkdir(root)
+    except OSError as e:
+        raise ConfigError(f"{which} cannot be created ({e.strerror or e}): {fix}",
+                          option=_VARIABLE) from e
+    if not os.access(root, os.R_OK | os.X_OK):  # a read-only cache is usable (nothing is written)
+        raise ConfigError(f"{which} cannot be read (permission denied): {fix}", option=_VARIABLE)
+    problem = untrusted_reason(root.stat())
+    if problem is not None and root not in _warned_roots:
+        _warned_roots.add(root)
+        logger.warning(
+            "the cache folder %s is %s: whoever can write it can change the models, tokenizers "
+            "and kernel plans read from it (the native kernels are checked before use and "
+            "rebuilt). Make it owner-only (chmod 700) or %s", root, problem, fix)
+
+
+# -- owner-only files and folders -----------------------------------------------------------
+# Modes are set explicitly after each creation (mkdir's and open's modes are masked by the
+# umask, which may be 000): a new folder is made 0700 before anything is put in it, and a new
+# file is created 0600 (O_EXCL) in a folder of ours before its bytes are written, so no other
+# user can open either in between.
+
+def untrusted_reason(st: os.stat_result) -> str | None:
+    """Why a cache file or folder with status ``st`` could have been written by someone other
+    than this user: owned by another user, or writable by group or others. None: it could not."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - not POSIX: no owner or modes to check
+        return None
+    if st.st_uid != os.getuid():
+        return f"owned by another user (uid {st.st_uid}, this process runs as {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):03o})"
+    return None
+
+
+def private_mkdir(path: Path) -> None:
+    """``path`` and its missing parents created owner-only (0700 whatever the umask). Folders
+    that exist already are left as they are. Raises OSError (NotADirectoryError when ``path``
+    is something other than a folder)."""
+    missing = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:  # made by another process meanwhile: its mode is its own
+            continue
+        os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask; set it exactly
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a folder")
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` owner-only (0600) and atomically: a new private temp file
+    beside it, renamed over it (the last writer wins; a reader never sees half a file).
+    The folder is created owner-only if missing. Raises OSError."""
+    private_mkdir(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # the umask may have removed the owner's own bits
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def restrict_tree(folder: Path) -> None:
+    """Make a finished temp tree owner-only: folders 0700, files 0600. Third-party writers
+    (safetensors, transformers' ``save_pretrained``, a compiler) create their files with the
+    umask's modes; this runs while the tree is still inside its private (0700) temp folder, so
+    no other user can have opened any of them, and before its manifest is written. Symbolic
+    links are left alone (their own mode means nothing)."""
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o700)
+        for name in files:
+            p = os.path.join(root, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o600)
 
 
 # -- the cache under concurrent first use ---------------------------------------------------
@@ -58,22 +174,60 @@ def fault_point(stage: str) -> None:
         _fault_hook(stage)
 
 
+# Lock files are removed when their holder is done, whether the build they guard finished or
+# failed, so no zero-byte `.lock` stays behind. Unlinking a flock'ed file is only safe with
+# both halves of this protocol: (1) a file is unlinked only by the process holding its lock,
+# before releasing it; (2) after `flock` returns, the acquirer checks that ``path`` still names
+# the file it locked, and starts again on the current file when it does not. A process that
+# opened the file and waited while the holder removed it thus never works beside a process
+# that locked the new file created at the same path. A holder killed before its unlink leaves
+# the file; the next holder locks that same file and removes it when done.
+
 @contextmanager
 def cache_lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock on ``path`` (created if missing; advisory, POSIX
-    ``flock``; a no-op where it is missing). Released when the holder exits or is killed."""
+    """An exclusive inter-process lock on ``path`` (an owner-only file, created if missing and
+    removed on release; advisory, POSIX ``flock``; a no-op where it is missing). Released when
+    the holder exits or is killed."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    private_mkdir(path.parent)
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            st = os.fstat(fd)
+            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o600:
+                os.fchmod(fd, 0o600)  # created under the umask; flock needs no write access
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _names(path, fd):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # removed (or replaced) by its holder while we waited: lock the current one
+    try:
+        yield
+    finally:
+        try:
+            path.unlink()  # under the lock: see the protocol above
+        except OSError:
+            pass
+        # released explicitly: a child forked meanwhile shares the open file, so closing our
+        # descriptor alone would not release it
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` is (still) the file open as ``fd``."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    st = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
 def cache_complete(folder: Path) -> bool:
@@ -96,7 +250,7 @@ def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
     rebuilt with a warning."""
     if cache_complete(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    private_mkdir(out.parent)
     with cache_lock(out.with_name(f".{out.name}.lock")):
         fault_point("build.locked")
         if cache_complete(out):  # another process built it while we waited
@@ -111,15 +265,16 @@ def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
         remove_stale(out.parent, prefix)
         if finished is not None:
             return out
-        # named by us, not mkdtemp: mkdtemp's mode 0700 would survive the rename, and a cache
-        # shared between users (CONSTRAINED_SPEC_CACHE) must keep the umask's permissions
+        # owner-only from the start (0700: the folder's mode survives the rename), its tree
+        # restricted again once built, before the manifest vouches for it
         tmp = out.with_name(f"{prefix}{os.getpid()}-{os.urandom(4).hex()}")
-        tmp.mkdir()
+        private_mkdir(tmp)
         try:
             build(tmp)
+            restrict_tree(tmp)
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             fault_point("build.built")
-            (tmp / _DONE).write_text(json.dumps({"files": files}))
+            write_private(tmp / _DONE, json.dumps({"files": files}))
             fault_point("build.manifest")
             _replace_folder(tmp, out)
             fault_point("build.renamed")
@@ -147,15 +302,14 @@ def remove_stale(parent: Path, prefix: str) -> None:
 
 
 def write_cached_json(path: Path, values: Any) -> None:
-    """Write ``values`` to ``path`` in a converted folder (a private temp file, then renamed:
-    the same content whoever writes it, the last rename wins). A read-only cache, or a value
-    JSON cannot hold, writes nothing: the reader computes the values again next time."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write ``values`` to ``path`` in a converted folder (`write_private`: owner-only, a
+    private temp file then renamed: the same content whoever writes it, the last rename wins).
+    A read-only cache, or a value JSON cannot hold, writes nothing: the reader computes the
+    values again next time."""
     try:
-        tmp.write_text(json.dumps(values))
-        os.replace(tmp, path)
+        write_private(path, json.dumps(values))
     except (OSError, TypeError, ValueError):
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def file_sha256(path: Path) -> str:

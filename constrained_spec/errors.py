@@ -121,3 +121,19 @@ class ConfigError(ConstrainedSpecError, ValueError):
 
 class PromptTooLongError(ConfigError):
     """The prompt does not fit in the model's context together with max_tokens."""
+
+
+class JSONDepthError(ConfigError):
+    """JSON from outside nests objects / arrays deeper than the limit (`json_limits`).
+
+    ``what`` names the text or value (``"the request body"``, ``"--batch line 3"``), ``limit``
+    the depth allowed, ``path`` the keys and indices down to the first container past it (its
+    first levels; ``...`` where it goes on). A schema's readers raise it as a `SchemaError`.
+    """
+
+    def __init__(self, message: str, *, what: str, limit: int, path: list[Any],
+                 option: str | None = None) -> None:
+        self.what = what
+        self.limit = limit
+        self.path = list(path)
+        super().__init__(message, option=option)

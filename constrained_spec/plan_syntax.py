@@ -55,15 +55,31 @@ def parse_plan(text: str, *, memory: str = "fast") -> dict[str, Any]:
 
 
 def parse_buckets(text: str) -> list[tuple[int, str]]:
-    """``int4:12/bf16`` -> ``[(12, "int4"), (ALL_ROWS, "bf16")]``."""
+    """``int4:12/bf16`` -> ``[(12, "int4"), (ALL_ROWS, "bf16")]``.
+
+    A row limit is a whole number of rows, at least 1: a forward has at least one row, so a
+    limit of 0 or below would be a bucket no forward reaches (and a negative one sorted first
+    would have looked like a real bucket).
+
+    Raises
+    ------
+    ConfigError
+        A limit that is not a whole number, or is below 1; ``option`` is
+        ``CONSTRAINED_SPEC_PLAN`` and the message names the bucket.
+    """
     out = []
     for piece in text.split("/"):
         kernel, _, rows = piece.partition(":")
         try:
-            out.append((int(rows) if rows else ALL_ROWS, kernel))
+            limit = int(rows) if rows else ALL_ROWS
         except ValueError:
             raise ConfigError(f"bad row limit in kernel plan bucket {piece!r}: write kernel:rows",
                               option=_OPTION) from None
+        if limit < 1:
+            raise ConfigError(f"row limit {limit} in kernel plan bucket {piece!r} is below 1: a "
+                              "bucket covers forwards of up to that many rows (e.g. int4:12)",
+                              option=_OPTION)
+        out.append((limit, kernel))
     return out
 
 

@@ -8,7 +8,10 @@ the result; `reload_settings()` reads it again (tests that change the environmen
 changes some fields for a block of code without touching ``os.environ`` (``info --measure``).
 
 The user-facing table of these variables is ``docs/options.md``; keep it in step with the
-field docstrings below.
+field docstrings below. A ``CONSTRAINED_SPEC_*`` variable that is none of them (a
+misspelling, ``CAHCE`` for ``CACHE``) would otherwise be ignored without a word, so the first
+read warns once per process, naming each with the closest known name (`unknown_variables`);
+the known names are the fields below plus `READ_ELSEWHERE`.
 
 Variables of other programs that the package only passes on or reports (``TRITON_INTERPRET``,
 ``ATEN_CPU_CAPABILITY``, ...) are not settings of ours and are not read here.
@@ -17,6 +20,8 @@ Variables of other programs that the package only passes on or reports (``TRITON
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -34,6 +39,14 @@ MEMORY_CHOICES: tuple[str, ...] = get_args(MemoryChoice)  # "auto" resolves to o
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 PREFIX = "CONSTRAINED_SPEC_"
+#: ``CONSTRAINED_SPEC_*`` variables that are read outside `Settings` (by one command, where
+#: its value is resolved), listed here so the unknown-name warning knows them: the one place
+#: to add such a name.
+READ_ELSEWHERE: frozenset[str] = frozenset({
+    PREFIX + "API_KEY",  # serve's key (kept out of ``ps``); read where the key is resolved
+})
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,41 @@ def parse_bool(name: str, value: str | None, *, default: bool) -> bool:
                       f"or {', '.join(_FALSE)} (any case)", option=name)
 
 
+def known_variables() -> frozenset[str]:
+    """Every ``CONSTRAINED_SPEC_*`` name the package reads: a `Settings` field each, plus
+    `READ_ELSEWHERE`."""
+    return frozenset(PREFIX + f.name.upper() for f in dataclasses.fields(Settings)) | READ_ELSEWHERE
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """``(name, closest known name or None)`` for each ``CONSTRAINED_SPEC_*`` variable of
+    ``environ`` (default: ``os.environ``) that the package does not read, sorted by name.
+
+    Names are compared without the shared prefix (which would make every pair look alike), so
+    ``CAHCE`` suggests ``CACHE`` and ``X`` suggests nothing."""
+    env = os.environ if environ is None else environ
+    known = known_variables()
+    suffixes = sorted(name[len(PREFIX):] for name in known)
+    out: list[tuple[str, str | None]] = []
+    for name in sorted(n for n in env if n.startswith(PREFIX) and n not in known):
+        close = difflib.get_close_matches(name[len(PREFIX):], suffixes, n=1, cutoff=0.6)
+        out.append((name, PREFIX + close[0] if close else None))
+    return out
+
+
+def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> bool:
+    """Log one warning naming every unknown ``CONSTRAINED_SPEC_*`` variable (`unknown_variables`);
+    whether there was one. `settings` calls it once per process, at the first read."""
+    unknown = unknown_variables(environ)
+    if not unknown:
+        return False
+    names = "; ".join(name + (f" (did you mean {close}?)" if close else "") for name, close in unknown)
+    logger.warning("ignoring unknown environment variable%s %s: the package reads only %s "
+                   "(see docs/options.md)", "s" if len(unknown) > 1 else "", names,
+                   ", ".join(sorted(known_variables())))
+    return True
+
+
 def _check_plan(text: str) -> None:
     """A fixed ``CONSTRAINED_SPEC_PLAN`` must parse (its own errors name the variable)."""
     from constrained_spec.plan_syntax import parse_plan
@@ -155,6 +203,7 @@ def _check_plan(text: str) -> None:
 
 
 _current: Settings | None = None
+_warned = False  # the unknown-name warning is given once per process, not at every reload
 
 
 def settings() -> Settings:
@@ -166,8 +215,11 @@ def settings() -> Settings:
         A variable has a bad value (raised again on every call until it is fixed and
         `reload_settings` is called).
     """
-    global _current
+    global _current, _warned
     if _current is None:
+        if not _warned:
+            _warned = True
+            warn_unknown_variables()
         _current = Settings.from_env()
     return _current
 

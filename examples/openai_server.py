@@ -6,7 +6,7 @@ hand, to show the pieces you would use to embed it: load the model once, build t
 app over it with ``create_app``, add routes of your own, and serve it with uvicorn (or mount
 it in a larger ASGI app). It takes the flags of ``constrained-spec serve``:
 
-    python examples/openai_server.py --port 8000 [--api-key KEY] [--enable-metrics]
+    python examples/openai_server.py --port 8000 [--api-key-file FILE] [--enable-metrics]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="KEY")
@@ -26,6 +26,7 @@ from constrained_spec import load_model
 from constrained_spec.cli.args import server_config_from_args
 from constrained_spec.cli.parser import build_parser
 from constrained_spec.server import create_app
+from constrained_spec.server.state import check_exposure
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
                 "waiting": server.loop.waiting,
                 "speculation": str(server.generator.speculative or "off")}
 
+    if check_exposure(args.host, config):  # beyond loopback without a key, on purpose
+        logging.warning("serving on %s WITHOUT an API key (--allow-unauthenticated)", args.host)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

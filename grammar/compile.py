@@ -7,11 +7,16 @@ most ``timeout_s``: past it `SchemaError` is raised and the process never hangs.
 compile keeps running in the background and stays in the cache as pending, so retrying the same
 spec (with a larger timeout) waits for that work instead of starting it again.
 
+What the backend logs on fd 2 while building and compiling the grammar is heard, not leaked
+(`schemas.backend_log`): it stays with the cached `CompiledSpec` (``backend_warnings``), and
+what the compile adds to the conversion's messages is logged.
+
 Pre-flight (`schemas.check_schema`) is the caller's business; this module only compiles.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -19,7 +24,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
 
 from constrained_spec.errors import SchemaError
-from constrained_spec.schemas import SchemaSpec, convert_json_schema
+from constrained_spec.schemas import SchemaSpec
+from constrained_spec.schemas.backend_log import BackendMessage, hear_compile, hear_conversion
+from constrained_spec.schemas.backends import conversion
 from constrained_spec.schemas.patterns import python_regex, strip_edge_anchors
 from constrained_spec.schemas.spec import clean_backend_message
 
@@ -34,17 +41,24 @@ CACHE_SIZE = 64
 _cache: OrderedDict[tuple[str, str, str], Future] = OrderedDict()
 _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0}
+_log = logging.getLogger(__name__)
 
 
 class CompiledSpec:
-    """A spec compiled for one tokenizer and backend; `new_matcher` starts a request."""
+    """A spec compiled for one tokenizer and backend; `new_matcher` starts a request.
 
-    def __init__(self, spec: SchemaSpec, backend: str, tok: TokenizerData, backend_object: Any) -> None:
+    ``backend_warnings``: what the backend logged while building and compiling the grammar
+    (`schemas.backend_log`; the pre-flight report has the conversion's share as issues). Kept
+    with the cached compile, so a cache hit carries the same warnings."""
+
+    def __init__(self, spec: SchemaSpec, backend: str, tok: TokenizerData, backend_object: Any,
+                 backend_warnings: tuple[BackendMessage, ...] = ()) -> None:
         self.spec = spec
         self.backend = backend
         self.tok = tok
         # xgrammar: CompiledGrammar; outlines: _OutlinesTables (Index + per-state masks)
         self.backend_object = backend_object
+        self.backend_warnings = backend_warnings
 
     def new_matcher(self) -> Matcher:
         if self.backend == "xgrammar":
@@ -97,8 +111,9 @@ def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backe
     if not future.set_running_or_notify_cancel():
         return
     try:
-        obj = _compile_xgrammar(spec, tok) if backend == "xgrammar" else _compile_outlines(spec, tok)
-        future.set_result(CompiledSpec(spec, backend, tok, obj))
+        compile_ = _compile_xgrammar if backend == "xgrammar" else _compile_outlines
+        obj, heard = compile_(spec, tok)
+        future.set_result(CompiledSpec(spec, backend, tok, obj, heard))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
         with _cache_lock:
             if _cache.get(key) is future:
@@ -117,20 +132,41 @@ def _xgrammar_compiler(tok: TokenizerData) -> Any:
         tok.xgr_info, max_threads=8, cache_enabled=False))
 
 
-def _compile_xgrammar(spec: SchemaSpec, tok: TokenizerData) -> Any:
+def _compile_xgrammar(spec: SchemaSpec, tok: TokenizerData) -> tuple[Any, tuple[BackendMessage, ...]]:
     import xgrammar
 
     if spec.kind == "json_schema":
-        grammar = convert_json_schema(spec, "xgrammar")
-    elif spec.kind == "choice":
-        grammar = xgrammar.Grammar.from_ebnf(
-            "root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices))
-    elif spec.kind == "regex":
-        # Python's "." (no newline unless (?s)), not xgrammar's (any character)
-        grammar = xgrammar.Grammar.from_regex(python_regex(spec.regex or ""))
+        converted = conversion(spec, "xgrammar")
+        grammar, source, heard = converted.result, converted.source, list(converted.heard)
     else:
-        grammar = xgrammar.Grammar.from_ebnf(spec.ebnf or "", root_rule_name=spec.root)
-    return _xgrammar_compiler(tok).compile_grammar(grammar)
+        if spec.kind == "choice":
+            source = "root ::= " + " | ".join(_ebnf_literal(c) for c in spec.choices)
+        elif spec.kind == "regex":
+            # Python's "." (no newline unless (?s)), not xgrammar's (any character)
+            source = python_regex(spec.regex or "")
+        else:
+            source = spec.ebnf or ""
+        with hear_conversion("xgrammar", source) as heard:
+            if spec.kind == "regex":
+                grammar = xgrammar.Grammar.from_regex(source)
+            else:
+                grammar = xgrammar.Grammar.from_ebnf(
+                    source, root_rule_name="root" if spec.kind == "choice" else spec.root)
+    with hear_compile("xgrammar", source) as compiling:
+        compiled = _xgrammar_compiler(tok).compile_grammar(grammar)
+    return compiled, _merge_heard(spec, heard, compiling)
+
+
+def _merge_heard(spec: SchemaSpec, converting: list[BackendMessage],
+                 compiling: list[BackendMessage]) -> tuple[BackendMessage, ...]:
+    """The conversion's messages, then the compile's new ones (a compile repeats a regex's
+    warnings), which are logged: the pre-flight report only has the conversion's."""
+    seen = {m.text for m in converting}
+    new = [m for m in compiling if m.text not in seen]
+    for m in new:
+        if m.level in ("warning", "error"):
+            _log.warning("compiling the %s spec %s: %s", spec.kind, spec.key[:12], m.format())
+    return (*converting, *new)
 
 
 _EBNF_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -152,16 +188,20 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _compile_outlines(spec: SchemaSpec, tok: TokenizerData) -> _OutlinesTables:
+def _compile_outlines(spec: SchemaSpec, tok: TokenizerData) -> tuple[_OutlinesTables, tuple[BackendMessage, ...]]:
     import outlines_core
 
+    heard: list[BackendMessage] = []
     if spec.kind == "json_schema":
-        regex = convert_json_schema(spec, "outlines")
+        converted = conversion(spec, "outlines")
+        regex, heard = converted.result, list(converted.heard)
     elif spec.kind == "regex":
         regex = strip_edge_anchors(python_regex(spec.regex or ""))  # Python's "." (see above)
     else:  # choices: escaped literals, no "." to translate
         regex = strip_edge_anchors(spec.regex or "")
-    return _OutlinesTables(outlines_core.Index(regex, tok.outlines_vocabulary()), tok)
+    with hear_compile("outlines", regex) as compiling:
+        index = outlines_core.Index(regex, tok.outlines_vocabulary())
+    return _OutlinesTables(index, tok), _merge_heard(spec, heard, compiling)
 
 
 def clear_compile_cache() -> None:

@@ -28,11 +28,14 @@ A row's bits do not depend on the other rows of a call (each row has its own acc
 the same instruction sequence), so ``q4`` and ``q8`` are row-invariant
 (`weights.ROW_INVARIANT_KERNELS`, tested). Which build runs follows the CPU flags AND torch's
 capability, so the AVX2-only simulation (``ATEN_CPU_CAPABILITY=avx2``) gets the AVX2 build.
-Built with the C compiler (``$CC``, else ``cc``) and OpenMP into the cache folder
-(``CONSTRAINED_SPEC_CACHE``), keyed by the source and the build; without a compiler, on
-another architecture or when the build fails, `available` is False and the plan never offers
-``q4`` or ``q8`` (torch's kernels run instead). Threads: the library uses the OpenMP runtime
-torch already loaded, so ``torch.set_num_threads`` applies to it.
+Built with the C compiler (``$CC``, a command line such as ``ccache gcc``, else ``cc``; 120 s
+per attempt) and OpenMP into the cache folder's owner-only ``kernels/`` (``CONSTRAINED_SPEC_CACHE``),
+keyed by the source and the build, with a manifest recording its sha256; it is loaded only when
+it, its manifest and the folder are this user's alone and the digest matches (else rebuilt,
+with a warning: see "building and loading the library" below). Without a compiler, on
+another architecture or when the build fails, `available` is False (`why_unavailable` says
+why) and the plan never offers ``q4`` or ``q8`` (torch's kernels run instead). Threads: the
+library uses the OpenMP runtime torch already loaded, so ``torch.set_num_threads`` applies to it.
 """
 
 from __future__ import annotations
@@ -40,9 +43,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
+import shlex
 import shutil
+import signal
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,61 +94,308 @@ def build_for_this_cpu() -> str | None:
     return None
 
 
-def _compile(build: str, out: Path) -> bool:
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        logger.info("no C compiler (%s): the q4 kernel is not available", cc)
-        return False
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    base = [cc, *_CFLAGS, *BUILDS[build][1], str(SOURCE), "-o", str(tmp), "-lm"]
+# -- building and loading the library ------------------------------------------------------
+# The library is executed code read from the cache folder, so it is loaded only when this user
+# alone could have written it: the kernels folder and the file owned by this user and not
+# writable by group or others, and the file's sha256 equal to the one recorded in a manifest
+# (owner-only too) written when this library built it. Anything else is warned about (naming
+# the file) and rebuilt. A kernels folder of this user's that others could write is made
+# owner-only and its libraries dropped; one someone else owns is not used at all (torch's
+# kernels run).
+# The check and the load read the same bytes: the verified library is copied, hashing what is
+# written, into a new file (O_EXCL, 0600) in the owner-only folder, reached through a
+# descriptor of that folder (/proc/self/fd/N/<copy>, so a folder renamed or swapped meanwhile
+# does not matter), and that copy is what dlopen maps (then unlinked; a unique name also keeps
+# dlopen from handing back a library loaded earlier under the same name). What remains: a
+# process running as this user, or root, can change the library at any time (out of scope:
+# it can run code as this user anyway); a cache that is read-only to this user cannot hold the
+# copy, so its kernels are not loaded (torch's run); without /proc the copy is loaded by its
+# path, which goes through the folder's parents again.
+
+# seconds per compiler attempt: a build takes a second or two; a hung compiler must not hold
+# up the first load
+_TIMEOUT = 120
+_why: dict[str, str] = {}  # build -> why its kernels are not available (set by `_library`)
+
+
+class _Refused(Exception):
+    """A cached library (or its manifest) failed a check or did not load; says which and why."""
+
+
+def _key(build: str) -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + repr((_CFLAGS, BUILDS[build])).encode()).hexdigest()[:16]
+
+
+def _compiler() -> tuple[list[str] | None, str]:
+    """``$CC`` as a command line (``CC="ccache gcc"``), else ``cc``; None (and the reason)
+    when it is not one or its first word is not found."""
+    raw = os.environ.get("CC", "").strip() or "cc"
+    try:
+        words = shlex.split(raw)
+    except ValueError as e:
+        return None, f"CC={raw!r} is not a command line ({e})"
+    if not words or shutil.which(words[0]) is None:
+        return None, f"no C compiler ({raw})"
+    return words, raw
+
+
+def _run_compiler(cc: list[str], build: str, out: Path) -> str | None:
+    """Compile the library for ``build`` to ``out``; None when built, else why not."""
+    base = [*cc, *_CFLAGS, *BUILDS[build][1], str(SOURCE), "-o", str(out), "-lm"]
+    n, last = len(cc), ""
     # OpenMP for the threads (torch's runtime, already loaded); without it, one thread
-    for cmd in (base[:1] + ["-fopenmp"] + base[1:], base):
+    for cmd in (base[:n] + ["-fopenmp"] + base[n:], base):
+        try:  # its own session: a timeout stops the driver and the compiler passes it started
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+        except OSError as e:
+            logger.warning("building the q4 / q8 kernels with %s failed: %s", " ".join(cc), e)
+            return f"the build failed: {e}"
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            logger.warning("building the q4 kernel failed: %s", e)
-            return False
-        if done.returncode == 0:
-            os.replace(tmp, out)
-            return True
-        logger.info("building the q4 kernel with %s failed: %s", " ".join(cmd), done.stderr[-2000:])
-    tmp.unlink(missing_ok=True)
+            _, err = proc.communicate(timeout=_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            logger.warning("the C compiler (%s) ran over %d s building the q4 / q8 kernels and was "
+                           "stopped: torch's kernels run", " ".join(cc), _TIMEOUT)
+            return f"the build timed out: {' '.join(cc)} ran over {_TIMEOUT} s"
+        if proc.returncode == 0:
+            return None
+        last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        logger.info("building the q4 kernel with %s failed: %s", " ".join(cmd), err[-2000:])
     logger.warning("the q4 kernel could not be built (see the log at INFO): torch's kernels run")
-    return False
+    return f"the build failed: {last}"
+
+
+def _compile(build: str, folder: Path, name: str) -> str | None:
+    """Build ``folder/name.so`` and its manifest (under the caller's lock); None when built,
+    else why not. The compiler writes into a private temp folder, so its output (made with the
+    umask's mode) is never reachable by anyone else before it is 0600 and hashed."""
+    from constrained_spec.cache import file_sha256, private_mkdir, restrict_tree, write_private
+
+    cc, raw = _compiler()
+    if cc is None:
+        logger.info("%s: the q4 / q8 kernels are not available", raw)
+        return raw
+    tmp = folder / f".{name}.build-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        private_mkdir(tmp)
+        built = tmp / f"{name}.so"
+        failed = _run_compiler(cc, build, built)
+        if failed is not None:
+            return failed
+        restrict_tree(tmp)
+        manifest = {"sha256": file_sha256(built), "build": build, "key": name.rsplit("-", 1)[1]}
+        (folder / f"{name}.json").unlink(missing_ok=True)
+        os.replace(built, folder / f"{name}.so")
+        write_private(folder / f"{name}.json", json.dumps(manifest))
+        return None
+    except OSError as e:
+        logger.warning("building the q4 / q8 kernels in %s failed: %s", folder, e)
+        return f"the build failed: {e}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kernels_folder(folder: Path) -> str | None:
+    """Why ``folder`` cannot hold the library (None: it can). A folder of this user's that
+    group or others could write is made owner-only and the libraries in it are dropped (they
+    could have been swapped while it was open); one owned by someone else is not used."""
+    from constrained_spec.cache import private_mkdir, untrusted_reason
+
+    try:
+        private_mkdir(folder)
+        st = os.lstat(folder)
+    except OSError as e:
+        return f"not usable ({e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    problem = untrusted_reason(st)
+    if problem is None:
+        return None
+    if st.st_uid != os.getuid():
+        return problem
+    try:
+        os.chmod(folder, 0o700)
+        for p in folder.glob("cpu_native-*"):  # the final files only: temp files stay private
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+    except OSError as e:
+        return f"{problem} and could not be made owner-only ({e})"
+    logger.warning("the native kernels' folder %s was %s: made owner-only; the libraries it held "
+                   "are not trusted and are built again", folder, problem)
+    return None
+
+
+def _open_checked(dfd: int, name: str, what: str) -> int:
+    """``name`` in the folder open as ``dfd``, opened for reading (not through a link) once it
+    is a regular file only this user could have written; else `_Refused`."""
+    from constrained_spec.cache import untrusted_reason
+
+    subject = "it" if what == "library" else f"its {what} {name}"
+    try:
+        # O_NONBLOCK: a FIFO in its place is refused below instead of blocking the open
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        raise _Refused(f"it has no {what} ({name})" if what != "library" else "it is missing") from None
+    except OSError as e:  # ELOOP: a symbolic link
+        raise _Refused(f"{subject} cannot be opened ({e.strerror})") from e
+    st = os.fstat(fd)
+    problem = "not a regular file" if not stat.S_ISREG(st.st_mode) else untrusted_reason(st)
+    if problem is not None:
+        os.close(fd)
+        raise _Refused(f"{subject} is {problem}")
+    return fd
+
+
+def _recorded_digest(dfd: int, name: str, build: str) -> str:
+    """The sha256 the manifest ``name.json`` records for ``name.so``; else `_Refused`."""
+    fd = _open_checked(dfd, f"{name}.json", "manifest")
+    try:
+        with os.fdopen(fd, "rb") as f:
+            manifest = json.loads(f.read(1 << 16))
+        digest = manifest["sha256"]
+        if manifest["build"] != build or not (isinstance(digest, str) and len(digest) == 64):
+            raise ValueError("not this build's")
+        int(digest, 16)
+        return digest
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _Refused(f"its manifest {name}.json does not record its digest ({e})") from e
+
+
+def _copy_hashed(dfd: int, src_name: str, dst_name: str) -> str:
+    """Copy ``src_name`` (checked by `_open_checked`) to the new owner-only file ``dst_name``
+    in the same folder; the sha256 of the bytes written."""
+    src = _open_checked(dfd, src_name, "library")
+    try:
+        out = os.open(dst_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, dir_fd=dfd)
+        h = hashlib.sha256()
+        with os.fdopen(out, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # readable by us whatever the umask
+            while chunk := os.read(src, 1 << 20):
+                h.update(chunk)
+                f.write(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(src)
+
+
+def _bind(lib: ctypes.CDLL, build: str) -> tuple[ctypes.CDLL, int]:
+    """Declare the kernels' signatures; `_Refused` when a symbol is missing or the library's
+    tiles are not the build's."""
+    vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    try:
+        lib.cs_q4_tile.restype = i
+        lib.cs_q4_gemm.argtypes = [vp, i, i, i, vp, i, vp, i]
+        lib.cs_q4_gemm.restype = i
+        lib.cs_q8_gemm.argtypes = [vp, i, i, i, vp, i, i, vp, i]
+        lib.cs_q8_gemm.restype = i
+        lib.cs_attention.argtypes = [vp, vp, vp, i, vp, vp, vp, i, i, i, i, f, f, vp]
+        lib.cs_attention.restype = i
+        lib.cs_attention_width.restype = i
+    except AttributeError as e:  # "<path>: undefined symbol: cs_..."
+        raise _Refused(f"it lacks a kernel ({': '.join(str(e).rsplit(': ', 2)[-2:])})") from e
+    tile = int(lib.cs_q4_tile())
+    if tile != BUILDS[build][2]:
+        raise _Refused(f"its tiles have {tile} columns, not {BUILDS[build][2]}")
+    return lib, tile
+
+
+def _load_checked(folder: Path, name: str, build: str) -> tuple[ctypes.CDLL, int]:
+    """``folder/name.so`` loaded after every check (see the comment above); else `_Refused`."""
+    from constrained_spec.cache import untrusted_reason
+
+    try:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise _Refused(f"its folder cannot be opened ({e.strerror})") from e
+    try:
+        problem = untrusted_reason(os.fstat(dfd))  # the folder opened: checked again, by its fd
+        if problem is not None:
+            raise _Refused(f"its folder is {problem}")
+        digest = _recorded_digest(dfd, name, build)
+        copy = f".{name}.load-{os.getpid()}-{os.urandom(4).hex()}.so"
+        try:
+            got = _copy_hashed(dfd, f"{name}.so", copy)
+            if got != digest:
+                raise _Refused(f"its sha256 is not the one its manifest records ({got[:16]}..., "
+                               f"recorded {digest[:16]}...)")
+            via_fd = f"/proc/self/fd/{dfd}/{copy}"  # this folder, whatever its path names now
+            try:
+                lib = ctypes.CDLL(via_fd if os.path.exists(via_fd) else str(folder / copy))
+            except OSError as e:
+                raise _Refused(f"it cannot be loaded ({e})") from e
+        finally:
+            try:
+                os.unlink(copy, dir_fd=dfd)  # mapped now: the copy's bytes stay until exit
+            except OSError:
+                pass
+    finally:
+        os.close(dfd)
+    return _bind(lib, build)
+
+
+def _load_or_build(build: str, folder: Path, name: str) -> tuple[ctypes.CDLL, int] | None:
+    """Under the library's lock: the cached library if it passes every check, else a new build
+    (with a warning naming the file that failed); None when neither (`_why` says why)."""
+    from constrained_spec.cache import remove_stale
+
+    so = folder / f"{name}.so"
+    for prefix in (f".{name}.build-", f".{name}.load-"):  # left by killed processes
+        remove_stale(folder, prefix)
+    cached = ""
+    if os.path.lexists(so) or os.path.lexists(folder / f"{name}.json"):
+        try:
+            return _load_checked(folder, name, build)
+        except _Refused as e:
+            cached = f"the cached library failed its check: {so.name}: {e}"
+            logger.warning("the cached native kernel library %s failed its check (%s): building "
+                           "it again", so, e)
+            for p in (so, folder / f"{name}.json"):
+                p.unlink(missing_ok=True)
+    failed = _compile(build, folder, name)
+    if failed is not None:
+        _why[build] = f"{cached}; {failed}" if cached else failed
+        return None
+    try:
+        return _load_checked(folder, name, build)
+    except _Refused as e:
+        logger.warning("the native kernel library %s did not load (%s): torch's kernels run", so, e)
+        _why[build] = f"the built library failed to load: {so.name}: {e}"
+        return None
 
 
 @functools.cache
 def _library(build: str | None) -> tuple[ctypes.CDLL, int] | None:
     if build is None:
         return None
-    from constrained_spec.cache import cache_dir
+    from constrained_spec.cache import cache_dir, cache_lock
+    from constrained_spec.errors import ConfigError
 
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((_CFLAGS, BUILDS[build])).encode()).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"cpu_native-{build}-{key}.so"
-    if not path.exists() and not _compile(build, path):
-        return None
+    _why.pop(build, None)
     try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        logger.warning("cannot load the q4 kernel %s: %s", path, e)
+        folder = cache_dir() / "kernels"
+    except ConfigError as e:  # the kernels are optional: torch's run; the loader says it again
+        logger.warning("the q4 / q8 kernels are not available: %s", e)
+        _why[build] = f"the cache folder is not usable: {e}"
         return None
-    vp, i = ctypes.c_void_p, ctypes.c_int
-    lib.cs_q4_tile.restype = i
-    lib.cs_q4_gemm.argtypes = [vp, i, i, i, vp, i, vp, i]
-    lib.cs_q4_gemm.restype = i
-    lib.cs_q8_gemm.argtypes = [vp, i, i, i, vp, i, i, vp, i]
-    lib.cs_q8_gemm.restype = i
-    f = ctypes.c_float
-    lib.cs_attention.argtypes = [vp, vp, vp, i, vp, vp, vp, i, i, i, i, f, f, vp]
-    lib.cs_attention.restype = i
-    lib.cs_attention_width.restype = i
-    tile = int(lib.cs_q4_tile())
-    if tile != BUILDS[build][2]:
-        logger.warning("the q4 kernel %s has tiles of %d columns, not %d: not used", path, tile,
-                       BUILDS[build][2])
+    problem = _kernels_folder(folder)
+    if problem is not None:
+        logger.warning("the native kernels' folder %s is %s: the q4 / q8 kernels are neither built "
+                       "nor loaded there; torch's kernels run", folder, problem)
+        _why[build] = f"the cached library failed its check: its folder {folder} is {problem}"
         return None
-    return lib, tile
+    name = f"cpu_native-{build}-{_key(build)}"
+    try:
+        with cache_lock(folder / f".{name}.lock"):
+            return _load_or_build(build, folder, name)
+    except OSError as e:  # a read-only cache, a full disk
+        logger.warning("the q4 / q8 kernels are not available: %s", e)
+        _why[build] = f"the kernels folder {folder} is not usable: {e}"
+        return None
 
 
 def _lib(build: str | None) -> tuple[ctypes.CDLL, int]:
@@ -155,6 +409,21 @@ def available(build: str | None = None) -> bool:
     """Whether the kernels run here (``build``: one of `BUILDS`, default this CPU's); the
     first call builds them."""
     return _library(build_for_this_cpu() if build is None else build) is not None
+
+
+def why_unavailable(build: str | None = None) -> str | None:
+    """None when the kernels load here (``build``: one of `BUILDS`, default this CPU's), else
+    a short reason for a person: "no C compiler (cc)", "this CPU has no AVX2/FMA", "the build
+    failed: ...", "the cached library failed its check: ..."."""
+    b = build_for_this_cpu() if build is None else build
+    if b is None:
+        if all(f in _cpu_flags() for f in BUILDS["avx2"][0]):
+            return (f"torch runs at CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                    "below AVX2 (ATEN_CPU_CAPABILITY)")
+        return "this CPU has no AVX2/FMA"
+    if _library(b) is not None:
+        return None
+    return _why.get(b, "the kernels did not load")
 
 
 def tile(build: str | None = None) -> int:

@@ -21,7 +21,13 @@ Both backends get a rewritten copy of the user's schema, never the original:
   rounded inward and bounds past 64 bits are clamped (xgrammar raises on both); a node where
   allOf with several subschemas wins becomes the ``enum`` of the values it accepts when a
   member fixes them (``enum`` / ``const``; exact, see `all_of_values`), else ``{}`` (what
-  xgrammar generates for it anyway, without failing on what it would have converted);
+  xgrammar generates for it anyway, without failing on what it would have converted); a
+  ``oneOf`` whose branches are proven disjoint (`disjoint.one_of_disjoint`) is written
+  ``anyOf`` (the same instances; xgrammar would fall back to anyOf with a warning when its own,
+  narrower proof fails); next to ``properties`` and ``patternProperties`` / ``propertyNames``,
+  an ``additionalProperties`` (``unevaluatedProperties``) that admits anything is dropped
+  (xgrammar would let a declared name or a pattern key through it with any value,
+  `extra_bypass`; without it no extra key is generated, strict mode's reading);
   arrays / objects that declare no items / properties at all get ``items: {}`` /
   ``additionalProperties: {}`` (strict mode would otherwise allow only ``[]`` / ``{}``).
 * outlines: annotations and unknown keywords are dropped and ``true`` subschemas become
@@ -32,7 +38,8 @@ Both backends get a rewritten copy of the user's schema, never the original:
   never completes "ab" in ``(a|ab)``).
 
 ``convert_json_schema`` returns what the token-level compiler consumes (an ``xgrammar.Grammar``
-or an outlines regex string), raising `SchemaError` with the backend's message.
+or an outlines regex string), raising `SchemaError` with the backend's message; `conversion`
+also returns what the backend logged while converting (`backend_log`), cached with it.
 """
 
 from __future__ import annotations
@@ -43,14 +50,17 @@ import math
 import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from constrained_spec.errors import SchemaError
 
+from .backend_log import BackendMessage, hear_conversion
+from .disjoint import one_of_disjoint
 from .patterns import python_regex, scan_regex, search_pattern, xgrammar_pattern  # noqa: F401
-from .pointers import resolve_local_ref
+from .pointers import resolve_local_ref, to_pointer
 from .spec import JsonLayout, SchemaSpec, clean_backend_message
-from .support import KEYWORD_SUPPORT
+from .support import ANNOTATIONS, KEYWORD_SUPPORT
 from .validator import json_validator
 
 _OUTLINES_KEEP = frozenset(KEYWORD_SUPPORT) | {"$defs", "definitions", "$id", "then", "else",
@@ -197,6 +207,7 @@ def _xgrammar_rewrite(node: Any) -> Any:
     types = _types_of(node)
     _open_undeclared_containers(node, types)
     _declare_required_names(node, types)
+    _close_bypassing_extra(node)
     _exact_formats(node, ("pattern",), ("date", "date-time", "ipv4", "hostname"))
     _xgrammar_patterns(node)
     if "integer" in types:
@@ -226,6 +237,43 @@ def _xgrammar_replacement(node: dict) -> dict | None:
         elif isinstance(node.get("enum"), list) and any(isinstance(v, (dict, list)) for v in node["enum"]):
             return {"anyOf": [_literal_schema(v) for v in node["enum"]]}
     return None
+
+
+def extra_bypass(node: Any) -> str | None:
+    """The keyword through which xgrammar generates extra keys of ANY name in object `node`:
+    ``additionalProperties`` (else ``unevaluatedProperties``) next to ``properties`` and
+    ``patternProperties`` / ``propertyNames``; None when the node has no such extra keys."""
+    # xgrammar (0.2.9, json_schema_converter.cc "Case 1a") then writes the extra keys as any
+    # string: a declared name or a key matching a patternProperties pattern can come through
+    # them with the extra-keys schema's value (or twice); measured, e.g. {"avro_name": 123}
+    # under patternProperties {"^avro_name$": {"oneOf": [string, null]}} and
+    # additionalProperties true.
+    if not isinstance(node, dict):
+        return None
+    props = node.get("properties")
+    if not isinstance(props, dict) or all(v is False for v in props.values()):
+        return None
+    if not node.get("patternProperties") and not isinstance(node.get("propertyNames"), dict):
+        return None
+    key = next((k for k in ("additionalProperties", "unevaluatedProperties") if k in node), None)
+    return None if key is None or node[key] is False else key
+
+
+def constrains_nothing(sub: Any) -> bool:
+    """Whether a subschema admits every value (``true``, ``{}``, only annotations)."""
+    return sub is True or isinstance(sub, dict) and all(
+        k in ANNOTATIONS or k not in KEYWORD_SUPPORT for k in sub)
+
+
+def _close_bypassing_extra(node: dict) -> None:
+    """An `extra_bypass` keyword that admits anything is dropped: xgrammar then generates no
+    extra keys (strict mode's reading of an object without one), instead of letting a declared
+    name or a patternProperties key through them with any value. The pre-flight reports the
+    keyword when it has a schema of its own (that cannot be kept apart from the others)."""
+    key = extra_bypass(node)
+    while key is not None and constrains_nothing(node[key]):
+        del node[key]
+        key = extra_bypass(node)
 
 
 def _open_undeclared_containers(node: dict, types: set[str]) -> None:
@@ -380,7 +428,9 @@ def all_of_values(node: Any, root: Any) -> list | None:
 
 
 def _fold_all_of_values(node: Any, root: Any) -> Any:
-    """Top-down copy of `node` with every `all_of_values` node replaced by its enum."""
+    """Top-down copy of `node` with every `all_of_values` node replaced by its enum, and every
+    ``oneOf`` whose branches are disjoint (`disjoint.one_of_disjoint`) written ``anyOf``: the
+    same instances, and xgrammar then has no anyOf fallback to warn about."""
     values = all_of_values(node, root)
     if values is not None:
         return {"enum": values}
@@ -396,16 +446,71 @@ def _fold_all_of_values(node: Any, root: Any) -> Any:
             out[k] = {name: _fold_all_of_values(x, root) for name, x in v.items()}
         else:
             out[k] = v
+    if next((k for k in XGRAMMAR_ORDER if k in node), None) == "oneOf" \
+            and one_of_disjoint(node["oneOf"], root):
+        out = {("anyOf" if k == "oneOf" else k): v for k, v in out.items()}
     return out
 
 
 def backend_schema(schema: dict, backend: str) -> dict:
     """The rewritten copy of `schema` that `backend`'s converter is given (see module doc)."""
     if backend == "xgrammar":
-        return map_schema(_fold_all_of_values(schema, schema), _xgrammar_rewrite)
+        return _rewrite_document(schema, _xgrammar_rewrite, fold=True)
     if backend == "outlines":
-        return map_schema(schema, _outlines_rewrite)
+        return _rewrite_document(schema, _outlines_rewrite, fold=False)
     raise SchemaError(f"unknown backend {backend!r}; use 'xgrammar' or 'outlines'")
+
+
+_REF_ROUNDS = 16  # rounds of schemas found only through a $ref (each may hold more refs)
+
+
+def _rewrite_document(schema: dict, rewrite: Callable[[Any], Any], *, fold: bool) -> dict:
+    """`map_schema` over the document, then over every schema a local ``$ref`` reaches that
+    `map_schema` does not visit: one stored under a key that is not a schema keyword (a JSON
+    pointer reaches ``#/definitions/misc/text`` all the same, and the backend converts it)."""
+    visited: set[int] = set()
+
+    def fn(node: Any) -> Any:
+        out = rewrite(node)
+        visited.add(id(out))
+        return out
+
+    def prepare(node: Any) -> Any:
+        return _fold_all_of_values(node, schema) if fold else node
+
+    doc = map_schema(prepare(schema), fn)
+    for _ in range(_REF_ROUNDS):
+        missed: dict[tuple, list[Any]] = {}
+        for ref in _local_refs(doc):
+            target = resolve_local_ref(doc, ref)
+            if target is not None and target[1] and isinstance(target[0], dict) \
+                    and id(target[0]) not in visited:
+                missed.setdefault(tuple(target[1]), target[1])
+        if not missed:
+            break
+        for path in missed.values():
+            original = resolve_local_ref(schema, "#" + to_pointer(path))
+            current = resolve_local_ref(doc, "#" + to_pointer(path))
+            source = original[0] if original is not None else current[0] if current else None
+            parent = resolve_local_ref(doc, "#" + to_pointer(path[:-1]))
+            if source is not None and parent is not None:
+                parent[0][path[-1]] = map_schema(prepare(source), fn)
+    return doc
+
+
+def _local_refs(node: Any) -> list[str]:
+    """Every local ``$ref`` string anywhere in a document."""
+    out, todo = [], [node]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                out.append(ref)
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return out
 
 
 def outlines_whitespace(layout: JsonLayout) -> str:
@@ -450,21 +555,40 @@ def length_string_escapes(grammar: Any) -> Any:
 # conversion (cached: pre-flight and compile both convert the same spec)
 # --------------------------------------------------------------------------------------------
 
-_CONVERT_CACHE: OrderedDict[tuple[str, str], Any] = OrderedDict()
+_CONVERT_CACHE: OrderedDict[tuple[str, str], Conversion] = OrderedDict()
 _CONVERT_CACHE_SIZE = 128
 _CONVERT_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What a backend's JSON Schema converter made of a spec: the ``result`` the token-level
+    compiler consumes (an ``xgrammar.Grammar``, or an outlines regex string), the ``source``
+    text the converter was given, and what the backend logged while converting (``heard``,
+    `backend_log`): cached together, so a cache hit reports the same warnings."""
+
+    result: Any
+    source: str
+    heard: tuple[BackendMessage, ...] = ()
 
 
 def convert_json_schema(spec: SchemaSpec, backend: str) -> Any:
     """Run the backend's JSON Schema converter on `spec` (json_schema kind).
 
-    Returns an ``xgrammar.Grammar`` (xgrammar) or a regex string (outlines).
+    Returns an ``xgrammar.Grammar`` (xgrammar) or a regex string (outlines); `conversion` has
+    what the backend logged as well.
 
     Raises
     ------
     SchemaError
         The backend rejects the schema (message is the backend's own).
     """
+    return conversion(spec, backend).result
+
+
+def conversion(spec: SchemaSpec, backend: str) -> Conversion:
+    """`convert_json_schema` with the text the backend was given and what it logged meanwhile
+    (cached: pre-flight and compile both convert the same spec)."""
     if spec.kind != "json_schema" or spec.json_schema is None:
         raise SchemaError(f"convert_json_schema needs a json_schema spec, got kind {spec.kind!r}")
     cache_key = (spec.key, backend)
@@ -475,23 +599,25 @@ def convert_json_schema(spec: SchemaSpec, backend: str) -> Any:
     text = json.dumps(backend_schema(spec.json_schema, backend), ensure_ascii=False)
     layout = spec.layout
     try:
-        if backend == "xgrammar":
-            import xgrammar
+        with hear_conversion(backend, text) as heard:
+            if backend == "xgrammar":
+                import xgrammar
 
-            result: Any = length_string_escapes(xgrammar.Grammar.from_json_schema(
-                text, any_whitespace=False, indent=layout.indent,
-                separators=layout.separators, strict_mode=True))
-        else:
-            from outlines_core.json_schema import build_regex_from_schema
+                result: Any = length_string_escapes(xgrammar.Grammar.from_json_schema(
+                    text, any_whitespace=False, indent=layout.indent,
+                    separators=layout.separators, strict_mode=True))
+            else:
+                from outlines_core.json_schema import build_regex_from_schema
 
-            result = build_regex_from_schema(text, outlines_whitespace(layout))
+                result = build_regex_from_schema(text, outlines_whitespace(layout))
     except SchemaError:
         raise
     except Exception as exc:  # RuntimeError (xgrammar), ValueError (outlines)
         raise SchemaError(f"the {backend} backend cannot convert this JSON Schema: "
                           f"{clean_backend_message(exc)}", backend=backend) from exc
+    done = Conversion(result, text, tuple(heard))
     with _CONVERT_LOCK:
-        _CONVERT_CACHE[cache_key] = result
+        _CONVERT_CACHE[cache_key] = done
         while len(_CONVERT_CACHE) > _CONVERT_CACHE_SIZE:
             _CONVERT_CACHE.popitem(last=False)
-    return result
+    return done

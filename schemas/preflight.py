@@ -12,8 +12,13 @@ Per backend a walker mirrors that backend's converter: which keyword of a node w
 ``properties`` > ``allOf`` > ``anyOf`` > ``oneOf`` > ``prefixItems`` > ``enum`` > ``const`` >
 ``$ref`` > ``type``), which siblings the winner drops, and the per-type rules of ``support.py``.
 Then the backend's converter itself is run (cheap, no tokenizer) so that anything else it
-rejects is reported too. Annotation keywords (title, description, default, ...) and unknown
-keywords restrict nothing and are never reported.
+rejects is reported too, and what it logs meanwhile (xgrammar writes a warning to stderr for a
+oneOf it falls back to anyOf on, a look-ahead it ignores, ...; `backend_log`) becomes an
+"ignored" issue at the keyword it is about (`backend_issues`), unless the walker said it
+already: "every keyword is enforced" is never printed over a backend warning. The conversion
+is cached with what was heard, so a second pre-flight of the same schema reports the same.
+Annotation keywords (title, description, default, ...) and unknown keywords restrict nothing
+and are never reported.
 """
 
 from __future__ import annotations
@@ -26,14 +31,21 @@ from typing import Any, Iterable, Literal
 
 from constrained_spec.errors import SchemaError
 
+from .backend_issues import explain, locate
+from .backend_log import BackendMessage, hear_conversion
 from .backends import (
     FORMAT_PATTERNS,
     INT64_MAX,
     INT64_MIN,
     all_of_values,
-    convert_json_schema,
+    constrains_nothing,
+    conversion,
     declarable_required,
+    extra_bypass,
 )
+from .disjoint import deref, one_of_disjoint
+from .disjoint import types_of as _types
+from .disjoint import value_type as _value_type
 from .patterns import (
     REGEX_FEATURES,
     pattern_admits_escaped,
@@ -43,6 +55,7 @@ from .patterns import (
 )
 from .pointers import resolve_local_ref
 from .refs import check_refs
+from .regex_overlap import key_patterns_overlap
 from .spec import SchemaSpec, to_pointer
 from .support import (
     ANNOTATIONS,
@@ -140,23 +153,29 @@ def preflight(spec: SchemaSpec, backend: Literal["xgrammar", "outlines"] = "xgra
             report.issues.append(PreflightIssue(
                 "grammar", "", "unsupported", backend,
                 "EBNF grammars are not supported by the outlines backend; use xgrammar"))
+        else:
+            _try_xgrammar_text("grammar", spec.ebnf or "", report, root=spec.root)
         return report
     if spec.kind in ("regex", "choice"):
         if spec.kind == "regex":
             report.issues.extend(_regex_issues(spec.regex or "", "", "regex", backend, context="regex"))
-            if backend == "xgrammar" and not report.unsupported:
-                _try_xgrammar_regex(spec.regex or "", report)
+            if backend == "xgrammar":
+                _try_xgrammar_text("regex", spec.regex or "", report)
         return report
     # a spec built by hand skipped normalisation: its walkers' jsonschema checks must not meet
     # a reference outside the document either (refs.py)
     check_refs(spec.json_schema or {})
     walker = _XGrammarWalker if backend == "xgrammar" else _OutlinesWalker
     report.issues.extend(walker(spec.json_schema or {}).run())
-    if not report.unsupported:
-        try:
-            convert_json_schema(spec, backend)
-        except SchemaError as exc:
+    # converted even when something is unsupported: lenient mode compiles it anyway, and what
+    # the backend logs while converting belongs in the report either way
+    try:
+        converted = conversion(spec, backend)
+    except SchemaError as exc:
+        if not report.unsupported:
             report.issues.append(PreflightIssue("", "", "unsupported", backend, str(exc)))
+    else:
+        _add_heard(report, converted.heard, spec.json_schema or {})
     return report
 
 
@@ -269,16 +288,47 @@ def _is_control_escape(text: str) -> bool:
         return False
 
 
-def _try_xgrammar_regex(pattern: str, report: PreflightReport) -> None:
+def _try_xgrammar_text(kind: Literal["regex", "grammar"], text: str, report: PreflightReport,
+                      root: str = "root") -> None:
+    """Build the xgrammar grammar of a regex / EBNF spec as `compile_spec` does, hearing what
+    xgrammar logs meanwhile: a failure is "unsupported" (unless something already is), each
+    warning an issue at the root."""
     import xgrammar
 
     from .spec import clean_backend_message
 
+    source = python_regex(text) if kind == "regex" else text  # what compile_spec hands it
     try:
-        xgrammar.Grammar.from_regex(python_regex(pattern))  # what compile_spec hands it
+        with hear_conversion("xgrammar", source) as heard:
+            if kind == "regex":
+                xgrammar.Grammar.from_regex(source)
+            else:
+                xgrammar.Grammar.from_ebnf(source, root_rule_name=root)
     except Exception as exc:
-        message = f"xgrammar cannot compile the regex: {clean_backend_message(exc)}"
-        report.issues.append(PreflightIssue("regex", "", "unsupported", "xgrammar", message))
+        if not report.unsupported:
+            message = f"xgrammar cannot compile the {kind}: {clean_backend_message(exc)}"
+            report.issues.append(PreflightIssue(kind, "", "unsupported", "xgrammar", message))
+        return
+    _add_heard(report, heard, None, keyword=kind)
+
+
+def _add_heard(report: PreflightReport, heard: Iterable[BackendMessage], schema: Any,
+               keyword: str = "") -> None:
+    """Each warning the backend logged (`backend_log`) as an "ignored" issue at the keyword it
+    is about (`backend_issues.locate`; the root when it cannot be placed), unless the report
+    already has an unsupported / ignored issue there or at a keyword containing it. `schema`
+    None: a regex / grammar spec, every warning at the root under `keyword`."""
+    for message in heard:
+        if message.level not in ("warning", "error"):
+            continue
+        places = locate(message, schema) if schema is not None else []
+        for kw, pointer in places or [(keyword, "")]:
+            if any(i.level in ("unsupported", "ignored") and (
+                    i.pointer == pointer or i.pointer and pointer.startswith(i.pointer + "/"))
+                   for i in report.issues):
+                continue  # said already (there, or of a keyword containing it), in its own words
+            report.issues.append(PreflightIssue(kw, pointer, "ignored", report.backend,
+                                                explain(message, kw)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,44 +366,6 @@ def _constraint_keys(node: dict) -> list[str]:
             and not (k == "uniqueItems" and node[k] is False)]
 
 
-def _types(node: dict) -> list[str] | None:
-    t = node.get("type")
-    if isinstance(t, str):
-        return [t]
-    if isinstance(t, list):
-        return [x for x in t if isinstance(x, str)]
-    return None
-
-
-def _value_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "integer" if value.is_integer() else "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
-def _types_overlap(a: set[str], b: set[str]) -> bool:
-    def widen(s: set[str]) -> set[str]:
-        return s | ({"integer"} if "number" in s else set())
-    return bool(widen(a) & widen(b))
-
-
-def _canon(value: Any) -> str:
-    """Equality key for JSON values (1 == 1.0, true != 1)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return json.dumps([_value_type(value), value], sort_keys=True)
-
-
 class _Walker:
     backend = ""
 
@@ -384,12 +396,7 @@ class _Walker:
         return resolve_local_ref(self.root, ref)
 
     def deref(self, node: Any, depth: int = 8) -> Any:
-        while depth and isinstance(node, dict) and "$ref" in node:
-            target = self.resolve(node["$ref"])
-            if target is None:
-                return node
-            node, depth = target[0], depth - 1
-        return node
+        return deref(node, self.root, depth)
 
     def validator(self, schema: Any) -> Any:
         from .refs import validator
@@ -485,62 +492,7 @@ class _Walker:
                      "discriminator property required in every branch")
 
     def disjoint(self, branches: list[Any]) -> bool:
-        resolved = [self.deref(b) for b in branches]
-        if len(resolved) < 2:
-            return True
-        if not all(isinstance(b, dict) for b in resolved):
-            return False
-        # per branch: ("values", its values, their types) or ("types", unused, its types)
-        descs: list[tuple[str, set[str], set[str]]] = []
-        for b in resolved:
-            types = _types(b)
-            if "const" in b or "enum" in b:
-                vals = [b["const"]] if "const" in b else b["enum"]
-                descs.append(("values", {_canon(v) for v in vals}, {_value_type(v) for v in vals}))
-            elif types is not None:
-                descs.append(("types", set(), set(types)))
-            else:  # a branch that states neither: only a discriminator can tell it apart
-                break
-        else:
-            ok = True
-            for i in range(len(descs)):
-                for j in range(i + 1, len(descs)):
-                    a, b = descs[i], descs[j]
-                    if a[0] == "values" and b[0] == "values":
-                        ok &= not (a[1] & b[1])
-                    else:
-                        ok &= not _types_overlap(a[2], b[2])
-            if ok:
-                return True
-        return self._discriminated(resolved)
-
-    def _discriminated(self, branches: list[dict]) -> bool:
-        common: set[str] | None = None
-        for b in branches:
-            req = b.get("required")
-            req = req if isinstance(req, list) else []
-            props = b.get("properties")
-            props = props if isinstance(props, dict) else {}
-            names = {r for r in req if r in props}
-            common = names if common is None else common & names
-        for name in sorted(common or ()):
-            seen: set[str] = set()
-            ok = True
-            for b in branches:
-                p = self.deref(b["properties"][name])
-                vals = [p["const"]] if isinstance(p, dict) and "const" in p else (
-                    p.get("enum") if isinstance(p, dict) else None)
-                if not isinstance(vals, list):
-                    ok = False
-                    break
-                canon = {_canon(v) for v in vals}
-                if canon & seen:
-                    ok = False
-                    break
-                seen |= canon
-            if ok:
-                return True
-        return False
+        return one_of_disjoint(branches, self.root)
 
     def walk_map(self, node: dict, key: str, path: list[Any], stack: tuple[str, ...],
                  default_type: str | None = None) -> None:
@@ -718,6 +670,49 @@ class _XGrammarWalker(_Walker):
                              "key may appear twice); make the pattern exclude declared names")
                     break
 
+    def pattern_overlap(self, node: dict, path: list[Any]) -> None:
+        """A name matching two patternProperties keys must follow both schemas; xgrammar writes
+        it with either one's value (`regex_overlap`)."""
+        patterns = node.get("patternProperties")
+        if not isinstance(patterns, dict):
+            return
+        keys = list(patterns)
+        for i, first in enumerate(keys):
+            for second in keys[i + 1:]:
+                if patterns[first] == patterns[second] or not key_patterns_overlap(first, second):
+                    continue
+                for this, other in ((first, second), (second, first)):  # either may be broken
+                    self.add("patternProperties", to_pointer(path + ["patternProperties", this]),
+                             "ignored", f"a key matching both {this!r} and {other!r} must follow "
+                             "both schemas, but xgrammar writes it with the value of either one; "
+                             "make the patterns exclude each other or merge their schemas")
+
+    def extra_bypass(self, node: dict, path: list[Any]) -> None:
+        """Next to properties and patternProperties / propertyNames, xgrammar writes the extra
+        keys of additionalProperties (unevaluatedProperties) as any string: a declared name or a
+        pattern key can come through them with the extra-keys schema's value. The xgrammar
+        rewrite drops an extra-keys schema that admits anything (`backends.extra_bypass`);
+        one with constraints of its own is reported at each key it can stand in for."""
+        key = extra_bypass(node)
+        if key is None or constrains_nothing(node[key]):
+            return
+        extra = node[key]
+        names = node.get("propertyNames") if not node.get("patternProperties") else None
+        for name, sub in node["properties"].items():
+            if sub is False or sub == extra or (
+                    isinstance(names, dict) and not self.validator(names).is_valid(name)):
+                continue  # the same schema, or a name the extra keys cannot have
+            self.add(key, to_pointer(path + ["properties", name]), "ignored",
+                     f"xgrammar also writes the key {name!r} as one of the extra keys of "
+                     f"{key!r}, with a value of that schema instead of this one (or twice); "
+                     f"set {key!r} to true (no extra keys are then generated) or false")
+        for pattern, sub in (node.get("patternProperties") or {}).items():
+            if sub != extra:
+                self.add(key, to_pointer(path + ["patternProperties", pattern]), "ignored",
+                         f"xgrammar also writes keys matching {pattern!r} as extra keys of "
+                         f"{key!r}, with a value of that schema instead of this one; set "
+                         f"{key!r} to true (no extra keys are then generated) or false")
+
     def t_integer(self, node: dict, path: list[Any], stack: tuple[str, ...]) -> None:
         for k, beyond in (("minimum", INT64_MAX), ("exclusiveMinimum", INT64_MAX),
                           ("maximum", INT64_MIN), ("exclusiveMaximum", INT64_MIN)):
@@ -784,6 +779,8 @@ class _XGrammarWalker(_Walker):
             self.add_all(_regex_issues(key, to_pointer(path + ["patternProperties", key]),
                                        "patternProperties", "xgrammar", context="patternProperties"))
         self.pattern_bypass(node, path)
+        self.pattern_overlap(node, path)
+        self.extra_bypass(node, path)
         self.required_undeclared(node, path)
         if isinstance(node.get("additionalProperties"), dict):
             self.walk(node["additionalProperties"], path + ["additionalProperties"], stack)

@@ -25,13 +25,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from constrained_spec.errors import SchemaError
+from constrained_spec.errors import JSONDepthError, SchemaError
+from constrained_spec.json_limits import loads
 
 from .patterns import regex_escape, strip_edge_anchors  # noqa: F401 - re-exported
 from .pointers import to_pointer
 
 __all__ = ["Regex", "Grammar", "JsonLayout", "SchemaSpec", "normalize_schema",
-           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES", "lone_surrogate", "to_pointer"]
+           "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_VALUES", "lone_surrogate", "to_pointer",
+           "load_schema_json"]
 
 
 @dataclass(frozen=True)
@@ -212,13 +214,25 @@ def _from_type_adapter(schema: Any, layout: JsonLayout) -> SchemaSpec:
     return _from_json_schema(js, layout, target=adapter)
 
 
+def load_schema_json(text: str, *, what: str) -> Any:
+    """``json.loads`` for schema text from outside: nesting deeper than `MAX_SCHEMA_DEPTH` is a
+    `SchemaError` naming ``what`` and the limit, raised before the text is parsed (deeper text
+    would reach Python's recursion limit in the parser itself); malformed JSON raises
+    ``json.JSONDecodeError`` for the caller to word."""
+    try:
+        return loads(text, what=what, limit=MAX_SCHEMA_DEPTH)
+    except JSONDepthError as exc:
+        known = [p for p in exc.path if p is not ...]
+        raise SchemaError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels (JSON objects / "
+                          "arrays inside each other; the first one past the limit is under the "
+                          "pointer); flatten it, or use $defs and $ref for recursive structures",
+                          pointer=to_pointer(known)) from None
+
+
 def _from_json_text(text: str, layout: JsonLayout) -> SchemaSpec:
     stripped = text.lstrip()
     try:
-        value = json.loads(text)
-    except RecursionError:
-        raise SchemaError(f"the JSON Schema text nests deeper than {MAX_SCHEMA_DEPTH} levels",
-                          pointer="") from None
+        value = load_schema_json(text, what="the JSON Schema text")
     except json.JSONDecodeError as exc:
         if stripped.startswith("{"):
             raise SchemaError(
@@ -375,8 +389,12 @@ def _from_grammar(g: Grammar) -> SchemaSpec:
     _check_text(g.root, "the root rule name")
     import xgrammar
 
+    from .backend_log import hear_conversion
+
     try:
-        xgrammar.Grammar.from_ebnf(g.ebnf, root_rule_name=g.root)
+        # heard, not leaked: the pre-flight builds it again and reports what xgrammar logs
+        with hear_conversion("xgrammar", g.ebnf):
+            xgrammar.Grammar.from_ebnf(g.ebnf, root_rule_name=g.root)
     except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
         raise SchemaError(f"invalid EBNF grammar: {clean_backend_message(exc)}",
                           backend="xgrammar") from exc

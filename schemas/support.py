@@ -105,14 +105,20 @@ KEYWORD_SUPPORT: dict[str, dict[str, Support]] = {
     # generated: ignored). outlines: never generated (ignored); required without properties
     # is ignored too.
     "required":         {"xgrammar": "partial", "outlines": "partial"},
-    # additionalProperties: false narrows. outlines: a schema is enforced only without
-    # properties; additionalProperties: false without properties raises (rewritten to
-    # maxProperties: 0 before conversion).
-    "additionalProperties":  {"xgrammar": "enforced", "outlines": "partial"},
-    "unevaluatedProperties": {"xgrammar": "enforced", "outlines": "narrowed"},
+    # additionalProperties: false narrows. xgrammar: next to properties and patternProperties /
+    # propertyNames it writes the extra keys as any string, so a declared name or a pattern key
+    # can come through them (backends.extra_bypass): dropped when it admits anything (narrowed:
+    # no extra keys), reported at each key otherwise (partial; the same for
+    # unevaluatedProperties). outlines: a schema is enforced only without properties;
+    # additionalProperties: false without properties raises (rewritten to maxProperties: 0
+    # before conversion).
+    "additionalProperties":  {"xgrammar": "partial", "outlines": "partial"},
+    "unevaluatedProperties": {"xgrammar": "partial", "outlines": "narrowed"},
     # patternProperties: xgrammar matches key patterns as whole strings; they are rewritten to
     # JSON Schema's search semantics first (backends.py), as `pattern` is (a key pattern with an
-    # inner anchor has no such rewrite: reported by its regex feature); outlines ignores them.
+    # inner anchor has no such rewrite: reported by its regex feature); a name two keys with
+    # different schemas both match gets either one's value (reported unless the patterns are
+    # disjoint, regex_overlap.py); outlines ignores them.
     "patternProperties": {"xgrammar": "enforced", "outlines": "ignored"},
     "propertyNames":     {"xgrammar": "enforced", "outlines": "ignored"},
     # outlines: without properties only "at least one" (minProperties >= 1) and "none"

@@ -19,6 +19,7 @@ from typing import Any
 
 from constrained_spec.errors import OutputValidationError, SchemaError
 
+from .backend_log import hear_compile
 from .pointers import to_pointer
 from .spec import SchemaSpec
 from .validator import json_validator
@@ -164,8 +165,10 @@ def _grammar_accepts(spec: SchemaSpec, text: str) -> bool:
     if compiled is None:
         # An empty vocabulary: the matcher then works on strings only, which is all we need.
         compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([]), cache_enabled=False)
-        compiled = compiler.compile_grammar(xgrammar.Grammar.from_ebnf(spec.ebnf or "",
-                                                                       root_rule_name=spec.root))
+        # what xgrammar logs here, the pre-flight has reported already: heard, not leaked
+        with hear_compile("xgrammar", spec.ebnf or ""):
+            compiled = compiler.compile_grammar(xgrammar.Grammar.from_ebnf(
+                spec.ebnf or "", root_rule_name=spec.root))
         with _LOCK:
             if len(_GRAMMARS) > 64:
                 _GRAMMARS.clear()

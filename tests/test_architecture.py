@@ -17,7 +17,8 @@ PACKAGE = "constrained_spec"
 #: (layer, module prefixes), lowest first. A module belongs to the layer of its longest prefix.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("constrained_spec.errors", "constrained_spec.settings", "constrained_spec.config",
-              "constrained_spec.cache", "constrained_spec.plan_syntax")),
+              "constrained_spec.cache", "constrained_spec.plan_syntax",
+              "constrained_spec.json_limits")),
     ("kernels and schemas", ("constrained_spec.kernels", "constrained_spec.schemas")),
     ("grammar", ("constrained_spec.grammar",)),
     ("model", ("constrained_spec.model",)),

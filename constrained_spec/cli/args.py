@@ -22,6 +22,7 @@ from constrained_spec.errors import (
     SchemaError,
 )
 from constrained_spec.frontend.dsl import dsl_to_schema, wrap_multi
+from constrained_spec.json_limits import loads
 
 METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 
@@ -79,8 +80,10 @@ def resolve_schema_text(value: str, *, allow_file: bool = True,
 def _schema_from_text(text: str, *, source: str, force_json: bool) -> dict[str, Any]:
     if not (force_json or text.lstrip().startswith(("{", "["))):
         return dsl_to_schema(text)
+    from constrained_spec.schemas.spec import load_schema_json
+
     try:
-        value = json.loads(text)
+        value = load_schema_json(text, what=source)  # too deep: a SchemaError, before parsing
     except json.JSONDecodeError as e:
         raise SchemaError(f"{source}: malformed JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
     if not isinstance(value, dict):
@@ -154,7 +157,7 @@ def tools_from_args(args: argparse.Namespace) -> Any:
     for path in args.tool or []:
         text = _read_text(path, "--tool")
         try:
-            value = json.loads(text)
+            value = loads(text, what=f"the file {path}", option="--tool")
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: malformed JSON: {e.msg} at line {e.lineno}",
                               option="--tool") from e
@@ -181,7 +184,8 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | bool 
     data: dict[str, Any] = {}
     if args.speculative_config is not None:
         try:
-            data = json.loads(args.speculative_config)
+            data = loads(args.speculative_config, what="the value",
+                         option="--speculative-config")
         except json.JSONDecodeError as e:
             raise ConfigError(f"malformed JSON: {e.msg} at column {e.colno}",
                               option="--speculative-config") from e
@@ -256,13 +260,20 @@ def layout_from_args(args: argparse.Namespace) -> Any:
 def server_config_from_args(args: argparse.Namespace) -> Any:
     """The `ServerConfig` the ``constrained-spec serve`` flags describe (its model name empty
     unless ``--served-model-name`` gives one: `serve` fills in the loaded model's). Bad flags
-    fail here, before the model loads."""
+    fail here, before the model loads: the API key from one of ``--api-key``,
+    ``CONSTRAINED_SPEC_API_KEY`` and ``--api-key-file`` (`resolve_api_key`), and a ``--host``
+    beyond loopback without a key or ``--allow-unauthenticated`` (`check_exposure`)."""
     from constrained_spec.server import DEFAULT_MAX_REQUEST_BYTES, ServerConfig
+    from constrained_spec.server.state import check_exposure, resolve_api_key
 
-    return ServerConfig(model_name=args.served_model_name or "",
-                        speculative=speculative_from_args(args), backend=args.backend,
-                        max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                        max_tokens=args.max_tokens, api_key=args.api_key,
-                        max_request_bytes=(DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
-                                           else args.max_request_bytes),
-                        enable_metrics=args.enable_metrics)
+    config = ServerConfig(model_name=args.served_model_name or "",
+                          speculative=speculative_from_args(args), backend=args.backend,
+                          max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                          max_tokens=args.max_tokens,
+                          api_key=resolve_api_key(flag=args.api_key, file=args.api_key_file),
+                          allow_unauthenticated=args.allow_unauthenticated,
+                          max_request_bytes=(DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
+                                             else args.max_request_bytes),
+                          enable_metrics=args.enable_metrics)
+    check_exposure(args.host, config)  # `serve` checks again (and warns), for Python callers
+    return config

@@ -33,10 +33,12 @@ from constrained_spec.errors import (
     ConstrainedSpecError,
     GenerationError,
     IncompleteOutputError,
+    JSONDepthError,
     OutputValidationError,
     SchemaError,
 )
 from constrained_spec.frontend.dsl import wrap_multi
+from constrained_spec.json_limits import loads
 
 
 @dataclass
@@ -54,6 +56,7 @@ class BatchLine:
 def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
     """Parse ``--batch`` lines (blank lines are skipped); a bad line becomes an error record."""
     from constrained_spec.frontend.prompts import build_messages
+    from constrained_spec.frontend.tools import check_history_arguments
     from constrained_spec.schemas.spec import lone_surrogate
 
     items = []
@@ -67,9 +70,14 @@ def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
             items.append(item)
             continue
         try:
-            data = json.loads(raw)
+            # too deep: this line's error record, before json (and every later walker) recurses
+            data = loads(raw, what="the line", option="batch")
         except json.JSONDecodeError as e:
             item.error = ConfigError(f"malformed JSON: {e.msg} at column {e.colno}", option="batch")
+            items.append(item)
+            continue
+        except JSONDepthError as e:
+            item.error = e
             items.append(item)
             continue
         try:
@@ -101,6 +109,7 @@ def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
                                   f"{{\"prompt\": ..., \"schema\": ...}}, got a JSON {type(data).__name__}",
                                   option="batch")
             build_messages(item.prompt, None, False)  # a bad prompt fails before a model loads
+            check_history_arguments(item.prompt, option="batch")  # JSON text the template reads
         except ConstrainedSpecError as e:
             item.error = e
         items.append(item)

@@ -52,6 +52,7 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def run_info(args: argparse.Namespace, out: TextIO) -> int:
+    from constrained_spec.kernels import cpu_native
     from constrained_spec.model.plan import machine_info
 
     if args.threads:
@@ -59,6 +60,11 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
 
         torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"machine": machine_info()}
+    # the q4 / q8 kernels take a compiler and a library that loads, not only the CPU: when they
+    # do not run, say why (the plan then never offers them)
+    native = cpu_native.available()
+    report["native_kernels"] = {"build": cpu_native.build_for_this_cpu(), "available": native,
+                                "why_unavailable": None if native else cpu_native.why_unavailable()}
     if not args.no_model:
         from constrained_spec.model import loading as models
         from constrained_spec.model.loading import load_model
@@ -80,6 +86,9 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
              f"{'yes' if m['mkldnn_bf16'] else 'no'}, {m['threads']} threads"]
     if m["isa_env"]:
         lines.append("restricted by: " + " ".join(f"{k}={v}" for k, v in m["isa_env"].items()))
+    nk = report["native_kernels"]
+    lines.append(f"native q4/q8 kernels: {nk['build']} build, available" if nk["available"] else
+                 f"native q4/q8 kernels: not available ({nk['why_unavailable']}); torch's run instead")
     if "model" in report:
         d = report["model"]
         lines += [f"model: {d['name']} ({d['runner']}, {d['device']})",

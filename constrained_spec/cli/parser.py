@@ -41,12 +41,19 @@ docs/quality.md, "Output quality on small models").
 
 
 SERVE_EPILOG = f"""\
-example:
-  {PROG} serve --port 8000 --api-key sk-local --enable-metrics
+examples:
+  {PROG} serve --port 8000 --enable-metrics
+  CONSTRAINED_SPEC_API_KEY=$(cat ~/.config/key) {PROG} serve --host 0.0.0.0
+  {PROG} serve --host 0.0.0.0 --api-key-file ~/.config/key
 
 Routes: POST /v1/chat/completions, GET /v1/models, GET /health, and GET /metrics with
---enable-metrics. Logs go to stderr; stdout carries uvicorn's access log only. Needs the app
-extra: pip install constrained_spec[app]."""
+--enable-metrics. With an API key every route but /health needs 'Authorization: Bearer KEY'.
+The key comes from one of CONSTRAINED_SPEC_API_KEY (as vLLM's VLLM_API_KEY), --api-key-file or
+--api-key; the first two keep it out of the command line, which `ps` shows to every local
+user. A --host other than localhost, 127.0.0.0/8 or ::1 (0.0.0.0, ::, a LAN address, a host
+name) needs a key, or --allow-unauthenticated to serve without one on purpose. Logs go to
+stderr; stdout carries uvicorn's access log only. Needs the app extra:
+pip install constrained_spec[app]."""
 
 
 SCHEMA_CHECK_EPILOG = """\
@@ -223,10 +230,22 @@ def _add_serve_parser(sub: Any) -> None:
     model.add_argument("--backend", choices=("xgrammar", "outlines"), default="xgrammar",
                        help="grammar backend (default: %(default)s)")
     group = serve.add_argument_group("serving")
-    group.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on; beyond loopback it needs an API key or "
+                            "--allow-unauthenticated (default: %(default)s)")
     group.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (else 401)")
+    auth = serve.add_argument_group(
+        "authentication", "'Authorization: Bearer KEY' on every route but /health (else 401).\n"
+                          "The key from one source: --api-key, --api-key-file or the\n"
+                          "CONSTRAINED_SPEC_API_KEY environment variable (as vLLM's VLLM_API_KEY).")
+    auth.add_argument("--api-key", default=None, metavar="KEY",
+                      help="the key on the command line, where `ps` shows it to every local "
+                           "user: prefer CONSTRAINED_SPEC_API_KEY or --api-key-file")
+    auth.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="read the key from the first line of FILE (keep it chmod 600)")
+    auth.add_argument("--allow-unauthenticated", action="store_true",
+                      help="serve a --host beyond loopback without a key, on purpose (a warning "
+                           "names the address); without it such a --host needs a key")
     group.add_argument("--max-batch-size", type=int, default=8,
                        help="requests decoded together (default: %(default)s)")
     group.add_argument("--max-queue", type=int, default=64,

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from constrained_spec.errors import ConfigError
+from constrained_spec.json_limits import check_depth, loads
 from constrained_spec.schemas import SchemaSpec
 from constrained_spec.schemas.spec import lone_surrogate
 
@@ -371,6 +372,8 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | Non
     (active: ``tool_choice`` not "none") are described instead of ``spec``.
     """
     if isinstance(prompt, list):
+        # a history from Python: nesting bounded before any recursive walk (template, repr)
+        check_depth(prompt, what="the messages", option="prompt")
         prompt = _tool_history(tokenizer, prompt)
     if tools is not None and tools.active:
         return _encode_with_tools(tokenizer, prompt, tools, system_prompt, context, reserved)
@@ -449,7 +452,8 @@ def _tool_history(tokenizer: Any, messages: Messages) -> Messages:
                 args = fn.get("arguments") or {}
                 if isinstance(args, str):
                     try:
-                        args = json.loads(args)
+                        args = loads(args, what=f"the arguments of tool call {j} in messages[{i}]",
+                                     option="prompt")
                     except json.JSONDecodeError as e:
                         raise ConfigError(f"message {i}, tool call {j}: arguments are not JSON: "
                                           f"{e.msg}", option="prompt") from e

@@ -72,11 +72,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from constrained_spec.errors import ConfigError, OutputValidationError, SchemaError
+from constrained_spec.errors import ConfigError, JSONDepthError, OutputValidationError, SchemaError
+from constrained_spec.json_limits import check_depth, check_text_depth, loads
 from constrained_spec.schemas import JsonLayout, SchemaSpec, normalize_schema, parse_output
 
 __all__ = ["Tool", "ToolCall", "ToolSet", "ToolFormat", "FORMATS", "DEFAULT_FORMAT",
-           "normalize_tools", "detect_format", "StreamingToolParser"]
+           "normalize_tools", "detect_format", "StreamingToolParser", "history_arguments",
+           "check_history_arguments"]
 
 ToolChoice = str  # "auto" | "required" | "none" | a tool's name
 _COMPACT = JsonLayout()  # the library's default layout (api.DEFAULT_LAYOUT)
@@ -152,6 +154,10 @@ class ToolCall:
 def normalize_tools(tools: Any) -> list[Tool]:
     """Turn each of ``tools`` (functions, Pydantic models, OpenAI tool dicts, :class:`Tool`)
     into a :class:`Tool`; names must be distinct."""
+    try:  # before anything walks them (a repr in an error message too)
+        check_depth(tools, what="the tool list")
+    except JSONDepthError as e:  # the nesting is the arguments' schemas': a schema error
+        raise SchemaError(str(e)) from None
     if isinstance(tools, (dict, Tool)) or callable(tools) and not isinstance(tools, (list, tuple)):
         tools = [tools]
     if not isinstance(tools, (list, tuple)) or not tools:
@@ -165,6 +171,30 @@ def normalize_tools(tools: Any) -> list[Tool]:
                               option="tools")
         seen.add(t.name)
     return out
+
+
+def history_arguments(messages: Any) -> list[tuple[int, int, str]]:
+    """``(message index, call index, arguments)`` of every earlier tool call in a message
+    history whose arguments are JSON text (as OpenAI's clients send them)."""
+    out = []
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        for j, c in enumerate(calls if isinstance(calls, list) else []):
+            fn = c.get("function", c) if isinstance(c, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str):
+                out.append((i, j, args))
+    return out
+
+
+def check_history_arguments(messages: Any, *, option: str = "prompt") -> None:
+    """Refuse, with a :class:`~constrained_spec.errors.JSONDepthError` naming the message and
+    the call, tool-call arguments in a message history nested deeper than the limit for JSON
+    from outside (``json_limits``), before anything parses them: the prompt's template reads
+    them back as JSON."""
+    for i, j, args in history_arguments(messages):
+        check_text_depth(args, what=f"the arguments of tool call {j} in messages[{i}]",
+                         option=option)
 
 
 def _tool(obj: Any, i: int) -> Tool:
@@ -418,6 +448,7 @@ class ToolSet:
         self.tools = normalize_tools(tools)
         self.by_name = {t.name: t for t in self.tools}
         if isinstance(tool_choice, dict):
+            check_depth(tool_choice, what="the value", option="tool_choice")
             fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ConfigError(f"{tool_choice!r:.80} is not a tool choice; use 'auto', "
@@ -622,8 +653,8 @@ def _read_calls(text: str, fmt: ToolFormat) -> list[tuple[str, Any, str]]:
             raise OutputValidationError(f"the arguments of the call to {name!r} do not end",
                                         text=text, errors=["unterminated arguments"])
         try:
-            args = json.loads(text[args_at:end])
-        except json.JSONDecodeError as e:
+            args = loads(text[args_at:end], what=f"the arguments of the call to {name!r}")
+        except (json.JSONDecodeError, JSONDepthError) as e:
             raise OutputValidationError(f"a tool call is not JSON: {e}", text=text,
                                         errors=[str(e)]) from None
         out.append((name, args, text[args_at:end]))

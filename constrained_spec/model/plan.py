@@ -407,10 +407,21 @@ def _timed(repeats: int, fn: Callable[[], Any], *, warm: bool = True) -> float:
 
 # -- choosing and caching ------------------------------------------------------------------
 def plan_key(runner: Any, *, int8: bool = False) -> str:
-    """The key of ``runner``'s plan in a plan file: machine, memory mode, int8, exactness."""
+    """The key of ``runner``'s plan in a plan file: machine, memory mode, int8, exactness, and
+    whether the native kernels load here (`kernels.cpu_native.available`).
+
+    The CPU alone does not say whether q4 / q8 can run: that also takes a compiler and a
+    library that loads, both of which can come and go on the same machine. A plan measured
+    with them names kernels that cannot run without them, so a key from a process where they
+    do not load (``|no-native``) never finds it (and the reverse: one measured without them is
+    measured again once they load). Plans stored before this part of the key keep their key
+    where the kernels load."""
+    from constrained_spec.kernels import cpu_native
+
     exact = bool(getattr(runner, "exact", False))
+    native = runner.device.type != "cpu" or cpu_native.available()
     return (machine_key(runner.device) + "|" + settings().memory + ("|int8" if int8 else "")
-            + ("|exact" if exact else ""))
+            + ("|exact" if exact else "") + ("" if native else "|no-native"))
 
 
 def _cached(path: Path | None, key: str) -> KernelPlan | None:
@@ -434,6 +445,38 @@ def plan_to_measure(runner: Any, *, dtype: str, cache: Path | None, int8: bool =
         return False
     return env == "measure" or _cached(None if cache is None else cache / PLAN_FILE,
                                        plan_key(runner, int8=int8)) is None
+
+
+def plan_candidates(runner: Any, *, int8: bool = False) -> list[str]:
+    """The kernels `choose_plan` times for ``runner``: those that run any of its weights
+    (int8, a re-quantization, only when ``int8``)."""
+    return [k for k in ("fp32", "bf16", "int4", "q4", "int8")
+            if runner.supports_kernel(k) and (k != "int8" or int8)]
+
+
+# Bounds on measuring a plan in a child process (`loading._measure_plan_apart`): the child
+# loads the model (seconds: the parent converted it already), then times every candidate
+# kernel twice over 128- and 512-row prompts and 1-, 6- and 24-row decodes. The slowest
+# candidate seen, bf16 emulated on an AVX2-only CPU, takes about 30 s of that for the 135M
+# embedded model on 2 threads (benchmarks/RESULTS.md, "Kernel plan per machine"); a kernel is
+# given 3x that per 135M weights (a busy machine), and no less than a minute.
+MEASURE_START_S = 120.0
+MEASURE_KERNEL_S_PER_GWEIGHT = 670.0
+MEASURE_KERNEL_MIN_S = 60.0
+
+
+def measure_timeout(runner: Any, *, int8: bool = False) -> float:
+    """Seconds a child measuring ``runner``'s plan may take before it is taken for hung:
+    `MEASURE_START_S`, plus per candidate kernel (`plan_candidates`)
+    `MEASURE_KERNEL_S_PER_GWEIGHT` per billion weights of its matrices (the LM head's
+    included; at least `MEASURE_KERNEL_MIN_S`), more for fewer than 2 threads. For the
+    embedded model on 2 threads (4 candidates): 8 minutes, against about 70 s for the whole
+    child on an AVX-512 CPU with the machine half busy."""
+    linears = [*runner.linears(), runner.lm_head_weight] if hasattr(runner, "linears") else []
+    weights = sum(lin.shape[0] * lin.shape[1] for lin in linears)
+    slower = max(1.0, 2 / max(1, torch.get_num_threads()))
+    per_kernel = max(MEASURE_KERNEL_MIN_S, MEASURE_KERNEL_S_PER_GWEIGHT * weights / 1e9 * slower)
+    return MEASURE_START_S + per_kernel * max(1, len(plan_candidates(runner, int8=int8)))
 
 
 def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = False,
@@ -461,8 +504,7 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
         cached = _cached(path, key)
         if cached is not None:
             return cached
-    candidates = [k for k in ("fp32", "bf16", "int4", "q4", "int8")
-                  if runner.supports_kernel(k) and (k != "int8" or int8)]
+    candidates = plan_candidates(runner, int8=int8)
     from tqdm.auto import tqdm
 
     rounds = 2
@@ -481,7 +523,8 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
 
 
 def _store(path: Path, key: str, plan: KernelPlan) -> None:
-    """Add this machine's plan to ``path`` (written to a private temp file, then renamed)."""
+    """Add this machine's plan to ``path`` (`cache.write_private`: an owner-only temp file,
+    then renamed)."""
     try:
         stored = json.loads(path.read_text())
         if stored.get("version") != _PLAN_VERSION:
@@ -490,10 +533,9 @@ def _store(path: Path, key: str, plan: KernelPlan) -> None:
         stored = {}
     plans = stored.get("plans", {})
     plans[key] = plan.to_json()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"version": _PLAN_VERSION, "plans": plans}, indent=1))
-        os.replace(tmp, path)
+    from constrained_spec.cache import write_private
+
+    try:  # owner-only (0600), atomically: the plan decides which kernels run
+        write_private(path, json.dumps({"version": _PLAN_VERSION, "plans": plans}, indent=1))
     except OSError as e:
         logger.warning("could not cache the kernel plan in %s: %s", path.parent, e)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible chat-completions server over constrained_spec (the ``app`` extra).
 
-    constrained-spec serve --port 8000 [--api-key KEY] [--enable-metrics]
+    constrained-spec serve --port 8000 [--api-key-file FILE] [--enable-metrics]
 
 or, embedded in your own program (``examples/openai_server.py``)::
 

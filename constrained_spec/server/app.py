@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import secrets
 import sys
@@ -27,27 +28,51 @@ from constrained_spec import __version__
 from constrained_spec.server.protocol import (
     APIError,
 )
-from constrained_spec.server.state import Server, ServerConfig
+from constrained_spec.server.state import Server, ServerConfig, check_exposure
 
 logger = logging.getLogger(__name__)
 
 
 class Guard:
-    """ASGI middleware: ``--api-key`` on /v1 routes (401), ``--max-request-bytes`` by
-    Content-Length (413; the body reader enforces it on chunked bodies), and the response
-    counter behind the ``http_responses`` metric."""
+    """ASGI middleware: the API key on every route but ``/health`` (401), ``--max-request-bytes``
+    by Content-Length (413; the body reader enforces it on chunked bodies), and the response
+    counter behind the ``http_responses`` metric.
+
+    With a key set, ``/health`` alone stays open (a liveness probe; it shows two queue
+    counts); ``/metrics``, the ``/v1`` routes and any route an embedding program adds need
+    ``Authorization: Bearer KEY`` (a Prometheus scrape config takes a bearer token). The key is
+    compared in constant time (`Guard.authorized`).
+    """
+
+    OPEN_PATHS = frozenset({"/health"})
 
     def __init__(self, app: Any, config: ServerConfig) -> None:
         self.app = app
         self.config = config
 
-    def _refusal(self, path: str, headers: dict[str, str]) -> APIError | None:
+    @staticmethod
+    def authorized(authorization: list[bytes], key: str) -> bool:
+        """Whether the request's ``Authorization`` header values (raw bytes, as received) carry
+        ``key``: exactly one header, the scheme ``Bearer`` (any case), then the key.
+
+        The token is compared as SHA-256 digests with `secrets.compare_digest`: equal lengths
+        whatever was sent, so the time taken tells neither the key's bytes nor its length. Raw
+        bytes are compared, so a header of any bytes (non-ASCII, invalid UTF-8) is just a wrong
+        key, a 401.
+        """
+        if len(authorization) != 1:
+            return False
+        scheme, _, token = authorization[0].strip().partition(b" ")
+        expected = hashlib.sha256(key.encode("ascii")).digest()
+        given = hashlib.sha256(token.lstrip(b" ")).digest()
+        return secrets.compare_digest(given, expected) and scheme.lower() == b"bearer"
+
+    def _refusal(self, path: str, headers: dict[str, str],
+                 authorization: list[bytes]) -> APIError | None:
         key = self.config.api_key
-        if key and path.startswith("/v1"):
-            given = headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
-                                code="invalid_api_key")
+        if key is not None and path not in self.OPEN_PATHS and not self.authorized(authorization, key):
+            return APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                            code="invalid_api_key")
         try:
             length = int(headers.get("content-length", "0"))
         except ValueError:
@@ -58,12 +83,18 @@ class Guard:
         return None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        authorization = [v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]
+        key = self.config.api_key
+        if scope["type"] == "websocket" and key is not None and not self.authorized(authorization, key):
+            # a route an embedding program adds: closing before accepting refuses the handshake
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        error = self._refusal(path, headers)
+        error = self._refusal(path, headers, authorization)
         counted = self.config.http_responses
         route = path if path in ("/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
         started = False
@@ -76,7 +107,10 @@ class Guard:
             await send(message)
 
         if error is not None:
-            await error.response()(scope, receive, counting_send)
+            response = error.response()
+            if error.status == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750
+            await response(scope, receive, counting_send)
             return
         try:
             await self.app(scope, receive, counting_send)
@@ -86,6 +120,7 @@ class Guard:
             if not started:
                 counted[(route, 500)] += 1
             raise
+
 
 
 def create_app(model: Any, config: ServerConfig) -> FastAPI:
@@ -125,14 +160,21 @@ def serve(model: str | None, config: ServerConfig, *, host: str = "127.0.0.1", p
     ``constrained-spec serve`` builds ``config`` from its flags (`constrained_spec.cli.args`);
     an empty ``config.model_name`` becomes the loaded model's name. Logs go to stderr at
     ``log_level``; stdout carries uvicorn's access log only.
+
+    A ``host`` beyond loopback without ``config.api_key`` is a `ConfigError` unless
+    ``config.allow_unauthenticated`` (`check_exposure`), raised before the model loads.
     """
     import uvicorn
 
     from constrained_spec.model.loading import load_model
 
+    exposed_without_key = check_exposure(host, config)  # before the model's seconds of loading
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.captureWarnings(True)  # schema pre-flight warnings become log lines
+    if exposed_without_key:
+        logger.warning("serving on %s port %d WITHOUT an API key (--allow-unauthenticated): "
+                       "anyone who can reach this address can use the model", host, port)
     logger.info("loading the model %s", model or "(embedded default)")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is uvicorn's
         loaded = load_model(model)

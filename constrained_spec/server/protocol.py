@@ -1,7 +1,8 @@
 """The wire format of the OpenAI-compatible server: the request body, OpenAI's error envelope,
 and the mapping of library errors and request fields onto them.
 
-Nothing here runs a model: a request is parsed and checked (``parse_body``), its
+Nothing here runs a model: a request is parsed and checked (``parse_body``: its nesting
+depth first, `json_limits`, then its fields and its messages' fields), its
 ``response_format`` turned into a schema and a pre-flight mode (``schema_of``), its ``tools``,
 ``tool_choice`` and ``parallel_tool_calls`` into a :class:`~constrained_spec.frontend.tools.ToolSet`
 (``toolset_of``), its messages (tool calls and tool results included) into the library's
@@ -22,12 +23,14 @@ from constrained_spec.api import SchemaMode
 from constrained_spec.errors import (
     ConfigError,
     GenerationError,
+    JSONDepthError,
     OutputValidationError,
     PromptTooLongError,
     SchemaError,
 )
-from constrained_spec.frontend.tools import ToolSet
+from constrained_spec.frontend.tools import ToolSet, history_arguments
 from constrained_spec.generation.serving import QueueFullError
+from constrained_spec.json_limits import check_text_depth, loads
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 #: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a
@@ -82,6 +85,10 @@ def api_error(exc: BaseException, *, schema_param: str | None = "response_format
 
 
 class ChatMessage(BaseModel):
+    """One message of the history. Any other field is refused with a 400 naming it
+    (`check_message_fields`), except those in ``_MESSAGE_IGNORED`` and a falsy value of those
+    in ``_MESSAGE_UNSUPPORTED``, as for the request's own fields."""
+
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -141,9 +148,33 @@ _INSTEAD = {**dict.fromkeys(("frequency_penalty", "presence_penalty"),
                             " (OpenAI's deprecated form); use tools and tool_choice")}
 
 
+# message fields that clients send back as a response gave them (OpenAI's message objects,
+# vLLM's reasoning_content / reasoning) or to name a participant: accepted and ignored
+_MESSAGE_IGNORED = ("name", "refusal", "annotations", "reasoning_content", "reasoning")
+# message fields for what this server does not do: refused unless falsy (None, as echoed back)
+_MESSAGE_UNSUPPORTED = ("audio", "function_call")
+
+
+def depth_error(exc: JSONDepthError) -> APIError:
+    """The 400 for a request body nested past the limit, named by where it is: inside
+    ``response_format`` or ``tools`` a schema (``invalid_schema``), else ``invalid_json``."""
+    path = [p for p in exc.path if p is not ...]
+    if path[:1] == ["response_format"]:
+        param = ("response_format.json_schema.schema"
+                 if path[1:3] == ["json_schema", "schema"] else "response_format")
+        return APIError(400, f"bad schema: {exc}", param=param, code="invalid_schema")
+    if path[:1] == ["tools"]:
+        return APIError(400, f"bad tool: {exc}", param="tools", code="invalid_schema")
+    return APIError(400, str(exc), param=".".join(str(p) for p in path[:3]) or None,
+                    code="invalid_json")
+
+
 def parse_body(raw: bytes) -> ChatCompletionRequest:
     try:
-        data = json.loads(raw)
+        # the depth first: json.loads, pydantic and every later walker recurse per level
+        data = loads(raw, what="the request body")
+    except JSONDepthError as e:
+        raise depth_error(e) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(data, dict):
@@ -170,6 +201,7 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
             raise APIError(400, f"unknown parameter {name!r:.60}: this server does not implement "
                            "it; remove it from the request", param=name[:60],
                            code="unknown_parameter")
+    check_message_fields(body.messages)
     if body.tool_choice not in (None, "none") and not body.tools:
         raise APIError(400, "tool_choice needs tools: give the tools the model may call",
                        param="tool_choice", code="invalid_value")
@@ -179,6 +211,22 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
                        "request is never retried) or set it to 0", param="max_retries",
                        code="unsupported_parameter")
     return body
+
+
+def check_message_fields(messages: Sequence[ChatMessage]) -> None:
+    """Refuse a field of a message that this server does not read, as an unknown field of the
+    request is refused: a misspelt one would otherwise be silently ignored."""
+    for i, m in enumerate(messages):
+        for name, value in (m.model_extra or {}).items():
+            param = f"messages.{i}.{name[:60]}"
+            if name in _MESSAGE_UNSUPPORTED:
+                if value:
+                    raise APIError(400, f"{name} in messages[{i}] is not supported by this "
+                                   "server", param=param, code="unsupported_parameter")
+            elif name not in _MESSAGE_IGNORED:
+                raise APIError(400, f"unknown field {name!r:.60} in messages[{i}]: this server "
+                               "does not implement it; remove it from the message",
+                               param=param, code="unknown_parameter")
 
 
 def schema_of(response_format: dict[str, Any] | None) -> tuple[Any, SchemaMode]:
@@ -234,7 +282,9 @@ def toolset_of(body: ChatCompletionRequest) -> ToolSet | None:
 
 def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages -> the library's ``[{role, content}]`` (text content parts joined; an
-    assistant turn's ``tool_calls`` and a tool turn's ``tool_call_id`` kept)."""
+    assistant turn's ``tool_calls`` and a tool turn's ``tool_call_id`` kept). Tool-call
+    arguments are JSON text the prompt's template parses again: nested past the limit of
+    `json_limits`, a 400 ``invalid_json`` naming the call."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -253,6 +303,12 @@ def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)
+    for i, j, args in history_arguments(out):  # JSON text in a string: not the body's scan
+        try:
+            check_text_depth(args, what=f"the arguments of tool call {j} in messages[{i}]")
+        except JSONDepthError as e:
+            raise APIError(400, str(e), param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                           code="invalid_json") from None
     return out
 
 

@@ -7,8 +7,9 @@ metrics on, ``GET /metrics``; and the error handlers that answer in OpenAI's env
 ``finish_reason`` "tool_calls", streamed as OpenAI's tool-call deltas), and as
 vLLM-style extra parameters ``top_k`` and the library's output-quality levers
 ``repetition_penalty``, ``no_repeat_ngram_size``, ``max_retries``; any other parameter is
-refused with a 400 naming it, except bookkeeping ones such as ``user`` or ``metadata``
-(``protocol.parse_body``).
+refused with a 400 naming it, except bookkeeping ones such as ``user`` or ``metadata``, and
+so is an unknown field inside a message (``protocol.parse_body``). A body nested deeper than
+``json_limits.MAX_JSON_DEPTH`` is refused (400) before it is parsed.
 
 A completion's choices are submitted to the engine loop at once; a streamed one is answered
 as its tokens arrive (``streaming``), any other once every choice has finished. A choice that

@@ -3,17 +3,27 @@
 `ServerConfig` is what `create_app` needs besides the model (the command line builds it from
 its flags, `constrained_spec.cli.args.server_config_from_args`); `Server` holds the Generator,
 the engine loop and the helper threads, and turns a request body into running choices.
+
+The API key and the address: `resolve_api_key` takes the key from exactly one of ``--api-key``,
+``CONSTRAINED_SPEC_API_KEY`` or ``--api-key-file`` (the last two keep it out of ``ps``, which
+shows every process's command line to every local user), and `check_exposure` refuses to serve
+an address beyond loopback without a key unless ``allow_unauthenticated`` says it is on purpose.
+An empty key is an error, never "authentication off".
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
+import stat
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from constrained_spec.api import Generator, RetryPolicy
@@ -49,7 +59,10 @@ class ServerConfig:
     max_batch_size: int = 8
     max_queue: int = 64
     max_tokens: int = 512
-    api_key: str | None = None
+    # 'Authorization: Bearer KEY' on every route but /health; kept out of the repr (logs)
+    api_key: str | None = field(default=None, repr=False)
+    # serve beyond loopback without a key on purpose (`check_exposure`)
+    allow_unauthenticated: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enable_metrics: bool = False
     http_responses: Counter = field(default_factory=Counter)  # (path, status) -> responses
@@ -59,6 +72,117 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"must be an integer >= {minimum}, got {value!r}", option=name)
+        if self.api_key is not None:
+            check_api_key(self.api_key, "api_key")
+        if not isinstance(self.allow_unauthenticated, bool):
+            raise ConfigError(f"must be True or False, got {self.allow_unauthenticated!r}",
+                              option="allow_unauthenticated")
+
+
+API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
+#: the longest key accepted (a key file's first line is read up to this many bytes)
+MAX_API_KEY_BYTES = 4096
+
+
+def check_api_key(key: Any, source: str) -> str:
+    """``key`` if it can authenticate a request: a non-empty string of printable ASCII without
+    spaces (it travels in an HTTP header, whose parsers strip surrounding blanks and may refuse
+    other bytes). The key itself is never put in the message. ``source`` names where it came
+    from (a flag, the variable, ``api_key``)."""
+    if not isinstance(key, str):
+        raise ConfigError(f"must be a string, got {type(key).__name__}", option=source)
+    if not key.strip():
+        raise ConfigError("the API key is empty; an empty key does not turn authentication "
+                          "off: give a key, or give none (beyond loopback, serving without one "
+                          "needs --allow-unauthenticated)", option=source)
+    if len(key) > MAX_API_KEY_BYTES:
+        raise ConfigError(f"the API key is longer than {MAX_API_KEY_BYTES} characters",
+                          option=source)
+    if not all("!" <= c <= "~" for c in key):
+        raise ConfigError("the API key holds spaces, control or non-ASCII characters, which an "
+                          "'Authorization: Bearer KEY' header cannot carry as they are: use "
+                          "printable ASCII (e.g. python -c 'import secrets; "
+                          "print(secrets.token_urlsafe(32))')", option=source)
+    return key
+
+
+def resolve_api_key(*, flag: str | None = None, file: str | None = None,
+                    environ: Mapping[str, str] | None = None) -> str | None:
+    """The server's API key from exactly one source: ``flag`` (``--api-key``, which ``ps``
+    shows to every local user), the ``CONSTRAINED_SPEC_API_KEY`` variable of ``environ``
+    (default ``os.environ``), or ``file`` (``--api-key-file``: its first line, stripped; a
+    warning when group or others may read or write it). None when none is given; an empty
+    value or two sources are a `ConfigError`."""
+    env = os.environ if environ is None else environ
+    given = {name: value for name, value in (("--api-key", flag), (API_KEY_ENV, env.get(API_KEY_ENV)),
+                                             ("--api-key-file", file)) if value is not None}
+    if len(given) > 1:
+        raise ConfigError(f"the API key is given by both {' and '.join(given)}: give it one way "
+                          "only", option=next(iter(given)))
+    if not given:
+        return None
+    ((source, value),) = given.items()
+    return check_api_key(_read_key_file(value) if source == "--api-key-file" else value, source)
+
+
+def _read_key_file(path: str) -> str:
+    """The first line of the key file ``path``, stripped (a pipe such as ``<(pass show key)``
+    works too)."""
+    option = "--api-key-file"
+    try:
+        with open(Path(path).expanduser(), "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            line = f.readline(MAX_API_KEY_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read the key file {path!r}: {e.strerror or e}",
+                          option=option) from e
+    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o066:
+        logger.warning("the key file %s can be read or written by group or others (mode %s): "
+                       "chmod 600 it", path, oct(stat.S_IMODE(mode)))
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"the key file {path!r} is not UTF-8 text", option=option) from e
+    if len(line) > MAX_API_KEY_BYTES:
+        raise ConfigError(f"the first line of the key file {path!r} is longer than "
+                          f"{MAX_API_KEY_BYTES} bytes: it should hold the key alone",
+                          option=option)
+    return text.strip()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only: ``localhost``, 127.0.0.0/8, ``::1``
+    (or an IPv4-mapped loopback address). Any other name is not resolved and counts as
+    exposed: what a name resolves to can change after the check, and a name may resolve to
+    several addresses, so only the literal loopback forms are trusted."""
+    name = host.strip()
+    if name.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def check_exposure(host: str, config: ServerConfig) -> bool:
+    """Refuse (`ConfigError`) to serve ``host`` beyond loopback without an API key, unless
+    ``config.allow_unauthenticated`` says so on purpose; returns True in that case (the caller
+    logs a warning naming the address), False when a key is set or ``host`` is loopback.
+
+    ``0.0.0.0``, ``::``, a LAN address and any host name but ``localhost`` count as beyond
+    loopback (names are not resolved: `is_loopback`)."""
+    if config.api_key is not None or is_loopback(host):
+        return False
+    if config.allow_unauthenticated:
+        return True
+    raise ConfigError(
+        f"{host!r} is not a loopback address, so anyone who can reach it could use the model, "
+        f"and no API key is set: give one ({API_KEY_ENV}, --api-key-file FILE or --api-key; "
+        "ServerConfig(api_key=...) in Python), or pass --allow-unauthenticated "
+        "(allow_unauthenticated=True) to serve without one on purpose", option="host")
 
 
 class Server:

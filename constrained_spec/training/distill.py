@@ -126,7 +126,7 @@ def train_draft_model(target: Any, corpus: Sequence[dict[str, Any]], out: Path, 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / "train_state.pt"
-    resumed = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    resumed = torch.load(state_path, weights_only=True) if state_path.exists() else None
     keep = check_layers(layers, int(target.config.num_hidden_layers))
     if resumed and resumed.get("layers") != keep:
         raise ConfigError(f"{out} holds a draft model of layers {resumed.get('layers')}, this run "

@@ -153,7 +153,7 @@ def train_head(kind: HeadKind, target: Any, data_dir: Path, out: Path, *,
         raise ValueError(f"the features in {data_dir} are of layers {want}; an mtp head reads the "
                          "final hidden state only: extract them with layers (-1,)")
     state_path = out / "train_state.pt"
-    resumed = torch.load(state_path, weights_only=False) if state_path.exists() else None
+    resumed = torch.load(state_path, weights_only=True) if state_path.exists() else None
     torch.manual_seed(seed)
     draft_vocab = None
     V = int(target.config.vocab_size)

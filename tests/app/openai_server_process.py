@@ -55,6 +55,13 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
+def _server_env() -> dict[str, str]:
+    """This process's environment for the server, without a developer's own API key (a key
+    in the environment and ``--api-key`` at once is refused: two sources)."""
+    env = {k: v for k, v in os.environ.items() if k != "CONSTRAINED_SPEC_API_KEY"}
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
 def start_server(*flags: str, timeout: float = 240.0) -> ServerProcess:
     """Start the server with ``flags`` and wait until ``GET /health`` answers."""
     logs = Path(tempfile.mkdtemp(prefix="openai-server-"))
@@ -66,7 +73,7 @@ def start_server(*flags: str, timeout: float = 240.0) -> ServerProcess:
             proc = subprocess.Popen([sys.executable, "-m", "constrained_spec", "serve",
                                      "--port", str(port), *flags],
                                     stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env=_server_env())
         server = ServerProcess(proc, port, out, err)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

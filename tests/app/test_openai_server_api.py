@@ -195,7 +195,7 @@ def test_an_incomplete_schema_output_is_finish_reason_length(client, model):
 
 
 def test_prometheus_metrics(server):
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("constrained_spec_requests_total{finish_reason=\"stop\"}",
                  "constrained_spec_requests_total{finish_reason=\"length\"}",
                  "constrained_spec_generation_tokens_total", "constrained_spec_generation_tokens_per_second",

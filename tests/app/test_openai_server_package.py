@@ -80,7 +80,8 @@ def test_a_choice_that_ended_for_an_unknown_reason_is_retried(tiny_loaded, monke
 def test_serve_takes_the_flags_of_the_former_example_script():
     flags = {"--model", "--served-model-name", "--speculative-config", "--speculative-algorithm",
              "--speculative-num-draft-tokens", "--speculative-draft-model", "--no-speculation",
-             "--backend", "--host", "--port", "--api-key", "--max-batch-size", "--max-queue",
+             "--backend", "--host", "--port", "--api-key", "--api-key-file",
+             "--allow-unauthenticated", "--max-batch-size", "--max-queue",
              "--max-request-bytes", "--max-tokens", "--enable-metrics", "--log-level"}
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     assert {s for a in serve._actions for s in a.option_strings} - {"-h", "--help"} == flags

