@@ -59,6 +59,7 @@ from constrained_spec.frontend.reasoning import (
 )
 from constrained_spec.frontend.tools import ToolParser, ToolSet, detect_format
 from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.protocols import BatchEngine
 from constrained_spec.generation.stats import SpecStats
 from constrained_spec.grammar import CompiledSpec, Matcher, compile_spec
 from constrained_spec.model.loading import LoadedModel, load_model
@@ -387,7 +388,8 @@ def _encode_with_check(loaded: LoadedModel, prompt: str | Messages, spec: Schema
     """The prompt's ids, refused when they and ``max_tokens`` do not fit the context. The
     speculative lookahead takes no room here (the engine drafts no further than max_tokens),
     so speculation changes neither the prompt nor whether it is accepted."""
-    limit = loaded.runner.max_context
+    # our runner's KV capacity, or the context vLLM reserves KV cache for
+    limit = loaded.max_context if loaded.vllm is not None else loaded.runner.max_context
     # the default schema description shortens itself to fit beside max_tokens (prompts.py)
     ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
                         reserved=max_tokens + 1, tools=tools)
@@ -495,7 +497,8 @@ class Generator(Generic[T]):
         self.model = load_model(model, tokenizer)
         #: the reasoning markers in use (None: off)
         self.reasoning = self.reasoning_options.markers(self.model.tokenizer)
-        self.drafter = shared_drafter(self.model, self.speculative)
+        # vLLM's engine drafts itself (its speculative config, `vllm_engine.engine_for`)
+        self.drafter = shared_drafter(self.model, self.speculative) if self.model.vllm is None else None
         #: how this model writes tool calls (its chat template's family, or the default)
         self.tool_format = detect_format(self.model.tokenizer)
         if self.tools is not None and self.tools.active:
@@ -677,8 +680,15 @@ class Generator(Generic[T]):
             check_schema(self.spec, options.backend, options.schema_mode)
         return self.spec, self.compiled if same_bounds else self._compile(self.spec, options), False
 
-    def new_engine(self) -> Engine:
-        """An engine over this Generator's model runner and drafter."""
+    def new_engine(self) -> BatchEngine:
+        """An engine over this Generator's model: ours (its runner and drafter), or vLLM's for
+        a model loaded with ``engine="vllm"`` (`generation.vllm_engine`)."""
+        if self.model.vllm is not None:
+            from constrained_spec.generation.vllm_engine import VLLMEngine, engine_for, speculative_config
+
+            return VLLMEngine(engine_for(self.model, self.speculative),
+                              max_batch_size=self.max_batch_size,
+                              speculating=speculative_config(self.speculative) is not None)
         return Engine(self.model.runner, speculative=self.speculative, drafter=self.drafter,
                       max_batch_size=self.max_batch_size)
 

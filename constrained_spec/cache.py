@@ -319,3 +319,26 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of ``path``, remembered in the cache by path, size and mtime (a multi-GB file is
+    hashed once)."""
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index = cache_dir() / "models" / "digests.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if ident in known:
+        return known[ident]
+    digest = file_sha256(path)
+    with cache_lock(index.with_name(".digests.lock")):
+        try:
+            known = json.loads(index.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known[ident] = digest
+        write_private(index, json.dumps(known))
+    return digest

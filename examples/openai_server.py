@@ -23,7 +23,7 @@ from typing import Any
 import uvicorn
 
 from constrained_spec import load_model
-from constrained_spec.cli.args import server_config_from_args
+from constrained_spec.cli.args import engine_options_from_args, server_config_from_args
 from constrained_spec.cli.parser import build_parser
 from constrained_spec.server import create_app
 from constrained_spec.server.state import check_exposure
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
 
     config = server_config_from_args(args)  # bad flags fail before the model loads
-    model = load_model(args.model)  # loaded once: every request shares its weights and drafter
+    # loaded once (ours or vLLM's engine: --engine): every request shares its weights and drafter
+    model = load_model(args.model, **engine_options_from_args(args))
     config = dataclasses.replace(config, model_name=config.model_name or model.name)
     app = create_app(model, config)  # the engine loop starts and stops with the app's lifespan
     server = app.state.server  # the state behind the routes: generator, engine loop, threads

@@ -111,6 +111,11 @@ class XGrammarMatcher(Matcher):
         rem = tok.vocab_size % 32
         self._tail = None if rem == 0 else torch.tensor((1 << rem) - 1, dtype=torch.int32)
 
+    @property
+    def compiled(self) -> Any:
+        """The `CompiledSpec` this matcher runs."""
+        return self._compiled
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         if self._m.is_terminated():
             check_bitmask_row(bitmask, row, self._words)

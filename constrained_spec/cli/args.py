@@ -213,6 +213,31 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | bool 
     return SpeculativeConfig.from_dict(data) if data else None
 
 
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_model``'s engine keywords from ``--engine`` and the vLLM flags ({} for ours); a
+    vLLM flag without ``--engine vllm`` is a usage error."""
+    chosen = {name: getattr(args, name) for name in
+              ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+              if getattr(args, name, None) is not None}
+    extra: dict[str, Any] = {}
+    for item in getattr(args, "vllm_arg", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ConfigError(f"--vllm-arg {item!r}: give NAME=VALUE (a vllm.EngineArgs field)",
+                              option="vllm-arg")
+        try:
+            extra[name.strip()] = loads(value, what=f"--vllm-arg {name}", option="vllm-arg")
+        except json.JSONDecodeError:
+            extra[name.strip()] = value  # a plain string, e.g. kv_cache_dtype=fp8
+    if getattr(args, "engine", "native") != "vllm":
+        given = [f"--{n.replace('_', '-')}" for n in chosen] + (["--vllm-arg"] if extra else [])
+        if given:
+            raise ConfigError(f"{', '.join(given)}: options of the vLLM engine; add --engine vllm",
+                              option=given[0].lstrip("-"))
+        return {}
+    return {"engine": "vllm", **chosen, **extra}
+
+
 def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The Generator keywords the flags set: sampling, the repetition guard, bounds and retries.
 

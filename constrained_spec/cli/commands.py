@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from constrained_spec.cli.args import schema_from_args, server_config_from_args
+from constrained_spec.cli.args import engine_options_from_args, schema_from_args, server_config_from_args
 from constrained_spec.cli.batch import run_batch
 from constrained_spec.cli.exit_codes import EXIT_CODES, EXIT_INTERNAL, EXIT_OK, PROG, one_line, report_error
 from constrained_spec.cli.generate import run_generate
@@ -48,7 +48,16 @@ def run_serve(args: argparse.Namespace, out: TextIO) -> int:
     from constrained_spec.server import serve
 
     config = server_config_from_args(args)
-    return serve(args.model, config, host=args.host, port=args.port, log_level=args.log_level)
+    return serve(args.model, config, host=args.host, port=args.port, log_level=args.log_level,
+                 load_options=engine_options_from_args(args))
+
+
+def run_export(args: argparse.Namespace, out: TextIO) -> int:
+    from constrained_spec.model.export import export_hf
+
+    path = export_hf(args.model, args.out, quiet=args.quiet)
+    out.write(json.dumps({"path": str(path)}) + "\n")
+    return EXIT_OK
 
 
 def run_info(args: argparse.Namespace, out: TextIO) -> int:
@@ -197,7 +206,7 @@ def _generate_or_batch(args: argparse.Namespace, out: TextIO) -> int:
 def _command(name: str) -> Callable[[argparse.Namespace, TextIO], int]:
     """The function that runs subcommand ``name`` (looked up at each call)."""
     return {"generate": _generate_or_batch, "schema-check": run_schema_check, "serve": run_serve,
-            "info": run_info}[name]
+            "info": run_info, "export-hf": run_export}[name]
 
 
 def _run(args: argparse.Namespace, out: TextIO) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from constrained_spec.cli.args import (
+    engine_options_from_args,
     generator_options_from_args,
     layout_from_args,
     schema_from_args,
@@ -88,8 +89,9 @@ def load_generator(args: argparse.Namespace, schema: Any, options: dict[str, Any
 
     if isinstance(args.system, str):  # before the model loads
         check_text(args.system, "--system", "the system prompt")
+    engine = engine_options_from_args(args)
     with _transformers_quiet(args.quiet):
-        loaded = load_model(args.model, quiet=args.quiet)
+        loaded = load_model(args.model, quiet=args.quiet, **engine)
     return Generator(loaded, schema=schema, speculative=speculative, backend=args.backend,
                      schema_mode=args.schema_mode, system_prompt=args.system, layout=layout,
                      **options)

@@ -67,7 +67,7 @@ exit codes: 0 the schema would run under --schema-mode (ignored keywords may be 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``constrained-spec`` (subcommands ``generate``, ``schema-check``,
-    ``info``, ``serve``)."""
+    ``info``, ``serve``, ``export-hf``)."""
     from constrained_spec import __version__
 
     parser = argparse.ArgumentParser(
@@ -82,7 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_schema_check_parser(sub)
     _add_info_parser(sub)
     _add_serve_parser(sub)
+    _add_export_parser(sub)
     return parser
+
+
+def _add_export_parser(sub: Any) -> None:
+    export = sub.add_parser(
+        "export-hf", help="a GGUF file (or the embedded model) as a dense Hugging Face folder",
+        description="Write a dense Hugging Face folder (config, safetensors, tokenizer) for a "
+                    ".gguf file or the embedded model: what vLLM and transformers load "
+                    "(--engine vllm does this by itself, once, in the cache). Prints "
+                    '{"path": ...} on stdout.')
+    export.add_argument("--model", metavar="FILE.gguf", default=None,
+                        help="the GGUF file (default: the embedded model)")
+    export.add_argument("--out", metavar="FOLDER", default=None,
+                        help="a new (or empty) folder to write; default: the cache's own copy")
+    export.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _add_generate_parser(sub: Any) -> None:
@@ -98,6 +113,7 @@ def _add_generate_parser(sub: Any) -> None:
                        help="a checkpoint folder or .gguf file (default: the embedded model, "
                             "fetched and converted once)")
     _add_speculation_arguments(model)
+    _add_engine_arguments(gen)
     _add_sampling_arguments(gen)
     _add_lever_arguments(gen)
     tools = gen.add_argument_group(
@@ -129,6 +145,26 @@ def _add_generate_parser(sub: Any) -> None:
                         help="print the speculation stats as JSON on stderr")
     output.add_argument("--quiet", "-q", action="store_true",
                         help="no progress bars, warnings or log messages on stderr (errors only)")
+
+
+def _add_engine_arguments(parser: Any) -> None:
+    """The engine flags ``generate`` and ``serve`` share: ours, or vLLM's (docs/scale-out.md)."""
+    group = parser.add_argument_group(
+        "engine", "native: this package's engine, in this process (default); vllm: vLLM's "
+                  "engine (GPUs, tensor / pipeline parallel, several nodes; the vllm extra)")
+    group.add_argument("--engine", choices=("native", "vllm"), default="native",
+                       help="(default: %(default)s)")
+    group.add_argument("--tensor-parallel-size", type=int, metavar="N", default=None,
+                       help="vllm: GPUs that split each layer (one node)")
+    group.add_argument("--pipeline-parallel-size", type=int, metavar="N", default=None,
+                       help="vllm: stages that split the layers (across nodes with "
+                            "--distributed-executor-backend ray)")
+    group.add_argument("--distributed-executor-backend", choices=("mp", "ray", "uni"),
+                       default=None, help="vllm: how its workers run (default: vLLM chooses)")
+    group.add_argument("--vllm-arg", action="append", metavar="NAME=VALUE", default=[],
+                       help="vllm: any other vllm.EngineArgs field (VALUE as JSON, else a "
+                            "string), e.g. enforce_eager=true or gpu_memory_utilization=0.8; "
+                            "repeatable")
 
 
 def _add_speculation_arguments(group: Any) -> None:
@@ -229,6 +265,7 @@ def _add_serve_parser(sub: Any) -> None:
     _add_speculation_arguments(model)
     model.add_argument("--backend", choices=("xgrammar", "outlines"), default="xgrammar",
                        help="grammar backend (default: %(default)s)")
+    _add_engine_arguments(serve)
     group = serve.add_argument_group("serving")
     group.add_argument("--host", default="127.0.0.1",
                        help="the address to listen on; beyond loopback it needs an API key or "

@@ -107,6 +107,52 @@ def fail(r: Request, stage: str, exc: BaseException) -> None:
     r.error = GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
 
 
+def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
+    """Give ``emitted`` (verified tokens, in order) to ``r``: its real matcher, its output (up
+    to a stop, a repetition loop or ``max_tokens``), ``emitted_tokens`` and its ``on_tokens``
+    callback; sets the finish reason when one is reached. Returns the tokens kept. Any engine
+    commits through here, so every engine stops, counts and streams alike."""
+    st = r.stats
+    kept: list[int] = []
+    for tok in emitted:
+        if len(r.output_ids) >= r.params.max_tokens:
+            break
+        if tok < 0:
+            # no token is allowed here (all-masked row): the grammar reached a dead end
+            fail(r, "commit", RuntimeError("no token allowed by the grammar"))
+            break
+        if r.matcher is not None and not r.matcher.accept(tok):
+            # cannot happen for a masked verifier; refuse loudly rather than emit garbage
+            fail(r, "commit", RuntimeError(f"token {tok} rejected by the grammar after verification"))
+            break
+        if tok in r.eos_token_ids and (r.matcher is None or r.matcher.is_terminated()):
+            finish(r, "stop")
+            break
+        r.output_ids.append(tok)
+        kept.append(tok)
+        if r.matcher is not None and r.matcher.must_stop():
+            finish(r, "stop")
+            break
+        if r.loops is not None and r.loops.push(tok) is not None:
+            # a repetition loop (loops.py) would spend the rest of max_tokens: stop it here
+            finish(r, "loop")
+            st.record_loop(r.params.max_tokens - len(r.output_ids))
+            break
+    st.emitted_tokens += len(kept)
+    if kept and r.on_tokens is not None:
+        with contain("callback", [r]):
+            r.on_tokens(kept)
+    if not r.finished and len(r.output_ids) >= r.params.max_tokens:
+        finish(r, "length")
+    return kept
+
+
+def finish(req: Request, reason: str) -> None:
+    """End ``req`` with ``reason`` unless it has ended already."""
+    if req.finish_reason is None:
+        req.finish_reason = reason
+
+
 @dataclass
 class Fault:
     """What `contain` caught: the exception, or None when the block went through."""
@@ -266,7 +312,7 @@ class Engine:
         for req in reqs:
             self.running.append(req)
             if req.matcher is not None and req.matcher.must_stop():
-                self._finish(req, "stop")  # e.g. a grammar that accepts only the empty string
+                finish(req, "stop")  # e.g. a grammar that accepts only the empty string
 
     @torch.inference_mode()
     def _prefill(self, reqs: Sequence[Request]) -> None:
@@ -333,10 +379,6 @@ class Engine:
                     r.drafter_state = None
         self.running = [r for r in self.running if not r.finished]
 
-    def _finish(self, req: Request, reason: str) -> None:
-        if req.finish_reason is None:
-            req.finish_reason = reason
-
     # -- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> None:
@@ -365,7 +407,7 @@ class Engine:
         """The requests this step works on; cancelled ones finish here."""
         for r in self.running:
             if r.cancelled:
-                self._finish(r, "cancelled")
+                finish(r, "cancelled")
         return [r for r in self.running if not r.finished]
 
     @contextmanager
@@ -510,37 +552,7 @@ class Engine:
         st.accepted_tokens += n_acc
         st.record_positions(len(s.tokens), n_acc)
         start = self.runner.length(r.slot) - len(s.tokens) - 1  # position of the pending token
-        kept: list[int] = []
-        for tok in emitted:
-            if len(r.output_ids) >= r.params.max_tokens:
-                break
-            if tok < 0:
-                # no token is allowed here (all-masked row): the grammar reached a dead end
-                fail(r, "commit", RuntimeError("no token allowed by the grammar"))
-                break
-            if r.matcher is not None and not r.matcher.accept(tok):
-                # cannot happen for a masked verifier; refuse loudly rather than emit garbage
-                fail(r, "commit", RuntimeError(f"token {tok} rejected by the grammar after verification"))
-                break
-            if tok in r.eos_token_ids and (r.matcher is None or r.matcher.is_terminated()):
-                self._finish(r, "stop")
-                break
-            r.output_ids.append(tok)
-            kept.append(tok)
-            if r.matcher is not None and r.matcher.must_stop():
-                self._finish(r, "stop")
-                break
-            if r.loops is not None and r.loops.push(tok) is not None:
-                # a repetition loop (loops.py) would spend the rest of max_tokens: stop it here
-                self._finish(r, "loop")
-                st.record_loop(r.params.max_tokens - len(r.output_ids))
-                break
-        st.emitted_tokens += len(kept)
+        commit_tokens(r, emitted)
         # cache keeps the pending token + the accepted drafts; the new pending token is not cached
         # (when fewer tokens were kept the request has finished and its cache no longer matters)
         self.runner.truncate(r.slot, start + 1 + n_acc)
-        if kept and r.on_tokens is not None:
-            with contain("callback", [r]):
-                r.on_tokens(kept)
-        if not r.finished and len(r.output_ids) >= r.params.max_tokens:
-            self._finish(r, "length")

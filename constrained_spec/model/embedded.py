@@ -145,14 +145,14 @@ def converted_default_dir(*, quiet: bool = False) -> Path:
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
             )
             bar.update(1)
-            _save_plain_checkpoint(model, tmp)
+            save_plain_checkpoint(model, tmp)
             tok.save_pretrained(tmp)
             bar.update(1)
 
     return cached_build(out, convert)
 
 
-def _save_plain_checkpoint(model: Any, out: Path) -> None:
+def save_plain_checkpoint(model: Any, out: Path) -> None:
     """Write dequantised weights as safetensors + a config without the GGUF quantisation entry.
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so we write the files it

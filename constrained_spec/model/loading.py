@@ -13,6 +13,7 @@ code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,13 +31,12 @@ import torch
 
 from constrained_spec.cache import (
     cache_dir,
-    cache_lock,
     cached_build,
-    file_sha256,
+    file_digest,
     write_cached_json,
     write_private,
 )
-from constrained_spec.errors import ModelLoadError
+from constrained_spec.errors import ConfigError, ModelLoadError
 from constrained_spec.model.embedded import (
     DEFAULT_GGUF_SHA256,
     DEFAULT_MODEL_NAME,
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from constrained_spec.model.gguf import GGUFModel, QuantTensor
     from constrained_spec.model.plan import KernelPlan
     from constrained_spec.model.runner import RunnerBase
+    from constrained_spec.model.vllm_model import VLLMOptions
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,19 @@ class LoadedModel:
     # what load_model was given ("default" or a path) when another process loading it the same
     # way builds the same runner: the kernel plan is then measured there (`_measure_plan_apart`)
     spec: str | None = None
+    # set when vLLM's engine runs this model (`load_model(engine="vllm")`): how to build it
+    vllm: VLLMOptions | None = None
+
+    @property
+    def engine(self) -> str:
+        """Which engine runs this model: ``"native"`` (ours) or ``"vllm"``."""
+        return "native" if self.vllm is None else "vllm"
+
     @property
     def runner(self) -> RunnerBase:
+        if self.vllm is not None:
+            raise ConfigError(f"{self.name} runs on vLLM's engine: it has no runner of ours "
+                              "(load it with engine='native' for that)", option="engine")
         if self._runner is None:
             from constrained_spec.model.runner import make_runner
             from constrained_spec.model.skeleton import SkeletonForCausalLM, release_copied_weights
@@ -164,6 +176,8 @@ class LoadedModel:
 
     @property
     def max_context(self) -> int:
+        if self.vllm is not None and self.vllm.max_model_len is not None:
+            return self.vllm.max_model_len  # what vLLM reserves KV cache for
         return int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
 
 
@@ -298,8 +312,14 @@ def load_model(
     int4: bool | None = None,
     full_model: bool = False,
     quiet: bool = False,
+    engine: str = "native",
+    **vllm_options: Any,
 ) -> LoadedModel:
     """Resolve any accepted ``model`` argument to a :class:`LoadedModel` (cached per process).
+
+    ``engine``: ``"native"`` (ours, in this process) or ``"vllm"`` (vLLM's: GPUs, tensor /
+    pipeline parallel, several nodes; ``vllm_options``: `vllm_model.VLLMOptions`'s fields and
+    any other ``vllm.EngineArgs`` field; a GGUF reaches it as `export.export_hf`'s folder).
 
     Accepted: ``None`` / ``"default"`` (the embedded model), a local HF checkpoint folder, a
     ``.gguf`` file, a loaded ``transformers`` model (pass its ``tokenizer`` too, or a
@@ -320,6 +340,10 @@ def load_model(
     ``full_model=True`` loads a complete transformers model instead (for callers that run
     transformers' own forward or train on its weights).
     """
+    if engine == "vllm" or vllm_options:
+        return _load_on_vllm(model, tokenizer, engine, vllm_options, quiet=quiet)
+    if engine != "native":
+        raise ConfigError(f"engine must be 'native' or 'vllm', got {engine!r}", option="engine")
     if isinstance(model, LoadedModel):
         return model
     if hasattr(model, "target") and isinstance(model.target, LoadedModel):
@@ -355,6 +379,45 @@ def load_model(
     loaded = _load_with_transformers(spec, tokenizer, dtype=dtype, env_dtype=env_dtype, dev=dev,
                                      int4=int4, full_model=full_model, quiet=quiet)
     loaded.spec = spec if reloadable else None
+    _LOADED[key] = loaded
+    return loaded
+
+
+def _load_on_vllm(model: Any, tokenizer: Any, engine: str, options: dict[str, Any], *,
+                  quiet: bool) -> LoadedModel:
+    """``model`` for vLLM's engine (cached per process, like any load)."""
+    from constrained_spec.model.export import export_hf
+    from constrained_spec.model.vllm_model import ConfigView, VLLMOptions, load_folder, vllm_device
+
+    if engine != "vllm":
+        raise ConfigError(f"{', '.join(sorted(options))}: options of the vLLM engine; pass "
+                          "engine='vllm' with them", option=sorted(options)[0])
+    if isinstance(model, LoadedModel):
+        if model.vllm is not None and not options:
+            return model
+        model = model.path if model.path is not None else model.name
+    if tokenizer is not None or (model is not None and not isinstance(model, (str, os.PathLike))):
+        raise ConfigError("the vLLM engine loads a model by name or path (a folder, a .gguf, "
+                          "None for the embedded model), not a loaded object or a tokenizer",
+                          option="model")
+    vllm = VLLMOptions.from_keywords(options)
+    spec = "default" if model is None else str(model)
+    key = (spec, f"vllm/{vllm.key()}", "vllm")
+    if key in _LOADED:
+        return _LOADED[key]
+    local = Path(spec).expanduser()
+    folder = export_hf(None if spec == "default" else local, quiet=quiet) \
+        if spec == "default" or local.exists() else spec  # else a hub id: vLLM fetches it
+    tok, config, gen = load_folder(folder)
+    device = vllm_device()
+    if vllm.max_model_len is None and device.type == "cpu":  # KV cache for 4096 tokens at most
+        ctx = int(getattr(config, "max_position_embeddings", 4096) or 4096)
+        vllm = dataclasses.replace(vllm, max_model_len=min(ctx, 4096))
+    loaded = LoadedModel(
+        name=DEFAULT_MODEL_NAME if spec == "default" else spec, model=ConfigView(config, gen),
+        tokenizer=tok, device=device, dtype=torch.bfloat16,
+        vocab_size=int(config.vocab_size), is_default=spec == "default",
+        path=Path(folder) if not isinstance(folder, str) else None, quiet=quiet, vllm=vllm)
     _LOADED[key] = loaded
     return loaded
 
@@ -441,29 +504,6 @@ _Q8_PARTS = (".q8_values", ".q8_scale", ".q8_min")  # 8-bit groups (weights.Q8Gr
 
 class _NotLean(Exception):
     """The file's architecture does not run on the lean runner (transformers loads it)."""
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of ``path``, remembered in the cache by path, size and mtime (a multi-GB file is
-    hashed once)."""
-    st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    index = cache_dir() / "models" / "digests.json"
-    try:
-        known = json.loads(index.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if ident in known:
-        return known[ident]
-    digest = file_sha256(path)
-    with cache_lock(index.with_name(".digests.lock")):
-        try:
-            known = json.loads(index.read_text())
-        except (OSError, ValueError):
-            known = {}
-        known[ident] = digest
-        write_private(index, json.dumps(known))
-    return digest
 
 
 def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = False,

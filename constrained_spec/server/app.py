@@ -19,7 +19,7 @@ import hashlib
 import logging
 import secrets
 import sys
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI
@@ -154,12 +154,15 @@ def create_app(model: Any, config: ServerConfig) -> FastAPI:
 
 
 def serve(model: str | None, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> int:
+          log_level: str = "info", load_options: Mapping[str, Any] | None = None) -> int:
     """Load ``model`` (None: the embedded default), build the app and serve it until stopped.
 
     ``constrained-spec serve`` builds ``config`` from its flags (`constrained_spec.cli.args`);
     an empty ``config.model_name`` becomes the loaded model's name. Logs go to stderr at
     ``log_level``; stdout carries uvicorn's access log only.
+
+    ``load_options``: more keywords for ``load_model`` (``engine="vllm"`` and its options:
+    vLLM's engine under the same routes, docs/scale-out.md).
 
     A ``host`` beyond loopback without ``config.api_key`` is a `ConfigError` unless
     ``config.allow_unauthenticated`` (`check_exposure`), raised before the model loads.
@@ -177,7 +180,7 @@ def serve(model: str | None, config: ServerConfig, *, host: str = "127.0.0.1", p
                        "anyone who can reach this address can use the model", host, port)
     logger.info("loading the model %s", model or "(embedded default)")
     with contextlib.redirect_stdout(sys.stderr):  # stdout is uvicorn's
-        loaded = load_model(model)
+        loaded = load_model(model, **(load_options or {}))
         config = dataclasses.replace(config, model_name=config.model_name or loaded.name)
         app = create_app(loaded, config)
     logger.info("serving %s (speculation: %s, max batch %d, queue %d)", config.model_name,

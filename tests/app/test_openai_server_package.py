@@ -82,7 +82,9 @@ def test_serve_takes_the_flags_of_the_former_example_script():
              "--speculative-num-draft-tokens", "--speculative-draft-model", "--no-speculation",
              "--backend", "--host", "--port", "--api-key", "--api-key-file",
              "--allow-unauthenticated", "--max-batch-size", "--max-queue",
-             "--max-request-bytes", "--max-tokens", "--enable-metrics", "--log-level"}
+             "--max-request-bytes", "--max-tokens", "--enable-metrics", "--log-level",
+             "--engine", "--tensor-parallel-size", "--pipeline-parallel-size",
+             "--distributed-executor-backend", "--vllm-arg"}
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     assert {s for a in serve._actions for s in a.option_strings} - {"-h", "--help"} == flags
     args = build_parser().parse_args(["serve", "--port", "9", "--no-speculation"])

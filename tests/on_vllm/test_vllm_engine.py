@@ -1,0 +1,153 @@
+"""The same API, CLI and server on vLLM's engine (its CPU build here; only the device differs
+on GPUs). Each test names the property: what the frontend guarantees holds on both engines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from constrained_spec import Generator, Regex, generate
+from constrained_spec.config import SpeculativeConfig
+
+pytestmark = pytest.mark.model  # the embedded model, exported once for vLLM
+
+PROMPT = "Extract the person: Ada Lovelace is a 36 year old mathematician living in London."
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    city: str
+
+
+def test_generate_on_vllm_returns_the_validated_pydantic_object(vllm_model):
+    res = generate(vllm_model, PROMPT, schema=Person, speculative=False, return_result=True)
+    assert isinstance(res.value, Person) and res.finish_reason == "stop"
+    assert res.stats.emitted_tokens == len(res.token_ids) > 0
+    assert Person.model_validate_json(res.text) == res.value
+
+
+PROMPTS = [PROMPT, "Extract the person: Grace Hopper, 85, lives in New York.",
+           "Extract the person: Alan Turing was 41 and lived in Manchester."]
+
+
+def test_greedy_outputs_match_our_engine_or_differ_at_a_near_tie(vllm_model, embedded):
+    # the same prompt ids and compiled grammar, greedy: only arithmetic differs (our engine
+    # runs the file's 4-bit groups, vLLM a dense bf16 export). Where the outputs differ, the
+    # first differing token must be a near-tie under a neutral float32 reference (the export
+    # in float32): a wrong prompt or grammar on one side would differ by a wide margin.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(vllm_model.path), dtype=torch.float32)
+    same = 0
+    for prompt in PROMPTS:
+        gen = Generator(embedded, schema=Person, speculative=False, max_retries=0)
+        ours = gen(prompt, return_result=True)
+        theirs = generate(vllm_model, prompt, schema=Person, speculative=False, max_retries=0,
+                          return_result=True)
+        a, b = ours.token_ids, theirs.token_ids
+        if a == b:
+            same += 1
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        prompt_ids = gen.make_request(prompt)[0].prompt_ids
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt_ids + a[:i]])).logits[0, -1]
+        gap = abs(float(logits[a[i]] - logits[b[i]]))
+        assert gap < 0.25, f"{prompt!r}: token {i} differs by {gap:.3f} logits, not a near-tie"
+    assert same >= 1  # the engines agree where nothing is close
+
+
+def test_a_regex_constraint_holds_on_vllm(vllm_model):
+    date = generate(vllm_model, "Today's date in ISO format:", schema=Regex(r"\d{4}-\d{2}-\d{2}"),
+                    speculative=False, max_tokens=16)
+    assert len(date) == 10 and date[4] == date[7] == "-"
+
+
+def test_choices_hold_on_vllm(vllm_model):
+    out = generate(vllm_model, "Is the sky blue? Answer yes or no.", schema=["yes", "no"],
+                   speculative=False, max_tokens=8)
+    assert out in ("yes", "no")
+
+
+def test_a_tool_call_on_vllm_is_parsed_into_a_validated_call(vllm_model):
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius") -> str:
+        """The current weather in a city."""
+        return f"sunny in {city}"
+
+    gen = Generator(vllm_model, tools=[get_weather], tool_choice="required", speculative=False)
+    call = gen("What is the weather in Paris? Use celsius.")
+    assert call.name == "get_weather" and isinstance(call.arguments["city"], str)
+    assert call.arguments.get("unit", "celsius") in ("celsius", "fahrenheit")
+
+
+def test_ngram_speculation_on_vllm_keeps_the_greedy_output_and_reports_its_drafts(vllm_model):
+    plain = generate(vllm_model, PROMPT, schema=Person, speculative=False)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    res = generate(vllm_model, PROMPT, schema=Person, speculative=spec, return_result=True)
+    assert res.value == plain  # lossless (greedy): vLLM's verification of its n-gram drafts
+    st = res.stats
+    assert st.drafted_tokens > 0 and 0 <= st.accepted_tokens <= st.drafted_tokens
+    assert st.emitted_tokens == len(res.token_ids) and st.acceptance_length >= 1.0
+    assert sum(st.proposed_at[:1]) > 0  # per-position counts from vLLM's per-step metrics
+
+
+def test_max_tokens_ends_a_vllm_request_as_on_our_engine(vllm_model, embedded):
+    from constrained_spec.errors import IncompleteOutputError
+
+    ends = []
+    for model in (embedded, vllm_model):  # the library's rule, whichever engine decodes
+        with pytest.raises(IncompleteOutputError) as err:
+            generate(model, PROMPT, schema=Person, max_tokens=5, speculative=False, max_retries=0)
+        ends.append(len(err.value.token_ids))
+    assert ends == [5, 5]
+
+
+def test_a_batch_of_mixed_schemas_runs_together_on_vllm(vllm_model):
+    gen = Generator(vllm_model, speculative=False)
+    out = gen.batch([PROMPT, "Is water wet? yes or no"], schemas=[Person, ["yes", "no"]])
+    assert isinstance(out[0], Person) and out[1] in ("yes", "no")
+
+
+def test_the_server_streams_from_vllm_with_the_same_request_surface(vllm_model):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+    from openai_server_process import serve_in_thread
+
+    from constrained_spec.server import ServerConfig, create_app
+
+    app = create_app(vllm_model, ServerConfig(model_name="m", speculative=False))
+    with serve_in_thread(app) as url:
+        body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "p", "strict": True, "schema": Person.model_json_schema()}}}
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    text += chunk["choices"][0]["delta"].get("content") or "" if chunk["choices"] else ""
+        assert isinstance(Person.model_validate_json(text), Person)
+        bad = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "b", "schema": {"type": "object", "$ref": "http://example.com/s.json"}}}})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_schema"
+
+
+def test_the_cli_generates_on_vllm(vllm_model, capsys):
+    from constrained_spec.cli import main
+
+    # the same options as the session's model (conftest.ENGINE_ARGS): its engine is reused
+
+    code = main(["generate", PROMPT, "--engine", "vllm", "--vllm-arg", "enforce_eager=true",
+                 "--no-speculation", "--schema", json.dumps(Person.model_json_schema()), "--quiet"])
+    assert code == 0
+    assert isinstance(Person.model_validate_json(capsys.readouterr().out), Person)
