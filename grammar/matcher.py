@@ -88,6 +88,23 @@ def check_bitmask_row(bitmask: torch.Tensor, row: int, words: int) -> None:
 # xgrammar
 # --------------------------------------------------------------------------------------------
 
+# tokens `XGrammarMatcher._forced_by_masks` looks ahead at most (the forced drafter caps what
+# it drafts itself: SpeculativeConfig.max_forced_tokens <= 64)
+_FORCED_SCAN = 64
+
+
+def _single_token(row: torch.Tensor) -> int | None:
+    """The one token a bitmask row allows, or None when it allows none or several."""
+    nonzero = torch.nonzero(row).flatten()
+    if nonzero.numel() != 1:
+        return None
+    word = int(nonzero[0])
+    bits = int(row[word]) & 0xFFFFFFFF
+    if bits & (bits - 1):
+        return None
+    return word * 32 + bits.bit_length() - 1
+
+
 class XGrammarMatcher(Matcher):
     """`Matcher` over ``xgrammar.GrammarMatcher``."""
 
@@ -144,7 +161,27 @@ class XGrammarMatcher(Matcher):
     def forced_tokens(self) -> list[int]:
         if self._m.is_terminated():
             return []
-        return list(self._m.find_jump_forward_tokens())
+        find = getattr(self._m, "find_jump_forward_tokens", None)
+        if find is not None:
+            return list(find())
+        return self._forced_by_masks()
+
+    def _forced_by_masks(self, limit: int = _FORCED_SCAN) -> list[int]:
+        """The tokens the grammar allows alone, one mask at a time on a fork: what
+        ``find_jump_forward_tokens`` returns, for xgrammar releases without it (vLLM's CPU
+        build pins one). A stop token allowed alone ends the run (the engine stops there)."""
+        fork = self._m.fork()
+        mask = torch.zeros(1, self._words, dtype=torch.int32)
+        out: list[int] = []
+        while len(out) < limit and not fork.is_terminated():
+            fork.fill_next_token_bitmask(mask, 0)
+            if self._tail is not None:
+                mask[0, -1] &= self._tail
+            only = _single_token(mask[0])
+            if only is None or only in self._stops or not fork.accept_token(only):
+                break
+            out.append(only)
+        return out
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())

@@ -183,3 +183,42 @@ def test_choices_with_quotes_backslashes_and_control_characters(backend):
 def test_regex_edge_anchors_are_full_match_noops(backend):
     m = compile_spec(normalize_schema(Regex("^ab+$|^c$")), CHAR_TOK, backend=backend).new_matcher()
     assert m.accepts_text("abb") and m.accepts_text("c") and not m.accepts_text("a")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+     "required": ["a", "b"]},
+    {"type": "array", "items": {"enum": ["ab", "bc"]}, "minItems": 2},
+    Regex(r"x(ab|c)*y(e|f)"), ["ab", "abc", "(a"],
+])
+def test_forced_tokens_without_xgrammars_search_are_each_the_only_token_allowed(schema):
+    # xgrammar releases without find_jump_forward_tokens (vLLM's CPU build pins one): the
+    # forced drafts are found mask by mask, and every one is the only token its state allows
+    # (so a masked verifier always accepts it), in every state of random walks
+    class WithoutSearch:  # the matcher as such a release has it
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name == "find_jump_forward_tokens":
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    rng = random.Random(0)
+    found = 0
+    for _ in range(15):
+        m = matcher_for(schema, "xgrammar")
+        m._m = WithoutSearch(m._m)
+        for _ in range(12):
+            before = allowed(m)
+            forced = m.forced_tokens()
+            assert allowed(m) == before  # the search leaves the state alone
+            probe = m.fork()
+            for t in forced:
+                assert allowed(probe) == {t} and t != EOS and probe.accept(t)
+            found += len(forced)
+            assert len(allowed(probe)) != 1 or probe.must_stop()  # it went as far as it could
+            if not before or m.is_terminated():
+                break
+            assert m.accept(rng.choice(sorted(before)))
+    assert found > 0

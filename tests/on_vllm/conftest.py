@@ -22,10 +22,16 @@ def _vllm_or_skip() -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_model(monkeypatch_session):
-    """The embedded model on vLLM's engine (exported once as a dense folder)."""
+def vllm_usable(monkeypatch_session) -> None:
+    """Skips (with the reason) where vLLM cannot be imported; a small KV cache (GiB) for its
+    engines, in this process and in the servers the tests start."""
     _vllm_or_skip()
     monkeypatch_session.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_usable):
+    """The embedded model on vLLM's engine (exported once as a dense folder)."""
     from constrained_spec.model.loading import load_model
 
     return load_model(None, engine="vllm", quiet=True, **ENGINE_ARGS)

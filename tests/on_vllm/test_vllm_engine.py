@@ -151,3 +151,21 @@ def test_the_cli_generates_on_vllm(vllm_model, capsys):
                  "--no-speculation", "--schema", json.dumps(Person.model_json_schema()), "--quiet"])
     assert code == 0
     assert isinstance(Person.model_validate_json(capsys.readouterr().out), Person)
+
+
+def test_serve_with_engine_vllm_answers_a_schema_request(vllm_usable):
+    # the command as users run it: its own process, its own vLLM engine (eager, small cache)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+    from openai_server_process import start_server
+
+    server = start_server("--engine", "vllm", "--vllm-arg", "enforce_eager=true",
+                          "--no-speculation", "--served-model-name", "m", timeout=600)
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+            "model": "m", "messages": [{"role": "user", "content": PROMPT}],
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "p", "strict": True, "schema": Person.model_json_schema()}}})
+        assert r.status_code == 200, r.text
+        assert isinstance(Person.model_validate_json(r.json()["choices"][0]["message"]["content"]), Person)
+    finally:
+        server.stop()
