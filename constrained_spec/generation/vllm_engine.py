@@ -209,6 +209,7 @@ class VLLMEngine:
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}  # vLLM's request id -> ours, while vLLM runs it
         self._draining: dict[str, int] = {}  # finished here, left to finish there: steps left
+        self._admitted_at: dict[str, float] = {}
         self.failed_steps = 0
 
     def admit(self, reqs: Sequence[Request]) -> list[Request]:
@@ -224,7 +225,7 @@ class VLLMEngine:
                                         params)
                 r.drafter_state = vid
                 r.stats.prompt_tokens = len(r.prompt_ids)
-                r.stats.prefill_s -= time.perf_counter()  # until its first token (below)
+                self._admitted_at[vid] = time.perf_counter()  # prefill_s: until its first token
                 self._by_id[vid] = r
                 self.running.append(r)
             if fault.failed:
@@ -253,7 +254,8 @@ class VLLMEngine:
             for vid, r in list(self._by_id.items()):
                 if not r.finished:
                     fail(r, "vllm", RuntimeError("vLLM dropped the request without an output"))
-                self._by_id.pop(vid)
+                for held in (self._by_id, self._draining, self._admitted_at):
+                    held.pop(vid, None)
         for out in outputs:
             req = self._by_id.get(out.request_id)
             if req is not None:
@@ -266,8 +268,9 @@ class VLLMEngine:
         tokens = list(comp.token_ids)
         st = r.stats
         if tokens and not r.finished:
-            if st.target_forwards == 0:
-                st.prefill_s += time.perf_counter()
+            admitted = self._admitted_at.pop(out.request_id, None)
+            if admitted is not None:
+                st.prefill_s += time.perf_counter() - admitted
             else:
                 st.step_s += dt
             st.target_forwards += 1
@@ -277,8 +280,8 @@ class VLLMEngine:
         if metrics is not None:  # sent once, when vLLM finishes the request
             _record_speculation(st, metrics)
         if out.finished:
-            self._by_id.pop(out.request_id, None)
-            self._draining.pop(out.request_id, None)
+            for held in (self._by_id, self._draining, self._admitted_at):
+                held.pop(out.request_id, None)
         if out.finished and not r.finished:
             reason = comp.finish_reason
             if reason == "length":
@@ -304,8 +307,8 @@ class VLLMEngine:
         if gone:
             self.engine.abort_request(gone)
             for vid in gone:
-                self._by_id.pop(vid, None)
-                self._draining.pop(vid, None)
+                for held in (self._by_id, self._draining, self._admitted_at):
+                    held.pop(vid, None)
 
     def reap(self) -> None:
         self._settle_finished()

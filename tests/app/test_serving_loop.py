@@ -17,7 +17,7 @@ from cs_testlib import CHARS
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters import NgramDrafter
 from constrained_spec.errors import GenerationError
-from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.engine import Engine, Request, finish
 from constrained_spec.generation.serving import EngineLoop, QueueFullError
 from constrained_spec.grammar import compile_spec
 from constrained_spec.model.runner import LeanRunner
@@ -67,7 +67,7 @@ class FakeEngine(Engine):
             if r.on_tokens:
                 r.on_tokens([tok])
             if len(r.output_ids) >= r.params.max_tokens:
-                self._finish(r, "length")
+                finish(r, "length")
 
 
 def req(tag: int, max_tokens: int = 3) -> Request:
