@@ -135,7 +135,14 @@ def engine_for(model: LoadedModel, speculative: SpeculativeConfig | None) -> Any
     except TypeError as e:  # an engine argument vLLM does not have
         raise ConfigError(f"vLLM engine arguments: {e}", option="engine_args") from e
     t0 = time.perf_counter()
-    engine = LLMEngine.from_engine_args(engine_args)
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except ValueError as e:  # vLLM's config checks (pydantic's ValidationError is one)
+        # pydantic's first lines name the model class; the reason is on a "Value error" line
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in lines if line.startswith("Value error")), lines[-1] if lines else "")
+        raise ConfigError(f"vLLM refused the engine configuration for {model.name}: "
+                          f"{why.split(' [type=')[0][:400]}", option="engine_args") from e
     logger.info("vLLM %s engine for %s built in %.1fs", vllm.__version__, model.name,
                 time.perf_counter() - t0)
     _ENGINES[key] = engine

@@ -169,3 +169,14 @@ def test_serve_with_engine_vllm_answers_a_schema_request(vllm_usable):
         assert isinstance(Person.model_validate_json(r.json()["choices"][0]["message"]["content"]), Person)
     finally:
         server.stop()
+
+
+def test_a_configuration_vllm_refuses_is_a_config_error_naming_why(vllm_usable):
+    from constrained_spec.errors import ConfigError
+    from constrained_spec.model.loading import load_model
+
+    # the embedded model has 9 attention heads: 2 tensor-parallel ranks cannot split them
+    model = load_model(None, engine="vllm", tensor_parallel_size=2, enforce_eager=True, quiet=True)
+    with pytest.raises(ConfigError, match="divisible by tensor parallel size") as err:
+        generate(model, PROMPT, schema=Person, speculative=False)
+    assert err.value.option == "engine_args"
