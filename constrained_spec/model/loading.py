@@ -341,6 +341,8 @@ def load_model(
     transformers' own forward or train on its weights).
     """
     if engine == "vllm" or vllm_options:
+        if dtype != "auto":  # load_model's own keyword: vLLM's dtype too
+            vllm_options = {**vllm_options, "dtype": dtype}
         return _load_on_vllm(model, tokenizer, engine, vllm_options, quiet=quiet)
     if engine != "native":
         raise ConfigError(f"engine must be 'native' or 'vllm', got {engine!r}", option="engine")

@@ -157,3 +157,13 @@ def test_export_refuses_a_non_gguf_and_a_non_empty_out_folder(tiny_gguf_file, tm
         export_hf(tmp_path / "notes.txt")
     with pytest.raises(ModelLoadError, match="not an empty folder"):
         export_hf(tiny_gguf_file, tmp_path, quiet=True)  # tmp_path holds files already
+
+
+def test_load_models_own_dtype_reaches_vllm(monkeypatch):
+    from constrained_spec.model import loading
+
+    seen = {}
+    monkeypatch.setattr(loading, "_load_on_vllm",
+                        lambda model, tok, engine, options, quiet: seen.update(options))
+    loading.load_model(None, engine="vllm", dtype="float32")
+    assert seen == {"dtype": "float32"}
