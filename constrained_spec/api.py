@@ -684,11 +684,10 @@ class Generator(Generic[T]):
         """An engine over this Generator's model: ours (its runner and drafter), or vLLM's for
         a model loaded with ``engine="vllm"`` (`generation.vllm_engine`)."""
         if self.model.vllm is not None:
-            from constrained_spec.generation.vllm_engine import VLLMEngine, engine_for, speculative_config
+            from constrained_spec.generation.vllm_engine import VLLMEngine, engine_for
 
             return VLLMEngine(engine_for(self.model, self.speculative),
-                              max_batch_size=self.max_batch_size,
-                              speculating=speculative_config(self.speculative) is not None)
+                              max_batch_size=self.max_batch_size)
         return Engine(self.model.runner, speculative=self.speculative, drafter=self.drafter,
                       max_batch_size=self.max_batch_size)
 

@@ -147,6 +147,35 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
     return kept
 
 
+def run_requests(engine: Any, requests: Iterable[Request],
+                 busy: Callable[[], bool] = lambda: False) -> list[Request]:
+    """Every engine's ``run``: admit ``requests`` (up to ``engine.max_batch_size`` running) and
+    step until all have finished and ``busy()`` (work the engine still owes after its requests
+    finished) is False; returns them, finished."""
+    waiting = list(requests)
+    done: list[Request] = []
+    while waiting or engine.running or busy():
+        free = engine.max_batch_size - len(engine.running)
+        if waiting and free > 0:
+            admitted, waiting = waiting[:free], waiting[free:]
+            done.extend(engine.admit(admitted))
+        engine.safe_step()
+        done.extend(r for r in engine.running if r.finished)
+        engine.reap()
+    return done
+
+
+def contained_step(engine: Any) -> bool:
+    """Every engine's ``safe_step``: ``engine.step()``, an exception it lets through ending
+    the requests still running (stage ``"step"``); whether this step failed (counted in
+    ``engine.failed_steps``)."""
+    before = engine.failed_steps
+    with contain("step", lambda: [r for r in engine.running if not r.finished]) as fault:
+        engine.step()
+    engine.failed_steps += fault.failed
+    return bool(engine.failed_steps != before)
+
+
 def finish(req: Request, reason: str) -> None:
     """End ``req`` with ``reason`` unless it has ended already."""
     if req.finish_reason is None:
@@ -346,27 +375,13 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> list[Request]:
         """Add requests (up to ``max_batch_size`` at once) and step until all finish."""
         _check_batch_size(self.max_batch_size)  # an attribute a caller may have changed
-        waiting = list(requests)
-        done = []
-        while waiting or self.running:
-            free = self.max_batch_size - len(self.running)
-            if waiting and free > 0:
-                admitted, waiting = waiting[:free], waiting[free:]
-                done.extend(self.admit(admitted))
-            self.safe_step()
-            done.extend(r for r in self.running if r.finished)
-            self.reap()
-        return done
+        return run_requests(self, requests)
 
     def safe_step(self) -> bool:
         """`step`; an exception it lets through (a bug outside its own guards) ends the
         requests still running (stage ``"step"``) instead of propagating. Returns whether a
         shared stage of this step failed (each such step counts in ``failed_steps``)."""
-        before = self.failed_steps
-        with contain("step", lambda: [r for r in self.running if not r.finished]) as fault:
-            self.step()
-        self.failed_steps += fault.failed
-        return self.failed_steps != before
+        return contained_step(self)
 
     def reap(self) -> None:
         """Free the slots of finished requests (and their drafter's memory: a draft model's

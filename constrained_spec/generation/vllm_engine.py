@@ -36,7 +36,15 @@ from typing import Any
 
 from constrained_spec.config import SpeculativeConfig
 from constrained_spec.errors import ConfigError
-from constrained_spec.generation.engine import Request, commit_tokens, contain, fail, finish
+from constrained_spec.generation.engine import (
+    Request,
+    commit_tokens,
+    contain,
+    contained_step,
+    fail,
+    finish,
+    run_requests,
+)
 from constrained_spec.grammar.compile import CompiledSpec
 from constrained_spec.grammar.matcher import Matcher, XGrammarMatcher
 from constrained_spec.model.loading import LoadedModel
@@ -204,15 +212,16 @@ def _record_speculation(st: Any, metrics: Any) -> None:
 class VLLMEngine:
     """`BatchEngine` over vLLM's ``LLMEngine``: requests join and leave between its steps.
 
-    ``speculating``: vLLM sends a request's speculative metrics when IT finishes it; a request
+    While vLLM drafts, it sends a request's speculative metrics when IT finishes it; a request
     our side ends first because its grammar must stop (vLLM would emit the eos token next) is
     then left to finish there (at most `_DRAIN_STEPS` more steps, its result already final)
     so that its drafted / accepted counts arrive. Any other early end is aborted at once."""
 
-    def __init__(self, engine: Any, *, max_batch_size: int = 64, speculating: bool = False) -> None:
+    def __init__(self, engine: Any, *, max_batch_size: int = 64) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
-        self.speculating = speculating
+        # whether vLLM drafts: its engine was built with a speculative config (`engine_for`)
+        self.speculating = engine.vllm_config.speculative_config is not None
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}  # vLLM's request id -> ours, while vLLM runs it
         self._draining: dict[str, int] = {}  # finished here, left to finish there: steps left
@@ -240,11 +249,7 @@ class VLLMEngine:
         return refused
 
     def safe_step(self) -> bool:
-        before = self.failed_steps
-        with contain("step", lambda: [r for r in self.running if not r.finished]) as fault:
-            self.step()
-        self.failed_steps += fault.failed
-        return self.failed_steps != before
+        return contained_step(self)
 
     def step(self) -> None:
         for r in self.running:
@@ -322,14 +327,5 @@ class VLLMEngine:
         self.running = [r for r in self.running if not r.finished]
 
     def run(self, requests: Iterable[Request]) -> list[Request]:
-        waiting = list(requests)
-        done: list[Request] = []
-        while waiting or self.running or self._by_id:
-            free = self.max_batch_size - len(self.running)
-            if waiting and free > 0:
-                admitted, waiting = waiting[:free], waiting[free:]
-                done.extend(self.admit(admitted))
-            self.safe_step()
-            done.extend(r for r in self.running if r.finished)
-            self.reap()
-        return done
+        # and until the requests left to finish in vLLM (for their metrics) are gone
+        return run_requests(self, requests, busy=lambda: bool(self._by_id))
