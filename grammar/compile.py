@@ -59,6 +59,18 @@ class CompiledSpec:
         # xgrammar: CompiledGrammar; outlines: _OutlinesTables (Index + per-state masks)
         self.backend_object = backend_object
         self.backend_warnings = backend_warnings
+        self._ebnf: str | None = None
+
+    def ebnf(self) -> str:
+        """The compiled grammar written back as xgrammar EBNF (computed once): how an engine
+        that compiles grammars itself (vLLM's, `generation.vllm_engine`) receives exactly this
+        one -- our JSON conversion, bounds and fixes included. xgrammar only."""
+        if self.backend != "xgrammar":
+            raise SchemaError(f"only an xgrammar-compiled grammar has an EBNF form, not a "
+                              f"{self.backend} one", backend=self.backend)
+        if self._ebnf is None:
+            self._ebnf = str(self.backend_object.grammar)
+        return self._ebnf
 
     def new_matcher(self) -> Matcher:
         if self.backend == "xgrammar":

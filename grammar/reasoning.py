@@ -85,10 +85,17 @@ class ReasoningTables:
         The end marker's bytes, matched on the decoded thinking text (empty: ids only).
     start_text:
         The start marker's bytes (to strip it from the reasoning text; default: its tokens').
+    match_text:
+        Whether the marker's text closes the block however it is spelled (rule (b) of the
+        module docstring, and tokens running past it are masked). False: only the canonical
+        ids close it (rule (a)); the text is kept for display. An engine that compiles the
+        whole output as a token-level grammar (vLLM's, `generation.vllm_engine`) needs this:
+        a byte-level rule cannot be written there.
     """
 
     def __init__(self, tok: TokenizerData, start_ids: Sequence[int], end_ids: Sequence[int],
-                 end_text: bytes, start_text: bytes | None = None) -> None:
+                 end_text: bytes, start_text: bytes | None = None, *,
+                 match_text: bool = True) -> None:
         if not start_ids or not end_ids:
             raise ValueError("the reasoning markers must tokenize to at least one token each")
         for i in (*start_ids, *end_ids):
@@ -101,6 +108,7 @@ class ReasoningTables:
         self.start_ids = tuple(int(i) for i in start_ids)
         self.end_ids = tuple(int(i) for i in end_ids)
         self.end_text = bytes(end_text)
+        self.match_text = match_text
         self.start_text = (b"".join(tok.decoded[i] for i in self.start_ids)
                            if start_text is None else bytes(start_text))
         self._fail = _kmp_table(self.end_text)
@@ -113,7 +121,7 @@ class ReasoningTables:
         """Feed ``data`` from partial-match ``state``: (new state, whether the last byte
         completed the marker)."""
         pat, fail, m = self.end_text, self._fail, len(self.end_text)
-        if not m:
+        if not m or not self.match_text:
             return 0, False
         done = False
         for byte in data:
@@ -153,7 +161,7 @@ class ReasoningTables:
         borders) needs, and is longer than that tail. Exact: KMP's border chain of ``state``
         is the set of every marker prefix the text before the token ends with."""
         marker = self.end_text
-        if not marker:
+        if not marker or not self.match_text:
             return []
         inside, by_first = self._scan()
         out = set(inside)
@@ -223,9 +231,14 @@ class ReasoningMatcher(Matcher):
     phase:
         Where the output starts: ``"opening"`` (the start marker is forced first),
         ``"thinking"`` (the prompt opened the block) or ``"answer"`` (the prompt closed it).
+    source:
+        What ``new_inner`` builds matchers from (the ``CompiledSpec``), for an engine that
+        compiles the whole output as one grammar (`generation.vllm_engine`); None: free text
+        or not known.
     """
 
-    __slots__ = ("_t", "vocab_size", "_new_inner", "_budget", "_s", "_inner", "_history")
+    __slots__ = ("_t", "vocab_size", "_new_inner", "_budget", "_s", "_inner", "_history",
+                 "_start_phase", "source")
     _s: _State
     _inner: Matcher | None
     # (state before the token, whether the inner matcher took it, rest), newest first
@@ -233,7 +246,7 @@ class ReasoningMatcher(Matcher):
 
     def __init__(self, tables: ReasoningTables, new_inner: Callable[[], Matcher] | None, *,
                  max_reasoning_tokens: int | None = None, phase: str = OPENING,
-                 _copy: tuple[Any, Any, Any] | None = None) -> None:
+                 source: Any = None, _copy: tuple[Any, Any, Any] | None = None) -> None:
         if phase not in (OPENING, THINKING, ANSWER):
             raise ValueError(f"a reasoning matcher starts in opening, thinking or answer, "
                              f"not {phase!r}")
@@ -241,6 +254,8 @@ class ReasoningMatcher(Matcher):
         self.vocab_size = tables.vocab_size
         self._new_inner = new_inner
         self._budget = max_reasoning_tokens
+        self._start_phase = phase
+        self.source = source
         if _copy is not None:
             self._s, self._inner, self._history = _copy
             return
@@ -269,6 +284,26 @@ class ReasoningMatcher(Matcher):
         """The start and end markers' text."""
         return (self._t.start_text.decode("utf-8", errors="replace"),
                 self._t.end_text.decode("utf-8", errors="replace"))
+
+    @property
+    def tables(self) -> ReasoningTables:
+        """The shared tables (markers' ids, the tokenizer facts)."""
+        return self._t
+
+    @property
+    def budget(self) -> int | None:
+        """``max_reasoning_tokens`` (None: no budget)."""
+        return self._budget
+
+    @property
+    def start_phase(self) -> str:
+        """The phase the output started in (``"opening"``, ``"thinking"`` or ``"answer"``)."""
+        return self._start_phase
+
+    @property
+    def started(self) -> bool:
+        """Whether any token was accepted (and not rolled back)."""
+        return self._s.pos > 0
 
     @property
     def reasoning_tokens(self) -> int:
@@ -347,8 +382,10 @@ class ReasoningMatcher(Matcher):
 
     def fork(self) -> "ReasoningMatcher":
         inner = self._inner.fork() if self._inner is not None else None
-        return ReasoningMatcher(self._t, self._new_inner, max_reasoning_tokens=self._budget,
-                                _copy=(self._s, inner, self._history))
+        twin = ReasoningMatcher(self._t, self._new_inner, max_reasoning_tokens=self._budget,
+                                source=self.source, _copy=(self._s, inner, self._history))
+        twin._start_phase = self._start_phase
+        return twin
 
     def forced_tokens(self) -> list[int]:
         s = self._s

@@ -158,19 +158,30 @@ def _marker_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def _tables(loaded: LoadedModel, markers: ReasoningMarkers) -> ReasoningTables:
-    """The shared automaton and mask rows for the model's tokenizer and ``markers``."""
+    """The shared automaton and mask rows for the model's tokenizer and ``markers``.
+
+    On vLLM's engine the whole output is one token-level grammar there (`ReasoningTables`,
+    ``match_text``): only the canonical end marker closes the block, and it must be one token
+    (a longer one could not be told apart from the same tokens written while thinking)."""
     tok = loaded.tokenizer_data
+    by_ids = loaded.engine == "vllm"
 
     def build() -> ReasoningTables:
         start = _marker_ids(loaded.tokenizer, markers.start)
         end = _marker_ids(loaded.tokenizer, markers.end)
+        if by_ids and len(end) != 1:
+            raise ConfigError(f"on vLLM's engine the reasoning end marker must be one token of "
+                              f"the vocabulary; {markers.end!r} is {len(end)} tokens here. Use "
+                              "engine='native' for this model's reasoning, or markers whose end "
+                              "is one token", option="reasoning")
         try:
             return ReasoningTables(tok, start, end, markers.end.encode("utf-8"),
-                                   markers.start.encode("utf-8"))
+                                   markers.start.encode("utf-8"), match_text=not by_ids)
         except ValueError as e:
             raise ConfigError(f"{e}; pass ReasoningMarkers with the model's markers",
                               option="reasoning") from None
-    return tok.derived(f"reasoning:{markers.start}\x00{markers.end}", build)
+    key = f"reasoning:{markers.start}\x00{markers.end}" + ("\x00ids" if by_ids else "")
+    return tok.derived(key, build)
 
 
 def start_phase(tokenizer: Any, prompt_ids: Sequence[int], markers: ReasoningMarkers) -> str:
@@ -205,7 +216,8 @@ def reasoning_matcher(loaded: LoadedModel, compiled: CompiledSpec | None,
     return ReasoningMatcher(_tables(loaded, markers),
                             compiled.new_matcher if compiled is not None else None,
                             max_reasoning_tokens=check_reasoning_budget(max_reasoning_tokens),
-                            phase=start_phase(loaded.tokenizer, prompt_ids, markers))
+                            phase=start_phase(loaded.tokenizer, prompt_ids, markers),
+                            source=compiled)
 
 
 def split_reasoning(tokenizer: Any, output_ids: Sequence[int], matcher: Matcher | None,

@@ -28,6 +28,7 @@ per-request speculative metrics.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -47,6 +48,7 @@ from constrained_spec.generation.engine import (
 )
 from constrained_spec.grammar.compile import CompiledSpec
 from constrained_spec.grammar.matcher import Matcher, XGrammarMatcher
+from constrained_spec.grammar.reasoning import ReasoningMatcher
 from constrained_spec.model.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -159,22 +161,53 @@ def engine_for(model: LoadedModel, speculative: SpeculativeConfig | None) -> Any
 
 # -- constraints -----------------------------------------------------------------------------
 def structured_outputs(matcher: Matcher | None) -> Any:
-    """vLLM's ``StructuredOutputsParams`` for a request's matcher: its compiled grammar as
-    xgrammar EBNF (None: free text)."""
+    """vLLM's ``StructuredOutputsParams`` for a fresh request matcher: its compiled grammar as
+    xgrammar EBNF, or for a reasoning model the whole output as a structural tag
+    (`reasoning_tag`); None: free text."""
     if matcher is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
+    if isinstance(matcher, ReasoningMatcher):
+        return StructuredOutputsParams(structural_tag=json.dumps(reasoning_tag(matcher)))
     compiled = matcher.compiled if isinstance(matcher, XGrammarMatcher) else None
     if not isinstance(compiled, CompiledSpec):
         raise ConfigError(f"the vLLM engine takes grammars compiled by xgrammar (backend="
-                          f"'xgrammar'), not a {type(matcher).__name__}; reasoning models run on"
-                          " our engine for now", option="backend")
-    ebnf = getattr(compiled, "_vllm_ebnf", None)
-    if ebnf is None:  # written once per compiled grammar
-        ebnf = str(compiled.backend_object.grammar)
-        compiled._vllm_ebnf = ebnf  # type: ignore[attr-defined]
-    return StructuredOutputsParams(grammar=ebnf)
+                          f"'xgrammar'), not a {type(matcher).__name__}", option="backend")
+    return StructuredOutputsParams(grammar=compiled.ebnf())
+
+
+def reasoning_tag(matcher: ReasoningMatcher) -> dict[str, Any]:
+    """A reasoning model's whole output as one xgrammar structural tag, the same token-level
+    language as our `ReasoningMatcher` built for vLLM (``match_text=False``, a one-token end
+    marker: `frontend.reasoning`): the start marker's tokens (when the prompt did not open the
+    block), then up to ``max_reasoning_tokens`` thinking tokens -- any ordinary token or marker
+    token but the end marker -- then the end marker, then the answer's grammar (or free text of
+    ordinary tokens). Our matcher still checks every token vLLM emits (`commit_tokens`)."""
+    t = matcher.tables
+    if matcher.started or t.match_text or len(t.end_ids) != 1:
+        raise ConfigError("a reasoning request reaches vLLM only fresh, with tables built for "
+                          "vLLM (load_model(..., engine='vllm'))", option="reasoning")
+    markers = set(t.start_ids) | set(t.end_ids)
+    ordinary = {i for ids in t.tok.text_tokens().values() for i in ids} | markers
+    others = [i for i in range(t.vocab_size) if i not in ordinary]
+    source = matcher.source
+    if source is None:
+        answer: dict[str, Any] = {"type": "any_tokens", "exclude_tokens": others}
+    elif isinstance(source, CompiledSpec):
+        answer = {"type": "grammar", "grammar": source.ebnf()}
+    else:
+        raise ConfigError(f"the vLLM engine cannot compile a {type(source).__name__} answer",
+                          option="backend")
+    elements: list[dict[str, Any]] = []
+    if matcher.start_phase != "answer":
+        if matcher.start_phase == "opening":
+            elements += [{"type": "token", "token": i} for i in t.start_ids]
+        elements += [{"type": "any_tokens", "exclude_tokens": others + list(t.end_ids),
+                      "max_tokens": matcher.budget},
+                     {"type": "token", "token": t.end_ids[0]}]
+    elements.append(answer)
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
 
 
 def sampling_params(r: Request) -> Any:

@@ -568,3 +568,79 @@ def test_reasoning_options_are_checked(open_loaded):
 
 def test_split_reasoning_without_a_reasoning_matcher_is_the_whole_text():
     assert split_reasoning(None, [1, 2], None, "text") == (None, "text")
+
+
+# -- on vLLM's engine: the whole output as one structural tag ------------------------------
+def _tag_matcher(tok, matcher):
+    """xgrammar's matcher over `vllm_engine.reasoning_tag` of ``matcher`` (what vLLM runs)."""
+    import json
+
+    import xgrammar
+
+    from constrained_spec.generation.vllm_engine import reasoning_tag
+    from constrained_spec.grammar.compile import _xgrammar_compiler
+
+    tag = json.dumps(reasoning_tag(matcher))
+    return xgrammar.GrammarMatcher(_xgrammar_compiler(tok).compile_structural_tag(tag))
+
+
+def _tag_allowed(xm, vocab: int = V) -> set[int]:
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(1, vocab)
+    xm.fill_next_token_bitmask(mask)
+    return {t for t in range(vocab) if (int(mask[0, t >> 5]) >> (t & 31)) & 1}
+
+
+@pytest.mark.parametrize("phase", ["opening", "thinking", "answer"])
+@pytest.mark.parametrize("budget", [None, 0, 3])
+@pytest.mark.parametrize("answer", ["grammar", "free"])
+def test_vllm_structural_tag_allows_exactly_what_our_matcher_allows(tok, compiled, phase, budget,
+                                                                   answer):
+    # vLLM masks with the tag, our side commits every token it emits into our matcher: the two
+    # must allow the same tokens at every step (stop tokens: xgrammar offers them where the
+    # output may end, ours where it has ended), along seeded random walks through each phase
+    import random
+
+    t = ReasoningTables(tok, ids(["<think>"]), ids(["</think>"]), b"</think>", match_text=False)
+    inner = compiled if answer == "grammar" else None
+    for seed in range(6):
+        ours = ReasoningMatcher(t, inner.new_matcher if inner else None, max_reasoning_tokens=budget,
+                                phase=phase, source=inner)
+        theirs = _tag_matcher(tok, ours)
+        rng = random.Random(seed)
+        for _ in range(40):
+            a, b = allowed(ours), _tag_allowed(theirs)
+            assert a - {EOS} == b - {EOS}, (seed, ours.phase)
+            if EOS in b:
+                assert ours.phase == "answer"
+            choices = sorted(a - {EOS}) or sorted(a)
+            if not choices:
+                break
+            # lean towards the end marker so that walks reach the answer
+            token = ID["</think>"] if ID["</think>"] in choices and rng.random() < 0.2 else rng.choice(choices)
+            assert ours.accept(token) and theirs.accept_token(token)
+            if ours.is_terminated():
+                break
+
+
+def test_vllm_mode_closes_only_on_the_marker_token_not_on_its_spelling(tok, compiled):
+    t = ReasoningTables(tok, ids(["<think>"]), ids(["</think>"]), b"</think>", match_text=False)
+    m = ReasoningMatcher(t, compiled.new_matcher, phase="thinking", source=compiled)
+    feed(m, ["</", "th", "ink", ">"])  # the text, spelled: still thinking
+    assert m.phase == "thinking" and ID["k>{"] in allowed(m)  # nothing runs past a text marker
+    feed(m, ["</think>"])
+    assert m.phase == "answer" and m.markers == ("<think>", "</think>")
+
+
+def test_a_started_or_text_matching_reasoning_matcher_is_refused_by_the_vllm_engine(tok, compiled):
+    from constrained_spec.generation.vllm_engine import reasoning_tag
+
+    by_text = ReasoningMatcher(tables(tok), compiled.new_matcher, phase="thinking", source=compiled)
+    with pytest.raises(ConfigError, match="reasoning"):
+        reasoning_tag(by_text)
+    t = ReasoningTables(tok, ids(["<think>"]), ids(["</think>"]), b"</think>", match_text=False)
+    started = ReasoningMatcher(t, compiled.new_matcher, phase="thinking", source=compiled)
+    feed(started, ["a"])
+    with pytest.raises(ConfigError, match="fresh"):
+        reasoning_tag(started)

@@ -180,3 +180,35 @@ def test_a_configuration_vllm_refuses_is_a_config_error_naming_why(vllm_usable):
     with pytest.raises(ConfigError, match="divisible by tensor parallel size") as err:
         generate(model, PROMPT, schema=Person, speculative=False)
     assert err.value.option == "engine_args"
+
+
+# markers that are one token each in the embedded model's vocabulary (the model never writes
+# them: the budget closes the block, a structural tag on vLLM's side, our matcher on ours)
+ONE_TOKEN_MARKERS = ("<issue_start>", "<issue_closed>")
+
+
+@pytest.mark.parametrize("budget,drafting", [(0, False), (5, False), (5, True)])
+def test_reasoning_on_vllm_thinks_within_the_budget_then_answers_validated(vllm_model, budget,
+                                                                          drafting):
+    from constrained_spec.frontend.reasoning import ReasoningMarkers
+
+    start, end = (vllm_model.tokenizer.convert_tokens_to_ids(m) for m in ONE_TOKEN_MARKERS)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4) if drafting else False
+    res = generate(vllm_model, PROMPT, schema=Person, reasoning=ReasoningMarkers(*ONE_TOKEN_MARKERS),
+                   max_reasoning_tokens=budget, speculative=spec, max_retries=0, return_result=True)
+    assert isinstance(res.value, Person) and res.finish_reason == "stop"
+    ids = res.token_ids
+    assert ids[0] == start and ids[budget + 1] == end and end not in ids[1:budget + 1]
+    assert isinstance(res.reasoning, str) and len(vllm_model.tokenizer.encode(
+        res.reasoning, add_special_tokens=False)) <= budget
+    assert Person.model_validate_json(res.text) == res.value
+
+
+def test_reasoning_on_vllm_with_an_end_marker_of_several_tokens_is_a_config_error(vllm_model):
+    from constrained_spec.errors import ConfigError
+    from constrained_spec.frontend.reasoning import ReasoningMarkers
+
+    with pytest.raises(ConfigError, match="one token") as err:
+        generate(vllm_model, PROMPT, schema=Person, reasoning=ReasoningMarkers("<think>", "</think>"),
+                 speculative=False)
+    assert err.value.option == "reasoning"
