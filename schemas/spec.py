@@ -147,7 +147,8 @@ def normalize_schema(schema: Any, *, layout: JsonLayout = JsonLayout()) -> Schem
         A Pydantic ``BaseModel`` subclass (parsed into an instance), a JSON Schema ``dict`` or
         JSON text (parsed into plain JSON values), a `Regex` (-> ``str``), a list / tuple of
         choices, ``typing.Literal[...]`` or an ``Enum`` subclass (-> the chosen value / member),
-        a `Grammar` (-> ``str``), any other type Pydantic's ``TypeAdapter`` accepts (e.g.
+        a `Grammar` (-> ``str``), a `StructuralTag` (-> a ``TaggedText``: free text with
+        segments, each validated; ``structural.py``), any other type Pydantic's ``TypeAdapter`` accepts (e.g.
         ``list[int]``, a dataclass, a TypedDict), or an existing `SchemaSpec`.
     layout
         How JSON outputs are written (json_schema kind only).
@@ -168,6 +169,10 @@ def normalize_schema(schema: Any, *, layout: JsonLayout = JsonLayout()) -> Schem
         return _from_regex(schema.pattern)
     if isinstance(schema, Grammar):
         return _from_grammar(schema)
+    from .structural import StructuralTag
+
+    if isinstance(schema, StructuralTag):
+        return schema.to_spec(layout)
     if isinstance(schema, str):
         return _from_json_text(schema, layout)
     if isinstance(schema, (bytes, bytearray)):

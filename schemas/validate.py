@@ -69,6 +69,10 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
         if not _grammar_accepts(spec, text):
             raise OutputValidationError("output is not in the language of the EBNF grammar", text=text,
                                         errors=["grammar does not accept the text"])
+        from .structural import TagReader
+
+        if isinstance(spec.target, TagReader):  # a structural tag: each segment against its schema
+            return spec.target.value(text)
         return text
     raise SchemaError(f"unknown spec kind {spec.kind!r}")
 
