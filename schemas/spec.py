@@ -91,6 +91,22 @@ class JsonLayout:
 SpecKind = Literal["json_schema", "regex", "choice", "grammar"]
 
 
+@typing.runtime_checkable
+class SpecSource(typing.Protocol):
+    """A schema input that makes its own `SchemaSpec` (`structural.StructuralTag`): how a kind
+    built on top of the four joins `normalize_schema` without this module importing it."""
+
+    def to_spec(self, layout: JsonLayout) -> SchemaSpec: ...
+
+
+@typing.runtime_checkable
+class OutputReader(typing.Protocol):
+    """A spec ``target`` that reads an output its grammar accepted into the user's value
+    (`structural.TagReader`); `parse_output` calls it after the grammar check."""
+
+    def read_output(self, text: str) -> Any: ...
+
+
 @dataclass(frozen=True)
 class SchemaSpec:
     """One normalised schema: what to constrain generation to and what to parse the output into."""
@@ -169,9 +185,7 @@ def normalize_schema(schema: Any, *, layout: JsonLayout = JsonLayout()) -> Schem
         return _from_regex(schema.pattern)
     if isinstance(schema, Grammar):
         return _from_grammar(schema)
-    from .structural import StructuralTag
-
-    if isinstance(schema, StructuralTag):
+    if isinstance(schema, SpecSource):  # a StructuralTag (structural.py) builds its own
         return schema.to_spec(layout)
     if isinstance(schema, str):
         return _from_json_text(schema, layout)

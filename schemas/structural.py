@@ -274,7 +274,7 @@ class TagReader:
 
     segments: tuple[tuple[str, str, Any], ...]
 
-    def value(self, text: str) -> TaggedText:
+    def read_output(self, text: str) -> TaggedText:
         found, pos = [], 0
         while self.segments:
             hit = self._next(text, pos)

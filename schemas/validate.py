@@ -21,7 +21,7 @@ from constrained_spec.errors import OutputValidationError, SchemaError
 
 from .backend_log import hear_compile
 from .pointers import to_pointer
-from .spec import SchemaSpec
+from .spec import OutputReader, SchemaSpec
 from .validator import json_validator
 
 __all__ = ["parse_output"]
@@ -69,10 +69,8 @@ def parse_output(spec: SchemaSpec, text: str) -> Any:
         if not _grammar_accepts(spec, text):
             raise OutputValidationError("output is not in the language of the EBNF grammar", text=text,
                                         errors=["grammar does not accept the text"])
-        from .structural import TagReader
-
-        if isinstance(spec.target, TagReader):  # a structural tag: each segment against its schema
-            return spec.target.value(text)
+        if isinstance(spec.target, OutputReader):  # a structural tag: each segment validated
+            return spec.target.read_output(text)
         return text
     raise SchemaError(f"unknown spec kind {spec.kind!r}")
 
