@@ -1,7 +1,8 @@
 /* Few-row products with 4-bit and 8-bit group weights on an x86 CPU (see cpu_native.py).
 
    q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, int8 groups: a GGUF Q8_0 / Q5_0 / Q5_1 matrix such as an
-   LM head) at the end.
+   LM head) after it; then the exact decode attention (cs_attention) and, at the end, the whole
+   decode / verify layer stack in one call made of them (cs_forward, native_forward.py).
 
    y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / GROUP,
    q in 0..15, x bfloat16, y bfloat16 (round to nearest even) or float32.
@@ -427,102 +428,421 @@ int cs_attention_width(void) { return W; }
         for (int c = 0; c < CC; c++) VSTORE(acc[g] + c * W, a[c]);                               \
     }
 
+/* One (row r, kv head kv) task of the exact attention: row r's G = H / KV query heads (row r of
+   q starts at r * q_stride) over its keys, into out (row r at r * H * hd). 0, or -1 when out
+   of memory. */
+static int attn_task(const uint16_t *q, size_t q_stride, const uint16_t *k_cache,
+                     const uint16_t *v_cache, int L, const int32_t *slot, const int32_t *lo,
+                     const int32_t *hi, int r, int kv, int H, int KV, int hd, float scale,
+                     float softcap, uint16_t *out) {
+    const int G = H / KV, C = hd / W;
+    const int n = hi[r] - lo[r];
+    uint16_t *o = out + ((size_t)r * H + (size_t)kv * G) * hd;
+    if (n <= 0) { memset(o, 0, sizeof(uint16_t) * G * hd); return 0; }
+    const int np = (n + W - 1) / W * W;  /* scores padded with -inf to whole vectors */
+    float *s = (float *)malloc(sizeof(float) * (size_t)G * np);
+    if (!s) return -1;
+    VEC qv[MAX_G][MAX_HD / W];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) qv[g][c] = vload_bf16(q + (size_t)r * q_stride + ((size_t)kv * G + g) * hd + c * W);
+    const size_t base = ((size_t)slot[r] * L) * KV + kv;
+    float mx[MAX_G];
+    for (int g = 0; g < G; g++) mx[g] = -INFINITY;
+    /* q . k: W keys at a time (their W horizontal sums at once), then the keys left one by
+       one; which keys go which way depends only on n */
+    const int nb = n / W * W;
+    for (int j = 0; j < nb; j += W) {
+        VEC kf[W][MAX_HD / W];
+        for (int jj = 0; jj < W; jj++) {
+            const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j + jj) * KV) * hd;
+            for (int c = 0; c < C; c++) kf[jj][c] = vload_bf16(kp + c * W);
+        }
+        for (int g = 0; g < G; g++) {
+            VEC acc[W];
+            for (int jj = 0; jj < W; jj++) {
+                acc[jj] = VMUL(qv[g][0], kf[jj][0]);
+                for (int c = 1; c < C; c++) acc[jj] = VFMA(qv[g][c], kf[jj][c], acc[jj]);
+            }
+            VSTORE(s + (size_t)g * np + j, vsum_each(acc));
+        }
+    }
+    for (int j = nb; j < n; j++) {
+        const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
+        VEC kf[MAX_HD / W];
+        for (int c = 0; c < C; c++) kf[c] = vload_bf16(kp + c * W);
+        for (int g = 0; g < G; g++) {
+            VEC acc = VMUL(qv[g][0], kf[0]);
+            for (int c = 1; c < C; c++) acc = VFMA(qv[g][c], kf[c], acc);
+            s[(size_t)g * np + j] = vsum(acc);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *sg = s + (size_t)g * np;
+        for (int j = 0; j < n; j++) {
+            float v = sg[j] * scale;
+            if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
+            sg[j] = v;
+            if (v > mx[g]) mx[g] = v;
+        }
+    }
+    float inv[MAX_G];
+    for (int g = 0; g < G; g++) {
+        float *sg = s + (size_t)g * np;
+        for (int j = n; j < np; j++) sg[j] = -INFINITY;
+        const VEC m = VSET1(mx[g]);
+        VEC tot = VZERO();
+        for (int j = 0; j < np; j += W) {
+            const VEC e = vexp(VSUB(VLOADU(sg + j), m));
+            VSTORE(sg + j, e);
+            tot = VADD(tot, e);
+        }
+        inv[g] = 1.0f / vsum(tot);
+    }
+    float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
+    /* sum_j p_j v_j: acc = fma(p_j, v_j, acc) in key order; one head at a time with its
+       accumulators in registers for the common head sizes */
+    switch (C) {
+    case 2: PV_HEADS(2); break;
+    case 4: PV_HEADS(4); break;
+    case 8: PV_HEADS(8); break;
+    case 16: PV_HEADS(16); break;
+    default:
+        for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * hd);
+        for (int j = 0; j < n; j++) {
+            const uint16_t *vp = v_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
+            VEC vf[MAX_HD / W];
+            for (int c = 0; c < C; c++) vf[c] = vload_bf16(vp + c * W);
+            for (int g = 0; g < G; g++) {
+                const VEC p = VSET1(s[(size_t)g * np + j]);
+                for (int c = 0; c < C; c++) VSTORE(acc[g] + c * W, VFMA(p, vf[c], VLOADU(acc[g] + c * W)));
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < hd; d++) o[(size_t)g * hd + d] = f32_to_bf16(acc[g][d] * inv[g]);
+    free(s);
+    return 0;
+}
+
 /* q: bf16 [R, H, hd]; k_cache, v_cache: bf16 [slots, L, KV, hd]; slot, lo, hi: [R];
    out: bf16 [R, H, hd]. hd a multiple of W, at most MAX_HD; H / KV at most MAX_G.
    Returns 0, -1 when out of memory, -2 for a shape it does not take. */
 int cs_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, int L,
                  const int32_t *slot, const int32_t *lo, const int32_t *hi, int R, int H, int KV,
                  int hd, float scale, float softcap, uint16_t *out) {
-    const int G = H / KV, C = hd / W;
+    const int G = H / KV;
     if (hd % W || hd > MAX_HD || G > MAX_G || G * KV != H) return -2;
     int failed = 0;
     #pragma omp parallel for schedule(static)
-    for (int task = 0; task < R * KV; task++) {
-        const int r = task / KV, kv = task % KV, n = hi[r] - lo[r];
-        uint16_t *o = out + ((size_t)r * H + (size_t)kv * G) * hd;
-        if (n <= 0) { memset(o, 0, sizeof(uint16_t) * G * hd); continue; }
-        const int np = (n + W - 1) / W * W;  /* scores padded with -inf to whole vectors */
-        float *s = (float *)malloc(sizeof(float) * (size_t)G * np);
-        if (!s) { failed = 1; continue; }
-        VEC qv[MAX_G][MAX_HD / W];
-        for (int g = 0; g < G; g++)
-            for (int c = 0; c < C; c++) qv[g][c] = vload_bf16(q + ((size_t)r * H + kv * G + g) * hd + c * W);
-        const size_t base = ((size_t)slot[r] * L) * KV + kv;
-        float mx[MAX_G];
-        for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-        /* q . k: W keys at a time (their W horizontal sums at once), then the keys left one by
-           one; which keys go which way depends only on n */
-        const int nb = n / W * W;
-        for (int j = 0; j < nb; j += W) {
-            VEC kf[W][MAX_HD / W];
-            for (int jj = 0; jj < W; jj++) {
-                const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j + jj) * KV) * hd;
-                for (int c = 0; c < C; c++) kf[jj][c] = vload_bf16(kp + c * W);
-            }
-            for (int g = 0; g < G; g++) {
-                VEC acc[W];
-                for (int jj = 0; jj < W; jj++) {
-                    acc[jj] = VMUL(qv[g][0], kf[jj][0]);
-                    for (int c = 1; c < C; c++) acc[jj] = VFMA(qv[g][c], kf[jj][c], acc[jj]);
-                }
-                VSTORE(s + (size_t)g * np + j, vsum_each(acc));
-            }
+    for (int task = 0; task < R * KV; task++)
+        if (attn_task(q, (size_t)H * hd, k_cache, v_cache, L, slot, lo, hi, task / KV, task % KV, H,
+                      KV, hd, scale, softcap, out)) {
+            #pragma omp atomic write
+            failed = 1;
         }
-        for (int j = nb; j < n; j++) {
-            const uint16_t *kp = k_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
-            VEC kf[MAX_HD / W];
-            for (int c = 0; c < C; c++) kf[c] = vload_bf16(kp + c * W);
-            for (int g = 0; g < G; g++) {
-                VEC acc = VMUL(qv[g][0], kf[0]);
-                for (int c = 1; c < C; c++) acc = VFMA(qv[g][c], kf[c], acc);
-                s[(size_t)g * np + j] = vsum(acc);
-            }
+    return failed ? -1 : 0;
+}
+
+/* ---- The whole decode / verify layer stack in one call (cs_forward) ------------------------
+
+   For R rows (one query position each) and every decoder layer, in one OpenMP team:
+     h = RMSNorm(x); qkv = h @ Wqkv (+ b); q / k heads RMSNorm'd (qk-norm); RoPE on q and k;
+     k, v written to the layer's bf16 cache at (slot, pos); att = the exact attention above;
+     a = att @ Wo (+ b) (RMSNorm'd: gemma); x = x + a; h = RMSNorm(x);
+     g, u = h @ Wgate_up (+ b); m = act(g) * u; d = m @ Wdown (+ b) (RMSNorm'd: gemma); x = x + d.
+   Every step rounds to bfloat16 where the runner's torch path does (the linears' outputs, a
+   norm's result, each RoPE product and sum, act(g), act(g) * u, each residual sum), so the two
+   differ only in the order of the float32 sums inside a norm, a product or an activation.
+   Each row is computed by one thread with an instruction sequence that depends only on the
+   row (the GEMM blocks as cs_q4_gemm / cs_q8_gemm, the attention as cs_attention, the rest
+   row by row), so a row's bits do not depend on the other rows of the call. The steps of a
+   layer are worksharing loops of the one team (over rows, weight tiles or attention tasks),
+   each ending in its barrier: no thread team is started per operation. */
+
+typedef struct {         /* one packed weight [n, k] (cpu_native.GroupPack) and its bias */
+    const uint8_t *pack;
+    const uint16_t *bias;  /* bf16 [n], or NULL */
+    int n, k, bits, half, has_min;
+} cs_lin;
+
+typedef struct {         /* one decoder layer */
+    cs_lin qkv, o, gate_up, down;
+    /* norm weights as float32 [D] ([H + KV, hd] for qk_norm); NULL where the layer has none */
+    const float *attn_in, *mlp_in, *attn_out, *mlp_out, *qk_norm;
+    int rope;              /* which (cos, sin) pair of the call its RoPE reads */
+    int window;            /* which attention rows of the call it reads (its window's) */
+} cs_layer;
+
+typedef struct {         /* what every layer shares */
+    int layers, D, H, KV, hd, I, rot;  /* I: the MLP's inner size; rot: RoPE'd dims per head */
+    int norm_offset;       /* gemma: norm weights hold 1 + w, the product is taken in float32 */
+    int gelu;              /* 1: gelu (tanh approximation), 0: silu */
+    float eps, scale, softcap;  /* the norms' epsilon; the attention's scale and soft cap (0: none) */
+} cs_model;
+
+static inline float bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* sum_j x[j]^2 over n values in the order of torch's CPU sum of a contiguous float32 row
+   (aten SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum, 8-float vectors,
+   4 accumulators, a cascade of 4 levels), so that a norm's statistic has torch's bits: one
+   sum order, whatever the rows of the call. */
+#define SUM_L 8
+static float torch_sumsq(const uint16_t *x, int n) {
+    const int vecs = n / SUM_L, size = vecs / 4;
+    int ceil_log2 = 0;
+    while ((1 << ceil_log2) < size) ceil_log2++;
+    const int lp = ceil_log2 / 4 > 4 ? ceil_log2 / 4 : 4, step = 1 << lp, mask = step - 1;
+    float acc[4][4][SUM_L];
+    memset(acc, 0, sizeof acc);
+#define SQ(e) (bf16_to_f32(x[e]) * bf16_to_f32(x[e]))
+#define ADD_ROW(i) for (int k = 0; k < 4; k++) for (int l = 0; l < SUM_L; l++) \
+        acc[0][k][l] += SQ(((i) * 4 + k) * SUM_L + l)
+    int i = 0;
+    while (i + step <= size) {
+        for (int j = 0; j < step; j++, i++) ADD_ROW(i);
+        for (int j = 1; j < 4; j++) {
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < SUM_L; l++) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.f; }
+            if (i & (mask << (j * lp))) break;
         }
-        for (int g = 0; g < G; g++) {
-            float *sg = s + (size_t)g * np;
-            for (int j = 0; j < n; j++) {
-                float v = sg[j] * scale;
-                if (softcap > 0.f) v = tanhf(v / softcap) * softcap;
-                sg[j] = v;
-                if (v > mx[g]) mx[g] = v;
-            }
-        }
-        float inv[MAX_G];
-        for (int g = 0; g < G; g++) {
-            float *sg = s + (size_t)g * np;
-            for (int j = n; j < np; j++) sg[j] = -INFINITY;
-            const VEC m = VSET1(mx[g]);
-            VEC tot = VZERO();
-            for (int j = 0; j < np; j += W) {
-                const VEC e = vexp(VSUB(VLOADU(sg + j), m));
-                VSTORE(sg + j, e);
-                tot = VADD(tot, e);
-            }
-            inv[g] = 1.0f / vsum(tot);
-        }
-        float acc[MAX_G][MAX_HD] __attribute__((aligned(64)));
-        /* sum_j p_j v_j: acc = fma(p_j, v_j, acc) in key order; one head at a time with its
-           accumulators in registers for the common head sizes */
-        switch (C) {
-        case 2: PV_HEADS(2); break;
-        case 4: PV_HEADS(4); break;
-        case 8: PV_HEADS(8); break;
-        case 16: PV_HEADS(16); break;
-        default:
-            for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * hd);
-            for (int j = 0; j < n; j++) {
-                const uint16_t *vp = v_cache + (base + (size_t)(lo[r] + j) * KV) * hd;
-                VEC vf[MAX_HD / W];
-                for (int c = 0; c < C; c++) vf[c] = vload_bf16(vp + c * W);
-                for (int g = 0; g < G; g++) {
-                    const VEC p = VSET1(s[(size_t)g * np + j]);
-                    for (int c = 0; c < C; c++) VSTORE(acc[g] + c * W, VFMA(p, vf[c], VLOADU(acc[g] + c * W)));
-                }
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int d = 0; d < hd; d++) o[(size_t)g * hd + d] = f32_to_bf16(acc[g][d] * inv[g]);
-        free(s);
     }
+    for (; i < size; i++) ADD_ROW(i);
+    for (int j = 1; j < 4; j++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < SUM_L; l++) acc[0][k][l] += acc[j][k][l];
+    for (int t = size * 4; t < vecs; t++)
+        for (int l = 0; l < SUM_L; l++) acc[0][0][l] += SQ(t * SUM_L + l);
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < SUM_L; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.f;
+    for (int e = vecs * SUM_L; e < n; e++) total += SQ(e);
+    for (int l = 0; l < SUM_L; l++) total += acc[0][0][l];
+    return total;
+#undef ADD_ROW
+#undef SQ
+}
+
+/* RMSNorm of n values as the runner's torch path: h = x / sqrt(mean(x^2) + eps) in float32
+   (the mean as torch takes it: the sum above, divided by n), then bf16(bf16(h) * w) (w a bf16
+   weight), or bf16(h * w) for gemma's float32 1 + w. */
+static void rms_row(const uint16_t *x, int n, const float *w, float eps, int offset, uint16_t *out) {
+    const float inv = 1.0f / sqrtf(torch_sumsq(x, n) / (float)n + eps);
+    for (int j = 0; j < n; j++) {
+        const float h = bf16_to_f32(x[j]) * inv;
+        out[j] = f32_to_bf16(offset ? h * w[j] : bf(h) * w[j]);
+    }
+}
+
+/* What a product reads of one row of its input (xb, K values): its group sums in one fixed
+   order, and on AVX2 the row as float32 (rows_in's work, row by row). */
+static void prep_row(const uint16_t *xb, int K, float *sx, float *xf) {
+    for (int g = 0; g < K / GROUP; g++) {
+        float s = 0.f;
+        for (int j = 0; j < GROUP; j++) {
+            const float v = bf16_to_f32(xb[g * GROUP + j]);
+            s += v;
+            if (xf) xf[g * GROUP + j] = v;
+        }
+        sx[g] = s;
+    }
+}
+
+/* y[M, n] = x[M, k] @ W^T (+ bias), bf16 out, its weight tiles shared among the team (an
+   orphaned worksharing loop: called by every thread of the team). x: the bf16 rows (read on
+   AVX-512-BF16), xf: the same as float32 (read on AVX2), sx: their group sums. */
+static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const float *sx, int M,
+                     uint16_t *y) {
+    const int K = w->k, N = w->n, G = K / GROUP, T = N / TILE;
+#if defined(__AVX512BF16__)
+    const xelem *xe = x;
+    (void)xf;
+#else
+    const xelem *xe = xf;
+    (void)x;
+#endif
+    const size_t tile_bytes = (size_t)G * (w->bits == 8 ? Q8_GROUP_BYTES(w->half, w->has_min)
+                                                        : GROUP_BYTES(w->half));
+    #pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wp = w->pack + (size_t)t * tile_bytes;
+        float out[MAXB * TILE];
+        for (int m0 = 0; m0 < M; m0 += MAXB) {
+            const int mb = M - m0 < MAXB ? M - m0 : MAXB;
+            if (w->bits == 8)
+                Q8_BLOCKS[mb](wp, w->half, w->has_min, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+            else
+                BLOCKS[mb](wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+            for (int m = 0; m < mb; m++)
+                for (int c = 0; c < TILE; c++) {
+                    const int col = t * TILE + c;
+                    float v = bf(out[m * TILE + c]);
+                    if (w->bias) v = bf(v + bf16_to_f32(w->bias[col]));
+                    y[(size_t)(m0 + m) * N + col] = f32_to_bf16(v);
+                }
+        }
+    }
+}
+
+/* RoPE of one head (hd values, the first rot of them rotated, rotate-half pairs j, j + rot / 2)
+   as the torch path: bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). */
+static void rope_head(uint16_t *x, int rot, const uint16_t *cos, const uint16_t *sin) {
+    float rx[MAX_HD];
+    const int h = rot / 2;
+    for (int j = 0; j < rot; j++) rx[j] = bf16_to_f32(x[j]);
+    for (int j = 0; j < rot; j++) {
+        const float other = j < h ? -rx[j + h] : rx[j - h];
+        x[j] = f32_to_bf16(bf(rx[j] * bf16_to_f32(cos[j])) + bf(other * bf16_to_f32(sin[j])));
+    }
+}
+
+/* After the QKV product of row r: qk-norm, RoPE, and its k and v into the caches. */
+static void qkv_row(const cs_model *m, const cs_layer *ly, uint16_t *qkv, int r, const int32_t *write,
+                    int R, uint16_t *kc, uint16_t *vc, int L, const uint16_t *const *rope) {
+    const int H = m->H, KV = m->KV, hd = m->hd;
+    uint16_t *row = qkv + (size_t)r * (H + 2 * KV) * hd;
+    const uint16_t *cos = rope[2 * ly->rope] + (size_t)r * m->rot;
+    const uint16_t *sin = rope[2 * ly->rope + 1] + (size_t)r * m->rot;
+    for (int h = 0; h < H + KV; h++) {
+        uint16_t *head = row + (size_t)h * hd;
+        if (ly->qk_norm) rms_row(head, hd, ly->qk_norm + (size_t)h * hd, m->eps, m->norm_offset, head);
+        rope_head(head, m->rot, cos, sin);
+    }
+    const size_t at = ((size_t)write[r] * L + (size_t)write[R + r]) * KV * hd;  /* (slot, pos) */
+    memcpy(kc + at, row + (size_t)H * hd, sizeof(uint16_t) * KV * hd);
+    memcpy(vc + at, row + (size_t)(H + KV) * hd, sizeof(uint16_t) * KV * hd);
+}
+
+static inline float act_of(float g, int gelu) {
+    if (gelu) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    return g / (1.0f + expf(-g));
+}
+
+/* Scratch of one forward (malloc'd together, freed together). */
+typedef struct {
+    uint16_t *h, *qkv, *att, *a, *gu, *mid;
+    float *sx, *xf;
+} fwd_buf;
+
+static void free_buf(fwd_buf *b) {
+    free(b->h); free(b->qkv); free(b->att); free(b->a); free(b->gu); free(b->mid);
+    free(b->sx); free(b->xf);
+}
+
+static int alloc_buf(const cs_model *m, int R, fwd_buf *b) {
+    const size_t D = m->D, Q = (size_t)(m->H + 2 * m->KV) * m->hd, A = (size_t)m->H * m->hd;
+    size_t kmax = D > A ? D : A;
+    if ((size_t)m->I > kmax) kmax = m->I;
+    memset(b, 0, sizeof *b);
+    b->h = malloc(2 * R * D + 2);
+    b->qkv = malloc(2 * R * Q + 2);
+    b->att = malloc(2 * R * A + 2);
+    b->a = malloc(2 * R * D + 2);
+    b->gu = malloc(4 * R * (size_t)m->I + 2);
+    b->mid = malloc(2 * R * (size_t)m->I + 2);
+    b->sx = malloc(sizeof(float) * (R * kmax / GROUP + 1));
+#if !defined(__AVX512BF16__)
+    b->xf = malloc(sizeof(float) * (R * kmax + 1));
+    if (!b->xf) { free_buf(b); return -1; }
+#endif
+    if (!b->h || !b->qkv || !b->att || !b->a || !b->gu || !b->mid || !b->sx) { free_buf(b); return -1; }
+    return 0;
+}
+
+/* The input of the next product, row r: group sums (and float32 on AVX2) of x [K]. */
+#define PREP(b, x, r, K) prep_row((x) + (size_t)(r) * (K), (K), (b)->sx + (size_t)(r) * ((K) / GROUP), \
+                                  (b)->xf ? (b)->xf + (size_t)(r) * (K) : 0)
+
+/* One decoder layer for R rows (called by every thread of the team). */
+static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x, fwd_buf *b,
+                      const int32_t *write, uint16_t *kc, uint16_t *vc, int L,
+                      const uint16_t *const *rope, const int32_t *rows, uint16_t *keep) {
+    const int D = m->D, H = m->H, KV = m->KV, hd = m->hd, I = m->I, A = H * hd;
+    int failed = 0;
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) {
+        if (keep) memcpy(keep + (size_t)r * D, x + (size_t)r * D, sizeof(uint16_t) * D);
+        rms_row(x + (size_t)r * D, D, ly->attn_in, m->eps, m->norm_offset, b->h + (size_t)r * D);
+        PREP(b, b->h, r, D);
+    }
+    lin_rows(&ly->qkv, b->h, b->xf, b->sx, R, b->qkv);
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) qkv_row(m, ly, b->qkv, r, write, R, kc, vc, L, rope);
+    #pragma omp for schedule(static)
+    for (int task = 0; task < R * KV; task++)
+        if (attn_task(b->qkv, (size_t)(H + 2 * KV) * hd, kc, vc, L, rows, rows + R, rows + 2 * R,
+                      task / KV, task % KV, H, KV, hd, m->scale, m->softcap, b->att)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) PREP(b, b->att, r, A);
+    lin_rows(&ly->o, b->att, b->xf, b->sx, R, b->a);
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) {
+        uint16_t *xr = x + (size_t)r * D, *ar = b->a + (size_t)r * D;
+        if (ly->attn_out) rms_row(ar, D, ly->attn_out, m->eps, m->norm_offset, ar);
+        for (int j = 0; j < D; j++) xr[j] = f32_to_bf16(bf16_to_f32(xr[j]) + bf16_to_f32(ar[j]));
+        rms_row(xr, D, ly->mlp_in, m->eps, m->norm_offset, b->h + (size_t)r * D);
+        PREP(b, b->h, r, D);
+    }
+    lin_rows(&ly->gate_up, b->h, b->xf, b->sx, R, b->gu);
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) {
+        const uint16_t *g = b->gu + (size_t)r * 2 * I;
+        uint16_t *mr = b->mid + (size_t)r * I;
+        for (int j = 0; j < I; j++)
+            mr[j] = f32_to_bf16(bf(act_of(bf16_to_f32(g[j]), m->gelu)) * bf16_to_f32(g[I + j]));
+        PREP(b, b->mid, r, I);
+    }
+    lin_rows(&ly->down, b->mid, b->xf, b->sx, R, b->a);
+    #pragma omp for schedule(static)
+    for (int r = 0; r < R; r++) {
+        uint16_t *xr = x + (size_t)r * D, *ar = b->a + (size_t)r * D;
+        if (ly->mlp_out) rms_row(ar, D, ly->mlp_out, m->eps, m->norm_offset, ar);
+        for (int j = 0; j < D; j++) xr[j] = f32_to_bf16(bf16_to_f32(xr[j]) + bf16_to_f32(ar[j]));
+    }
+    return failed;
+}
+
+static int lin_fits(const cs_lin *w, int n, int k) {
+    return w->pack && w->n == n && w->k == k && n % TILE == 0 && k % GROUP == 0
+        && (w->bits == 4 || w->bits == 8);
+}
+
+/* x: bf16 [R, D], the embeddings in, the last layer's output out. write: int32 [2, R], each
+   row's cache slot and position. caches: per layer its k then v cache, bf16 [slots, L, KV, hd].
+   rope: per RoPE of the model, cos then sin, bf16 [R, rot]. rows: per window of the model,
+   int32 [3, R] (slot, first key, past-last key: cs_attention's). keep: per layer NULL or bf16
+   [R, D], which receives the layer's input. Returns 0, -1 when out of memory, -2 for a shape
+   it does not take. */
+int cs_forward(const cs_model *m, const cs_layer *layers, int R, uint16_t *x, const int32_t *write,
+               uint16_t *const *caches, int L, const uint16_t *const *rope,
+               const int32_t *const *rows, uint16_t *const *keep) {
+    const int H = m->H, KV = m->KV, hd = m->hd, D = m->D;
+    if (hd % W || hd > MAX_HD || KV <= 0 || H % KV || H / KV > MAX_G || m->rot % 2 || m->rot > hd
+        || m->rot <= 0)
+        return -2;
+    for (int i = 0; i < m->layers; i++) {
+        const cs_layer *ly = layers + i;
+        if (!lin_fits(&ly->qkv, (H + 2 * KV) * hd, D) || !lin_fits(&ly->o, D, H * hd)
+            || !lin_fits(&ly->gate_up, 2 * m->I, D) || !lin_fits(&ly->down, D, m->I))
+            return -2;
+    }
+    if (R <= 0) return 0;
+    fwd_buf b;
+    if (alloc_buf(m, R, &b)) return -1;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        for (int i = 0; i < m->layers; i++) {
+            const cs_layer *ly = layers + i;
+            if (layer_rows(m, ly, R, x, &b, write, caches[2 * i], caches[2 * i + 1], L, rope,
+                           rows[ly->window], keep[i])) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+        }
+    }
+    free_buf(&b);
     return failed ? -1 : 0;
 }

@@ -36,6 +36,8 @@ with a warning: see "building and loading the library" below). Without a compile
 another architecture or when the build fails, `available` is False (`why_unavailable` says
 why) and the plan never offers ``q4`` or ``q8`` (torch's kernels run instead). Threads: the
 library uses the OpenMP runtime torch already loaded, so ``torch.set_num_threads`` applies to it.
+The same library holds the exact decode attention (`attention`) and the whole decode / verify
+layer stack in one call (``cs_forward``: `forward_function`, driven by `native_forward`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import shutil
 import signal
 import stat
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,6 +301,11 @@ def _bind(lib: ctypes.CDLL, build: str) -> tuple[ctypes.CDLL, int]:
         lib.cs_attention_width.restype = i
     except AttributeError as e:  # "<path>: undefined symbol: cs_..."
         raise _Refused(f"it lacks a kernel ({': '.join(str(e).rsplit(': ', 2)[-2:])})") from e
+    # the one-call decode / verify forward (native_forward.py, which mirrors its structs): a
+    # library without it still runs the kernels above, and the runner its torch forward
+    if hasattr(lib, "cs_forward"):
+        lib.cs_forward.argtypes = [vp, vp, i, vp, vp, vp, i, vp, vp, vp]
+        lib.cs_forward.restype = i
     tile = int(lib.cs_q4_tile())
     if tile != BUILDS[build][2]:
         raise _Refused(f"its tiles have {tile} columns, not {BUILDS[build][2]}")
@@ -588,6 +596,14 @@ def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch
 
 
 MAX_HEAD_DIM, MAX_HEADS_PER_KV = 256, 16  # cpu_native.c's MAX_HD, MAX_G
+
+
+def forward_function() -> Callable[..., int] | None:
+    """``cs_forward`` of this machine's library (`native_forward` calls it), or None where the
+    kernels do not load or the library has none."""
+    if not available():
+        return None
+    return getattr(_lib(None)[0], "cs_forward", None)
 
 
 def attention_supports(head_dim: int, heads: int, kv_heads: int) -> bool:

@@ -48,6 +48,13 @@ benchmarks/RESULTS.md, "Exact runner: its cost with query-invariant chunked atte
 "Exactness by default". Prompts (``phase="prefill"``) run one per forward in a batch, so a
 prompt's kernel and SDPA's query blocks come from its own length. RoPE, norms, embeddings and
 activations are per row already.
+
+The exact decode / verify rows of a forward whose linears all run packed (``q4`` / ``q8``) on
+bf16 activations and the native attention go through the whole layer stack in ONE native call
+(`kernels.native_forward`: norms, QKV, RoPE, cache write, attention, O, MLP, residuals, with
+every family switch above), rounding to bf16 where the torch layers do and row-invariant like
+them; the torch layers stay the reference and the fallback (``LeanRunner.native_forward =
+False`` selects them; tests and benchmarks/forward.py compare the two).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 import torch.nn.functional as F
 
-from constrained_spec.kernels import cpu_native
+from constrained_spec.kernels import cpu_native, native_forward
 from constrained_spec.model.attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
 from constrained_spec.model.families import Family, FamilySpec, UnsupportedModel, layer_linears
 from constrained_spec.model.plan import KernelPlan, exact_mode
@@ -267,6 +274,10 @@ class LeanRunner(RunnerBase):
         # hidden states kept per slot and position for drafters that read them (EAGLE-3, MTP)
         self.feature_layers: tuple[int, ...] = ()
         self.f_cache: torch.Tensor | None = None
+        # exact decode / verify rows on the one-call native layer stack (`_native_stack`) where
+        # it runs; False: the torch path (the reference, which tests and benchmarks compare)
+        self.native_forward = True
+        self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
@@ -331,6 +342,7 @@ class LeanRunner(RunnerBase):
                                lm_head="int8", source="drafting")
         # a draft model's rows change drafts only, never the output: its buckets may switch
         self.exact = False
+        self._native_stacks = {}
         linears = self.linears() + [self.lm_head_weight]
         for lin in linears:
             lin.prepare({self._kernel(lin, "int8"), "bf16"}, resident=lin.int4 is None)
@@ -367,6 +379,7 @@ class LeanRunner(RunnerBase):
         """Use ``plan`` from now on: build the packs and resident copies its kernels need, drop
         the rest, and put the KV cache in its dtype (every slot's cache is dropped)."""
         self.plan = plan
+        self._native_stacks = {}  # their packs may change
         decode = {k for _, k in plan.decode}
         # dense forms a decode step uses stay resident (a per-step dequantization would cost
         # more than the step); a prefill's too unless the plan is lean on memory
@@ -588,10 +601,14 @@ class LeanRunner(RunnerBase):
             fb.rope[key] = (cos[:, :, None], sin[:, :, None])  # [B, T, 1, rot_dim]
         keep = self.feature_layers
         kept: dict[int, torch.Tensor] = {}
-        for i, L in enumerate(self.layers):
-            if i in keep:
-                kept[i] = x
-            x = self._layer(i, L, x, fb)
+        stack = self._native_stack(fb)
+        if stack is not None:  # every layer in one native call
+            x = self._native_layers(stack, x, fb, kept)
+        else:
+            for i, L in enumerate(self.layers):
+                if i in keep:
+                    kept[i] = x
+                x = self._layer(i, L, x, fb)
         if keep:
             if self.n_layers in keep or -1 in keep:  # the last one after the final norm
                 kept[self.n_layers] = kept[-1] = self._rms(x, self.norm)
@@ -657,6 +674,72 @@ class LeanRunner(RunnerBase):
             lo = torch.zeros_like(hi) if win is None else (hi - win).clamp(min=0)
             out[win] = torch.stack([slot_t[:, None].expand(B, T), lo, hi]).reshape(3, B * T).to(torch.int32)
         return out
+
+    def _native_stack(self, fb: _ForwardBatch) -> native_forward.NativeForward | None:
+        """The one-call native layer stack (`kernels.native_forward`) for this forward, or None
+        where the torch layers run: not exact decode rows on the native attention
+        (``fb.native`` empty), `native_forward` off, or a linear of the plan's kernel that is not
+        packed q4 / q8. Built once per decode kernel (dropped with the plan)."""
+        if not (self.native_forward and fb.native):
+            return None
+        if fb.kernel not in self._native_stacks:
+            self._native_stacks[fb.kernel] = self._build_native_stack(fb.kernel)
+        return self._native_stacks[fb.kernel]
+
+    def _build_native_stack(self, kernel: str) -> native_forward.NativeForward | None:
+        if not native_forward.available():
+            return None
+        fam = self.family
+        kinds = {self._kernel(lin, kernel) for lin in self.linears()}
+        if not kinds <= {"q4", "q8"}:
+            logger.info("decode rows on the torch layers: kernels %s are not all native", sorted(kinds))
+            return None
+        ropes, windows = self._native_tables()
+
+        def lin(w: Linear) -> native_forward.NativeLinear:
+            return native_forward.NativeLinear(w._pack(self._kernel(w, kernel)), w.bias)
+
+        def norm(w: torch.Tensor) -> torch.Tensor:  # the values `_rms` multiplies by
+            return w.float() if fam.norm_offset else w.to(torch.bfloat16).float()
+
+        def opt(w: torch.Tensor | None) -> torch.Tensor | None:
+            return None if w is None else norm(w)
+
+        layers = [native_forward.NativeLayer(
+            lin(L.qkv), lin(L.o), lin(L.gate_up), lin(L.down), attn_in=norm(L.attn_in), mlp_in=norm(L.mlp_in),
+            attn_out=opt(L.attn_out), mlp_out=opt(L.mlp_out), qk_norm=opt(L.qk_norm),
+            rope=ropes.index(fam.rope_keys[i]), window=windows.index(fam.windows[i]))
+            for i, L in enumerate(self.layers)]
+        try:
+            stack = native_forward.NativeForward(
+                layers, heads=self.n_heads, kv_heads=self.n_kv, head_dim=self.head_dim, eps=self.eps,
+                scale=self.head_dim ** -0.5 if fam.attn_scale is None else fam.attn_scale,
+                softcap=fam.attn_softcap, norm_offset=fam.norm_offset, gelu=fam.act != "silu")
+        except ValueError as e:
+            logger.info("decode rows on the torch layers: %s", e)
+            return None
+        return stack
+
+    def _native_tables(self) -> tuple[list[str | None], list[int | None]]:
+        """The model's RoPE keys and window sizes, each once: a native layer's ``rope`` and
+        ``window`` index them."""
+        return list(dict.fromkeys(self.family.rope_keys)), list(dict.fromkeys(self.family.windows))
+
+    def _native_layers(self, stack: native_forward.NativeForward, x: torch.Tensor, fb: _ForwardBatch,
+                       kept: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Every decoder layer on x [B, T, D] in one native call; each kept layer's input into
+        ``kept`` (as the torch layers keep them)."""
+        B, T, D = x.shape
+        R = B * T
+        keep = [torch.empty(B, T, D, dtype=x.dtype) if i in self.feature_layers else None
+                for i in range(self.n_layers)]
+        ropes, windows = self._native_tables()
+        rope = [(fb.rope[key][0].reshape(R, -1), fb.rope[key][1].reshape(R, -1)) for key in ropes]
+        write = torch.stack([t.reshape(R) for t in fb.write_idx])
+        out = stack(x.reshape(R, D).contiguous(), write, self.k_cache, self.v_cache, rope,
+                    [fb.native[w] for w in windows], keep)
+        kept.update({i: t for i, t in enumerate(keep) if t is not None})
+        return out.view(B, T, D)
 
     def _layer(self, i: int, L: LayerWeights, x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
         """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""
