@@ -3,7 +3,8 @@
     person = generate(None, "Ada Lovelace, 36, mathematician", schema=Person)   # -> Person
 
 Every completed output is validated (jsonschema + Pydantic) before it is returned; running
-out of ``max_tokens`` first raises :class:`IncompleteOutputError` with the partial text.
+out of ``max_tokens`` first raises :class:`IncompleteOutputError` with the partial text (free
+text, with no schema, is returned as it is, ``finish_reason`` "length", as every peer does).
 
 A Generator's keywords come in groups, each checked as one option object before any model is
 loaded (docs/options.md): sampling (:class:`SamplingParams`), the schema
@@ -59,7 +60,9 @@ from constrained_spec.frontend.reasoning import (
 )
 from constrained_spec.frontend.tools import ToolParser, ToolSet, detect_format
 from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.protocols import BatchEngine
+from constrained_spec.generation.retry import can_resume, quote_tokens, resume, resume_point
 from constrained_spec.generation.stats import SpecStats
 from constrained_spec.grammar import CompiledSpec, Matcher, compile_spec
 from constrained_spec.model.loading import LoadedModel, load_model
@@ -77,6 +80,8 @@ from constrained_spec.schemas import (
 T = TypeVar("T")
 
 Backend = Literal["xgrammar", "outlines"]
+RetryFrom = Literal["start", "resume"]
+RETRY_FROM: tuple[RetryFrom, ...] = ("start", "resume")
 SchemaMode = Literal["default", "strict", "lenient"]
 BACKENDS: tuple[Backend, ...] = ("xgrammar", "outlines")
 SCHEMA_MODES: tuple[SchemaMode, ...] = ("default", "strict", "lenient")
@@ -130,10 +135,16 @@ DEFAULT_RETRY_TEMPERATURE = 0.7
 #: Seed of retry k (k >= 1) when the request has none: ``DEFAULT_RETRY_SEED + k`` (with a seed
 #: s: ``s + k``), so retried generations are reproducible.
 DEFAULT_RETRY_SEED = 0
+#: Where a retry after a loop or ``max_tokens`` starts (``retry_from``): ``"resume"`` continues
+#: the failed attempt from its last good point with the prompt's cache kept
+#: (generation/retry.py), ``"start"`` generates the whole output again after a new prefill.
+#: Chosen by measurement on the benchmark tasks (``benchmarks/retries.py``; docs/quality.md):
+#: a resumed retry spends only the tokens after the kept prefix and no second prefill.
+DEFAULT_RETRY_FROM: RetryFrom = "resume"
 # the options a call may set besides SamplingParams fields, by group (the rest of each group
 # is the Generator's only)
 _SCHEMA_CALL_OPTIONS = ("max_string_length", "max_items")  # and schema_mode, a keyword of its own
-_RETRY_CALL_OPTIONS = ("max_retries", "retry_temperature")
+_RETRY_CALL_OPTIONS = ("max_retries", "retry_temperature", "retry_from")
 _REASONING_CALL_OPTIONS = ("reasoning", "max_reasoning_tokens")
 _CALL_OPTIONS = sorted([*SamplingParams.__dataclass_fields__, *_SCHEMA_CALL_OPTIONS, "schema_mode",
                         *_RETRY_CALL_OPTIONS, *_REASONING_CALL_OPTIONS])
@@ -239,10 +250,16 @@ class RetryPolicy:
     temperature:
         Temperature of the retries of a greedy call, in (0, 100] (the ``retry_temperature``
         keyword).
+    retry_from:
+        Where a retry after a loop or ``max_tokens`` starts: ``"resume"`` (the default,
+        :data:`DEFAULT_RETRY_FROM`) continues the failed attempt from its last good point
+        (generation/retry.py), ``"start"`` generates the whole output again. A retry after an
+        output that failed validation always starts again.
     """
 
     max_retries: int | None = DEFAULT_MAX_RETRIES
     temperature: float = DEFAULT_RETRY_TEMPERATURE
+    retry_from: RetryFrom = DEFAULT_RETRY_FROM
 
     def __post_init__(self) -> None:
         check_count(self.max_retries, "max_retries", minimum=0, allow_none=True)
@@ -251,6 +268,10 @@ class RetryPolicy:
                               f"failed attempt), got {self.temperature!r}",
                               option="retry_temperature")
         object.__setattr__(self, "temperature", float(self.temperature))
+        if self.retry_from not in RETRY_FROM:
+            raise ConfigError(f"must be 'resume' (continue a failed attempt from its last good "
+                              f"point) or 'start' (generate it again), got "
+                              f"{self.retry_from!r:.40}", option="retry_from")
 
     @property
     def retries(self) -> int:
@@ -272,10 +293,11 @@ class RetryPolicy:
 
     @classmethod
     def resolve(cls, max_retries: int | None, temperature: float = DEFAULT_RETRY_TEMPERATURE,
-                *, streaming: bool = False) -> RetryPolicy:
+                *, streaming: bool = False, retry_from: RetryFrom = DEFAULT_RETRY_FROM
+                ) -> RetryPolicy:
         """The policy of a call that asked for ``max_retries`` (None: not set): see
         :meth:`for_call`."""
-        return cls(max_retries, temperature).for_call(streaming=streaming)
+        return cls(max_retries, temperature, retry_from).for_call(streaming=streaming)
 
     @staticmethod
     def failed(result: object) -> bool:
@@ -312,19 +334,25 @@ class Attempts:
         self.policy = policy
         self._todo = list(items)
         self._failed: list[int] = []
+        self.attempt = 0  # the attempt being run
 
     def __iter__(self) -> Iterator[tuple[int, list[int]]]:
         for attempt in range(self.policy.retries + 1):
             if not self._todo:
                 return
             self._failed = []
+            self.attempt = attempt
             yield attempt, list(self._todo)
             self._todo = self._failed
 
-    def record(self, item: int, result: object) -> None:
-        """Note the result of ``item``'s current attempt (a value, a result or an error)."""
-        if self.policy.failed(result):
+    def record(self, item: int, result: object, *, retry: bool = True) -> bool:
+        """Note the result of ``item``'s current attempt (a value, a result or an error);
+        ``retry`` False: never run it again (free text, unless ``max_retries`` was set).
+        Returns whether it will run again."""
+        if retry and self.policy.failed(result):
             self._failed.append(item)
+            return self.attempt < self.policy.retries
+        return False
 
 
 def _config_key(config: SpeculativeConfig) -> tuple[Hashable, ...]:
@@ -444,7 +472,7 @@ class Generator(Generic[T]):
       ``system_prompt`` and the opt-in bounds ``max_string_length``, ``max_items``; the
       pre-flight report of the Generator's own schema is ``report`` (None for free text);
     - ``retries`` (:class:`RetryPolicy`): ``max_retries`` (None: two retries after a failed
-      attempt, none while streaming), ``retry_temperature``;
+      attempt, none while streaming), ``retry_temperature``, ``retry_from``;
     - ``reasoning_options`` (:class:`~constrained_spec.frontend.reasoning.ReasoningOptions`):
       ``reasoning``, ``max_reasoning_tokens``; the markers in use are ``reasoning``;
     - ``tools`` (:class:`~constrained_spec.frontend.tools.ToolSet`): ``tools``,
@@ -468,6 +496,7 @@ class Generator(Generic[T]):
                  max_string_length: int | None = None, max_items: int | None = None,
                  max_retries: int | None = None,
                  retry_temperature: float = DEFAULT_RETRY_TEMPERATURE,
+                 retry_from: RetryFrom = DEFAULT_RETRY_FROM,
                  reasoning: ReasoningOption = "auto",
                  max_reasoning_tokens: int | None = None,
                  tools: object = None, tool_choice: str | Mapping[str, object] = "auto",
@@ -481,7 +510,7 @@ class Generator(Generic[T]):
                                        seed=seed, max_tokens=max_tokens,
                                        repetition_penalty=repetition_penalty,
                                        no_repeat_ngram_size=no_repeat_ngram_size)
-        self.retries = RetryPolicy(max_retries, retry_temperature)
+        self.retries = RetryPolicy(max_retries, retry_temperature, retry_from)
         self.speculative = resolve_speculative(speculative)
         self.max_batch_size = check_count(max_batch_size, "max_batch_size", minimum=1)
         self.tools = _toolset(tools, tool_choice, parallel_tool_calls)
@@ -539,9 +568,9 @@ class Generator(Generic[T]):
 
         ``overrides`` change this call's options: any :class:`SamplingParams` field,
         ``max_string_length``, ``max_items``, ``schema_mode``, ``max_retries``,
-        ``retry_temperature``, ``reasoning``, ``max_reasoning_tokens``. Errors are raised; for
-        a list the first failing item's error is raised after the whole batch ran (use
-        :meth:`batch` with ``return_exceptions=True`` to keep going).
+        ``retry_temperature``, ``retry_from``, ``reasoning``, ``max_reasoning_tokens``. Errors
+        are raised; for a list the first failing item's error is raised after the whole batch
+        ran (use :meth:`batch` with ``return_exceptions=True`` to keep going).
         """
         if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], dict):
             # a list of prompts (a chat, Messages, is a list of dicts): a narrowing mypy
@@ -574,31 +603,49 @@ class Generator(Generic[T]):
         retries = self.retries
         if any(k in overrides for k in _RETRY_CALL_OPTIONS):
             retries = RetryPolicy(overrides.pop("max_retries", retries.max_retries),
-                                  overrides.pop("retry_temperature", retries.temperature))
+                                  overrides.pop("retry_temperature", retries.temperature),
+                                  overrides.pop("retry_from", retries.retry_from))
+        # free text is retried only when max_retries was set: a text cut at max_tokens is an
+        # answer (finish_reason "length"), as every peer returns it
+        explicit = retries.max_retries is not None
         policy = retries.for_call(streaming=on_tokens is not None)
         results: list[Any] = [None] * len(prompts)
         stats: list[SpecStats | None] = [None] * len(prompts)
         failed: list[list[ConstrainedSpecError]] = [[] for _ in prompts]  # each item's so far
+        held: dict[int, Request] = {}  # item -> its failed attempt, cache kept to resume from
         attempts = policy.attempts(range(len(prompts)))
-        for attempt, todo in attempts:
-            options = policy.options(overrides, attempt, self.sampling)
-            requests: list[tuple[int, Request, SchemaSpec | None]] = []
-            for i in todo:
-                if attempt:
-                    failed[i].append(results[i])
-                try:
-                    cb = _token_callback(i, on_tokens, on_progress)
-                    schema = schemas[i] if schemas is not None else _SAME
-                    req, spec = self.make_request(prompts[i], schema=schema, on_tokens=cb, **options)
-                    requests.append((i, req, spec))
-                except ConstrainedSpecError as e:
-                    results[i] = e
-            self.new_engine().run([r for _, r, _ in requests])
-            for i, req, spec in requests:
-                results[i] = self.finalize(req, spec, return_result)
-                earlier_stats = stats[i]
-                stats[i] = req.stats if earlier_stats is None else earlier_stats.merge(req.stats)
-                attempts.record(i, results[i])
+        try:
+            for attempt, todo in attempts:
+                options = policy.options(overrides, attempt, self.sampling)
+                requests: list[tuple[int, Request, SchemaSpec | None]] = []
+                for i in todo:
+                    if attempt:
+                        failed[i].append(results[i])
+                    try:
+                        cb = _token_callback(i, on_tokens, on_progress)
+                        schema = schemas[i] if schemas is not None else _SAME
+                        req, spec = self.make_request(prompts[i], schema=schema, on_tokens=cb,
+                                                      **options)
+                        self._resume(req, spec, held.pop(i, None), policy, attempt)
+                        requests.append((i, req, spec))
+                    except ConstrainedSpecError as e:
+                        results[i] = e
+                self.new_engine().run([r for _, r, _ in requests])
+                for i, req, spec in requests:
+                    results[i] = self.finalize(req, spec, return_result)
+                    earlier_stats = stats[i]
+                    stats[i] = req.stats if earlier_stats is None else earlier_stats.merge(req.stats)
+                    again = attempts.record(i, results[i], retry=spec is not None or explicit)
+                    if again and can_resume(req):
+                        held[i] = req
+                    else:
+                        self._release(req)
+                        if not again and _cut_free_text(req, spec, return_result,
+                                                        explicit and policy.retries > 0):
+                            results[i] = self._cut_text(req, return_result)
+        finally:  # an exception (KeyboardInterrupt) leaves no cache slot behind
+            for req in held.values():
+                self._release(req)
         for item, st, earlier in zip(results, stats, failed):
             _record_attempts(item, st, earlier)
         if not return_exceptions:
@@ -606,6 +653,43 @@ class Generator(Generic[T]):
                 if isinstance(item, BaseException):
                     raise item
         return results
+
+    def _resume(self, req: Request, spec: SchemaSpec | None, failed: Request | None,
+                policy: RetryPolicy, attempt: int) -> None:
+        """Prepare the engine request of ``attempt``: with ``retry_from="resume"`` it keeps
+        its slot's cache when it fails (while retries are left), and continues ``failed`` (the
+        item's previous attempt, when that kept its cache) from its resume point
+        (generation/retry.py). vLLM's engine holds its own cache: its retries start again."""
+        if policy.retry_from != "resume" or self.model.vllm is not None:
+            return
+        req.keep_slot = attempt < policy.retries
+        if failed is None:
+            return
+        if failed.prompt_ids != req.prompt_ids:  # not the cached prompt: start again
+            self._release(failed)
+            return
+        json_out = (spec is not None and spec.kind == "json_schema"
+                    and not isinstance(req.matcher, ReasoningMatcher))
+        keep = resume_point(failed, self.model.tokenizer_data.decoded if json_out else None,
+                            resumed=failed.resumed)
+        resume(req, failed, keep)
+
+    def _release(self, req: Request) -> None:
+        """Free the cache slot ``req`` kept for a resumed retry (nothing if it kept none)."""
+        if can_resume(req):
+            self.model.runner.free_slot(req.slot)
+            req.slot = -1
+
+    def _cut_text(self, req: Request, return_result: bool) -> Any:
+        """The free text of ``req``, cut at ``max_tokens``: returned, not raised
+        (``finish_reason`` "length" on the :class:`GenerationResult`)."""
+        text = self.model.tokenizer.decode(req.output_ids)
+        reasoning, answer = split_reasoning(self.model.tokenizer, req.output_ids, req.matcher, text)
+        if not return_result:
+            return answer
+        return GenerationResult(value=answer, text=answer, token_ids=list(req.output_ids),
+                                finish_reason=req.finish_reason or "length", stats=req.stats,
+                                reasoning=reasoning)
 
     # -- building blocks (also used by servers that run their own engine loop) --------------
     def make_request(self, prompt: str | Messages, *, schema: object = _SAME,
@@ -634,7 +718,17 @@ class Generator(Generic[T]):
             matcher = reasoning_matcher(self.model, compiled, markers, ids, budget)
         else:
             matcher = compiled.new_matcher() if compiled is not None else None
-        return Request(ids, matcher, params, self.model.eos_token_ids, on_tokens=on_tokens), spec
+        return Request(ids, matcher, params, self.model.eos_token_ids, on_tokens=on_tokens,
+                       loops=self._loop_detector(spec)), spec
+
+    def _loop_detector(self, spec: SchemaSpec | None) -> LoopDetector:
+        """The loop detector of a request for ``spec``: with the structural rule (loops.py)
+        where quotes delimit values (JSON and tool calls)."""
+        if spec is None or not (spec.kind == "json_schema" or isinstance(spec.target, ToolParser)):
+            return LoopDetector()
+        data = self.model.tokenizer_data
+        return LoopDetector(structural_tokens=data.derived(
+            "quote_tokens", lambda: quote_tokens(data.decoded)))
 
     def _call_options(self, overrides: dict[str, Any], schema_mode: SchemaMode | None
                       ) -> tuple[SchemaOptions, tuple[ReasoningMarkers | None, int | None],
@@ -749,6 +843,20 @@ class Generator(Generic[T]):
                                                  stats=req.stats)
         err.partial_text = text
         return err
+
+
+def _cut_free_text(req: Request, spec: SchemaSpec | None, return_result: bool,
+                   retried: bool) -> bool:
+    """Whether free text (``spec`` None) cut at ``max_tokens`` is returned as it is: with
+    ``return_result``, else unless the caller asked for retries (``retried``: then it is an
+    incomplete output, raised) or a reasoning model was still thinking (there is no answer
+    text to return; the error says to set ``max_reasoning_tokens``)."""
+    if spec is not None or req.finish_reason != "length":
+        return False
+    if return_result:
+        return True
+    thinking = isinstance(req.matcher, ReasoningMatcher) and req.matcher.answer_start is None
+    return not retried and not thinking
 
 
 def _token_callback(index: int, on_tokens: Callable[[int, list[int]], None] | None,

@@ -138,6 +138,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # n > 0: a token that would repeat an n-gram already in the output is banned; 0 = off
     no_repeat_ngram_size: int = 0
+    # no stop (eos) token before this many output tokens; ignore_eos: none before max_tokens.
+    # Only where the grammar allows another token: a grammar that must end, ends
+    # (`engine.mask_stop_tokens`)
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
@@ -162,10 +167,21 @@ class SamplingParams:
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NO_REPEAT_NGRAM_SIZE:
             raise ConfigError(f"must be an integer in 0..{MAX_NO_REPEAT_NGRAM_SIZE} (0 = off), got "
                               f"{n!r}", option="no_repeat_ngram_size")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ConfigError(f"must be an integer >= 0 (0 = off), got {self.min_tokens!r:.40}",
+                              option="min_tokens")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"must be True or False, got {self.ignore_eos!r:.40}",
+                              option="ignore_eos")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def holds_stop(self, position: int) -> bool:
+        """Whether the stop tokens are masked at output ``position`` (``min_tokens``,
+        ``ignore_eos``)."""
+        return self.ignore_eos or position < self.min_tokens
 
     @property
     def guarded(self) -> bool:

@@ -118,12 +118,45 @@ def load_pydantic(ref: str) -> type:
     return obj
 
 
-def import_ref(ref: str, option: str, form: str = "MODULE:NAME") -> Any:
+def import_ref(ref: str, option: str, form: str = "MODULE:NAME",
+               modules: dict[str, Any] | None = None) -> Any:
     """Import ``module:name`` (``module`` a dotted name or a ``.py`` file; the current
-    directory is importable); errors name ``option``."""
+    directory is importable); errors name ``option``. ``modules``: the modules imported so far
+    by name, each imported once (a ``.py`` file would otherwise run again per name)."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"expected {form}, got {ref!r}", option=option)
+    if modules is None:
+        modules = {}
+    if module_name not in modules:
+        modules[module_name] = _import_module(module_name, option)
+    obj: Any = modules[module_name]
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"module {module_name!r} has no {attr!r}", option=option)
+        obj = getattr(obj, part)
+    return obj
+
+
+def tool_refs(value: str) -> list[str]:
+    """The ``MODULE:NAME`` references of one ``--tools`` value: ``mod.py:f1,f2,other:g`` ->
+    ``mod.py:f1``, ``mod.py:f2``, ``other:g`` (a name without a module is from the module
+    named before it)."""
+    out: list[str] = []
+    module = None
+    for ref in (r.strip() for r in value.split(",")):
+        if not ref:
+            continue
+        if ":" in ref:
+            module = ref.partition(":")[0]
+        elif module is not None:
+            ref = f"{module}:{ref}"
+        out.append(ref)  # a first name without a module: import_ref says what is expected
+    return out
+
+
+def _import_module(module_name: str, option: str) -> Any:
+    """The module ``module_name`` (a dotted name or a ``.py`` file), imported."""
     try:
         if module_name.endswith(".py"):
             spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
@@ -140,12 +173,7 @@ def import_ref(ref: str, option: str, form: str = "MODULE:NAME") -> Any:
     except Exception as e:  # the user's module may raise anything while it is imported
         raise ConfigError(f"cannot import {module_name!r}: {type(e).__name__}: {e}",
                           option=option) from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"module {module_name!r} has no {attr!r}", option=option)
-        obj = getattr(obj, part)
-    return obj
+    return module
 
 
 def tools_from_args(args: argparse.Namespace) -> Any:
@@ -162,9 +190,10 @@ def tools_from_args(args: argparse.Namespace) -> Any:
             raise ConfigError(f"{path}: malformed JSON: {e.msg} at line {e.lineno}",
                               option="--tool") from e
         tools.extend(value if isinstance(value, list) else [value])
+    modules: dict[str, Any] = {}
     for refs in args.tools or []:
-        tools.extend(import_ref(ref.strip(), "--tools", "MODULE:FUNCTION")
-                     for ref in refs.split(",") if ref.strip())
+        tools.extend(import_ref(ref, "--tools", "MODULE:FUNCTION[,FUNCTION...]", modules)
+                     for ref in tool_refs(refs))
     if not tools:
         if args.tool_choice is not None or args.parallel_tool_calls:
             raise ConfigError("needs tools (--tool FILE.json or --tools MODULE:FUNCTION)",
@@ -243,7 +272,7 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
     Bad values fail here, before a model is loaded, with the library's own checks and messages.
     """
-    from constrained_spec.api import RetryPolicy
+    from constrained_spec.api import DEFAULT_RETRY_FROM, RetryPolicy
     from constrained_spec.config import check_count
     from constrained_spec.frontend.reasoning import check_reasoning_budget
 
@@ -255,8 +284,10 @@ def generator_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("max_string_length", "max_items"):
         options[name] = check_count(getattr(args, name), name, minimum=1, allow_none=True)
     # max_retries None: the library's default (retries on, off while streaming)
-    retries = RetryPolicy(args.max_retries, args.retry_temperature)
+    retries = RetryPolicy(args.max_retries, args.retry_temperature,
+                          getattr(args, "retry_from", DEFAULT_RETRY_FROM))
     options["max_retries"], options["retry_temperature"] = retries.max_retries, retries.temperature
+    options["retry_from"] = retries.retry_from
     reasoning = getattr(args, "reasoning", "auto")
     options["reasoning"] = {"auto": "auto", "on": True, "off": False}[reasoning]
     options["max_reasoning_tokens"] = check_reasoning_budget(getattr(args, "max_reasoning_tokens", None))

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
@@ -19,7 +20,7 @@ from constrained_spec.cli.args import (
     speculative_from_args,
     tools_from_args,
 )
-from constrained_spec.cli.exit_codes import EXIT_OK
+from constrained_spec.cli.exit_codes import EXIT_OK, PROG
 from constrained_spec.errors import (
     ConfigError,
 )
@@ -90,8 +91,17 @@ def load_generator(args: argparse.Namespace, schema: Any, options: dict[str, Any
     if isinstance(args.system, str):  # before the model loads
         check_text(args.system, "--system", "the system prompt")
     engine = engine_options_from_args(args)
+    # loading takes seconds (tens on a first run): say so on stderr, the results' stream
+    # (stdout) stays the output alone
+    if not args.quiet:
+        print(f"{PROG}: loading model {args.model or '(the embedded default)'} ...",
+              file=sys.stderr, flush=True)
+    started = time.perf_counter()
     with _transformers_quiet(args.quiet):
         loaded = load_model(args.model, quiet=args.quiet, **engine)
+    if not args.quiet:
+        print(f"{PROG}: model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+              flush=True)
     return Generator(loaded, schema=schema, speculative=speculative, backend=args.backend,
                      schema_mode=args.schema_mode, system_prompt=args.system, layout=layout,
                      **options)

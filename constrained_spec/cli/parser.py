@@ -125,7 +125,7 @@ def _add_generate_parser(sub: Any) -> None:
                             "description, parameters}}) or a list of them; repeatable")
     tools.add_argument("--tools", action="append", metavar="MODULE:FUNCTION,...",
                        help="typed Python functions or Pydantic models as tools (MODULE may be a "
-                            ".py file); repeatable")
+                            ".py file; mod.py:f1,f2 takes several from one module); repeatable")
     tools.add_argument("--tool-choice", metavar="CHOICE", default=None,
                        help="auto (default: text or calls), required, none, or a tool's name")
     tools.add_argument("--parallel-tool-calls", action="store_true",
@@ -202,7 +202,12 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_lever_arguments(parser: argparse.ArgumentParser) -> None:
-    from constrained_spec.api import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_TEMPERATURE
+    from constrained_spec.api import (
+        DEFAULT_MAX_RETRIES,
+        DEFAULT_RETRY_FROM,
+        DEFAULT_RETRY_TEMPERATURE,
+        RETRY_FROM,
+    )
 
     defaults = SamplingParams()
     levers = parser.add_argument_group(
@@ -216,6 +221,10 @@ def _add_lever_arguments(parser: argparse.ArgumentParser) -> None:
     levers.add_argument("--retry-temperature", type=float, default=DEFAULT_RETRY_TEMPERATURE,
                         metavar="F", help="temperature of the retries when --temperature is 0 "
                                           "(retry k has seed --seed + k; default: %(default)s)")
+    levers.add_argument("--retry-from", choices=RETRY_FROM, default=DEFAULT_RETRY_FROM,
+                        help="where a retry after a loop or --max-tokens starts: resume the "
+                             "failed attempt from its last good point, or start the output "
+                             "again (default: %(default)s)")
     levers.add_argument("--no-repeat-ngram-size", type=int,
                         default=defaults.no_repeat_ngram_size, metavar="N",
                         help="ban a token that would repeat an N-gram already in the output, "

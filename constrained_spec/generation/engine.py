@@ -85,6 +85,11 @@ class Request:
     drafter_state: Any = None
     cancelled: bool = False
     loops: LoopDetector | None = field(default_factory=LoopDetector)  # None: never stop a loop
+    #: on an incomplete finish (RESUMABLE), reap leaves the slot and its cache to the caller,
+    #: who resumes a retry from it (generation/retry.py) or frees it (runner.free_slot); reap
+    #: sets it False when it freed the slot after all
+    keep_slot: bool = False
+    resumed: bool = False  # continues a failed attempt's output (generation/retry.py)
 
     @property
     def finished(self) -> bool:
@@ -99,6 +104,10 @@ class Request:
 
 
 # -- fault isolation ------------------------------------------------------------------------
+#: finish reasons a retry can resume from (the output so far is grammar-valid, only unfinished)
+RESUMABLE = ("length", "loop")
+
+
 def fail(r: Request, stage: str, exc: BaseException) -> None:
     """End ``r`` with a typed error naming ``stage`` (its slot is freed at the next reap); the
     tokens it already emitted stay on the error. Overrides a finish reason set in the same
@@ -133,7 +142,8 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
         if r.matcher is not None and r.matcher.must_stop():
             finish(r, "stop")
             break
-        if r.loops is not None and r.loops.push(tok) is not None:
+        # ignore_eos asks for max_tokens tokens (a benchmark's fixed length): no loop stop
+        if r.loops is not None and not r.params.ignore_eos and r.loops.push(tok) is not None:
             # a repetition loop (loops.py) would spend the rest of max_tokens: stop it here
             finish(r, "loop")
             st.record_loop(r.params.max_tokens - len(r.output_ids))
@@ -145,6 +155,25 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
     if not r.finished and len(r.output_ids) >= r.params.max_tokens:
         finish(r, "length")
     return kept
+
+
+def mask_stop_tokens(logits: torch.Tensor, reqs: Sequence[Request], num_rows: Sequence[int]) -> None:
+    """Forbid the stop tokens (in place) on the verified rows where a request holds them back
+    (``min_tokens``, ``ignore_eos``: `SamplingParams.holds_stop`); ``logits`` [N + B, V],
+    grammar-masked, request b's ``num_rows[b]`` rows in order. The grammar wins: a row where
+    the grammar allows nothing but a stop token keeps it (the output must end there)."""
+    row = 0
+    for r, n in zip(reqs, num_rows):
+        held = [row + j for j in range(n) if r.params.holds_stop(len(r.output_ids) + j)]
+        row += n
+        if not held or not r.eos_token_ids:
+            continue
+        index = torch.tensor(held, device=logits.device)
+        rows = logits[index]  # [H, V]
+        masked = rows.clone()
+        masked[:, list(r.eos_token_ids)] = float("-inf")
+        other = torch.isfinite(masked).any(dim=1, keepdim=True)  # another token is allowed
+        logits[index] = torch.where(other, masked, rows)
 
 
 def run_requests(engine: Any, requests: Iterable[Request],
@@ -307,11 +336,19 @@ class Engine:
         cannot be admitted alone finishes with a typed ``"admit"`` error and holds no slot;
         every other one is running. Returns the requests that could not be admitted."""
         admitted = {id(r) for r in self._together_or_alone("admit", reqs, self.add)}
-        return [r for r in reqs if id(r) not in admitted]
+        refused = [r for r in reqs if id(r) not in admitted]
+        for r in refused:  # a resumed retry that could not be admitted gives its slot back
+            if r.slot >= 0:
+                self.runner.free_slot(r.slot)
+                r.slot = -1
+        return refused
 
     def add(self, reqs: Sequence[Request]) -> None:
         """Admit all of ``reqs`` or none (then raise): give each a slot and prefill their
-        prompts (batched)."""
+        prompts (batched). A request that comes with a slot (a resumed retry,
+        generation/retry.py) already holds ``prompt + output[:-1]`` in its cache: it is cut to
+        that length and not prefilled again, and keeps its slot if admission fails."""
+        fresh = [r for r in reqs if r.slot < 0]
         for req in reqs:
             req.id = self._next_id
             self._next_id += 1
@@ -319,10 +356,14 @@ class Engine:
                 req.generator = torch.Generator().manual_seed(req.params.seed)
             elif not req.params.greedy:
                 req.generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
-            req.slot = self.runner.new_slot()
+            if req.slot >= 0:
+                self.runner.truncate(req.slot, len(req.context()) - 1)
+                req.stats.prompt_tokens = len(req.prompt_ids)
+            else:
+                req.slot = self.runner.new_slot()
         try:
             # prefill in chunks of similar size: padding a short prompt to a long one wastes compute
-            order = sorted(reqs, key=lambda r: len(r.prompt_ids))
+            order = sorted(fresh, key=lambda r: len(r.prompt_ids))
             chunk: list[Request] = []
             for req in order:
                 chunk.append(req)
@@ -333,7 +374,7 @@ class Engine:
                 self._prefill(chunk)
         except BaseException:
             # all or nothing: a failed prefill admits none of them and leaks no cache slot
-            for req in reqs:
+            for req in fresh:
                 if req.slot >= 0:
                     self.runner.free_slot(req.slot)
                     req.slot = -1
@@ -388,7 +429,9 @@ class Engine:
         cache slot) and drop them from the running set."""
         for r in self.running:
             if r.finished:
-                self.runner.free_slot(r.slot)
+                if not (r.keep_slot and r.finish_reason in RESUMABLE):
+                    self.runner.free_slot(r.slot)
+                    r.keep_slot = False  # nothing kept: a retry cannot resume from it
                 if self.drafter is not None and r.drafter_state is not None:
                     self.drafter.release(r.drafter_state)
                     r.drafter_state = None
@@ -506,6 +549,8 @@ class Engine:
         dev = logits.device
         if batch.constrained:
             apply_bitmask(logits, batch.bitmask.view(-1, self.words).to(dev), batch.row_index.to(dev))
+        if any(r.params.min_tokens or r.params.ignore_eos for r in batch.reqs):
+            mask_stop_tokens(logits, batch.reqs, batch.num_rows)
         logits = self._sampling_transforms(batch, logits)
         greedy = torch.tensor([r.params.greedy for r in batch.reqs])
         uniform, exp_noise = self._random_draws(batch, greedy)

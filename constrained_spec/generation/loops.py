@@ -31,6 +31,18 @@ Why these numbers (measured with ``benchmarks/loops.py`` on the embedded model's
   still caught (at 4 x 64 = 256 tokens at the most); longer periods would need more than a
   typical budget to show four repeats anyway, and each period costs a compare per token.
 
+Structural loops are stopped sooner. A periodic span that contains a JSON string delimiter
+(a token with a ``"`` in it: the span repeats whole values, keys or array items, not characters
+inside one string) is reported from ``STRUCTURAL_MIN_LENGTH = 32`` tokens (still at least
+``MIN_REPEATS`` periods). Measured the same way (``benchmarks/retries.py --spans``): of the
+6,715 valid instances, none holds a structural periodic span of four periods at any length
+(checked down to 8 tokens); every long periodic span in valid data is inside one string (the
+hashes and fixtures above). 32 tokens is a third of ``MIN_LENGTH`` and makes a short item
+(``"a", ``: 3-4 tokens) repeat eight times before it counts. On the benchmark tasks the
+embedded model's loops over array items (``".sqlm", ".sqlm", ...``) stop 64 tokens sooner. The
+rule applies where quotes delimit values: the caller passes the ids of the tokens that contain
+one (JSON outputs and tool calls; none for free text, regexes and choices).
+
 Cost: ``MAX_PERIOD`` integer compares per token, independent of the output length (the engine
 runs it once per committed token), a few microseconds per token in Python.
 """
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 #: Longest repeated unit looked for, in tokens.
 MAX_PERIOD = 64
@@ -46,6 +59,8 @@ MAX_PERIOD = 64
 MIN_REPEATS = 4
 #: Fewest tokens in the periodic span.
 MIN_LENGTH = 96
+#: Fewest tokens in a periodic span that repeats whole JSON values (contains a quote).
+STRUCTURAL_MIN_LENGTH = 32
 
 
 @dataclass(frozen=True)
@@ -71,14 +86,19 @@ class LoopDetector:
     max_period, min_repeats, min_length:
         The rule's numbers (defaults :data:`MAX_PERIOD`, :data:`MIN_REPEATS`,
         :data:`MIN_LENGTH`).
+    structural_tokens, structural_min_length:
+        The ids of the tokens that delimit values (contain a ``"``; None: no structural rule)
+        and the fewest tokens of a periodic span holding one (:data:`STRUCTURAL_MIN_LENGTH`).
 
     ``push`` / ``extend`` return the :class:`Loop` once it is found (and keep it on ``loop``);
     tokens pushed after that are ignored.
     """
 
     def __init__(self, *, max_period: int = MAX_PERIOD, min_repeats: int = MIN_REPEATS,
-                 min_length: int = MIN_LENGTH) -> None:
-        if max_period < 1 or min_repeats < 2 or min_length < 2:
+                 min_length: int = MIN_LENGTH,
+                 structural_tokens: frozenset[int] | None = None,
+                 structural_min_length: int = STRUCTURAL_MIN_LENGTH) -> None:
+        if max_period < 1 or min_repeats < 2 or min_length < 2 or structural_min_length < 2:
             raise ValueError("max_period >= 1, min_repeats >= 2 and min_length >= 2 are needed, "
                              f"got {max_period}, {min_repeats}, {min_length}")
         self.max_period = max_period
@@ -86,6 +106,11 @@ class LoopDetector:
         self.min_length = min_length
         # run r_p needed to fire for period p: span r_p + p >= max(min_length, min_repeats * p)
         self._need = [0] + [max(min_length, min_repeats * p) - p for p in range(1, max_period + 1)]
+        self.structural_tokens = structural_tokens
+        self.structural_min_length = structural_min_length
+        self._need_structural = [0] + [max(structural_min_length, min_repeats * p) - p
+                                       for p in range(1, max_period + 1)]
+        self._last_structural = -1  # index of the last token that delimits a value
         self._runs = [0] * (max_period + 1)
         self._tail: list[int] = []  # the last max_period tokens, oldest first
         self.count = 0  # tokens seen
@@ -97,11 +122,17 @@ class LoopDetector:
             return self.loop
         tail, runs, need = self._tail, self._runs, self._need
         n = len(tail)
+        if self.structural_tokens is not None and token in self.structural_tokens:
+            self._last_structural = self.count
+        # a span of the last r_p + p tokens holds a delimiter when it starts at or before it
+        delimited = self.count - self._last_structural
+        need_s = self._need_structural
         found = 0
         for p in range(1, n + 1):
             if tail[n - p] == token:
                 runs[p] += 1
-                if not found and runs[p] >= need[p]:
+                if not found and (runs[p] >= need[p] or (
+                        runs[p] >= need_s[p] and runs[p] + p > delimited)):
                     found = p  # the shortest period: the unit itself, not a multiple of it
             else:
                 runs[p] = 0
@@ -122,6 +153,6 @@ class LoopDetector:
         return self.loop
 
 
-def find_loop(tokens: Iterable[int], **rule: int) -> Loop | None:
+def find_loop(tokens: Iterable[int], **rule: Any) -> Loop | None:
     """The first loop in a whole token sequence (offline use: benchmarks, tests), or None."""
     return LoopDetector(**rule).extend(tokens)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def ids(text: str) -> list[int]:
     return [ord(c) for c in text]
 
 
-def fires_at(tokens: list[int], **rule: int) -> int | None:
+def fires_at(tokens: list[int], **rule: Any) -> int | None:
     """1-based count of tokens after which the detector reports a loop (None: never)."""
     det = LoopDetector(**rule)
     for n, t in enumerate(tokens, 1):

@@ -57,7 +57,7 @@ def test_greedy_loops_until_max_tokens(looping):
 
 
 def test_retries_return_the_first_valid_attempt_and_count_attempts(looping):
-    gen = Generator(looping, schema=STRING_SCHEMA, max_tokens=30)
+    gen = Generator(looping, schema=STRING_SCHEMA, max_tokens=30, retry_from="start")
     res = gen("x", max_retries=4, return_result=True)
     assert res.attempts >= 2 and res.stats.attempts == res.attempts
     assert json.loads(res.text) == res.value
@@ -71,7 +71,8 @@ def test_retries_return_the_first_valid_attempt_and_count_attempts(looping):
 
 
 def test_retries_sum_the_stats_of_every_attempt(looping):
-    gen = Generator(looping, schema=STRING_SCHEMA, max_tokens=30, speculative=False)
+    gen = Generator(looping, schema=STRING_SCHEMA, max_tokens=30, speculative=False,
+                    retry_from="start")
     with pytest.raises(IncompleteOutputError) as info:
         gen("x", max_retries=2, retry_temperature=0.01)  # near-greedy retries loop too
     err = info.value
