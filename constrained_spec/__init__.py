@@ -18,6 +18,7 @@ from constrained_spec.errors import (
     RepetitionLoopError,
     SchemaError,
 )
+from constrained_spec.frontend.tools import ToolCall
 from constrained_spec.generation.stats import SpecStats
 from constrained_spec.model.loading import LoadedModel, load_model
 from constrained_spec.schemas import Grammar, JsonLayout, Regex, StructuralTag, Tag, TaggedText
@@ -26,7 +27,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "generate", "Generator", "GenerationResult", "SpeculativeConfig", "SamplingParams",
-    "Regex", "Grammar", "JsonLayout", "StructuralTag", "Tag", "TaggedText", "ConstrainedSpecError", "SchemaError", "GenerationError",
+    "Regex", "Grammar", "JsonLayout", "StructuralTag", "Tag", "TaggedText",
+    "ConstrainedSpecError", "SchemaError", "GenerationError",
     "IncompleteOutputError", "OutputValidationError", "ModelLoadError", "ConfigError",
     "PromptTooLongError", "RepetitionLoopError", "LoadedModel", "load_model", "SpecStats",
+    "ToolCall",
 ]

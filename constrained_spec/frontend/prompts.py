@@ -85,9 +85,33 @@ _OUTLINE_HEAD = ("Answer with a JSON object, and nothing else. Its fields (one l
 _NAMES_HEAD = "Answer with a JSON object, and nothing else. Its fields: "
 
 
+#: The instruction for a schema that asks for any JSON object (OpenAI's ``json_object``) or
+#: any JSON value: pasting such a schema (``{"type": "object"}``) makes a small model answer
+#: with the schema itself, so the instruction names the shape in words and asks for the answer.
+_ANY_OBJECT = ("Answer with a JSON object that holds your answer, with field names that fit "
+               "the question, and nothing else.")
+_ANY_JSON = "Answer in JSON that holds your answer, and nothing else."
+# keywords that say nothing about an instance's content
+_ANNOTATIONS = frozenset({"$schema", "$id", "title", "description", "$comment"})
+
+
+def _any_json(schema: Any) -> str | None:
+    """The instruction for a schema that allows any object (or any value), else None."""
+    if not isinstance(schema, dict):
+        return None
+    rest = set(schema) - _ANNOTATIONS
+    if not rest:
+        return _ANY_JSON
+    if rest == {"type"} and schema["type"] == "object":
+        return _ANY_OBJECT
+    return None
+
+
 def _descriptions(spec: SchemaSpec) -> Iterator[str]:
     """Candidate system messages for ``spec``, most detailed first (computed lazily)."""
-    if spec.kind == "json_schema":
+    if spec.kind == "json_schema" and (neutral := _any_json(spec.json_schema)) is not None:
+        yield neutral
+    elif spec.kind == "json_schema":
         schema = json.dumps(spec.json_schema, ensure_ascii=False)
         guide = _field_guide(spec.json_schema or {})
         text = f"{_JSON_HEAD}\nJSON Schema: {schema}"

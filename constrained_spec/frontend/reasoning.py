@@ -86,13 +86,19 @@ def detect_reasoning(tokenizer: Any) -> ReasoningMarkers | None:
 
 
 def check_reasoning_option(option: object) -> ReasoningOption:
-    """The ``reasoning`` option as given, when it is one: ``"auto"``, True, False (or None) or
-    a :class:`ReasoningMarkers`."""
+    """The ``reasoning`` option, when it is one: ``"auto"``, True, False (or None) or a
+    :class:`ReasoningMarkers` as given; ``"on"`` / ``"off"`` (the command line's and a
+    server request's words) as True / False."""
+    if isinstance(option, str) and option in _SWITCH:
+        return _SWITCH[option]
     if option is None or isinstance(option, (bool, ReasoningMarkers)) or (
             isinstance(option, str) and option == "auto"):
         return cast(ReasoningOption, option)
-    raise ConfigError(f"must be 'auto', True, False or a ReasoningMarkers, got {option!r:.40}",
-                      option="reasoning")
+    raise ConfigError(f"must be 'auto', 'on', 'off', True, False or a ReasoningMarkers, got "
+                      f"{option!r:.40}", option="reasoning")
+
+
+_SWITCH = {"on": True, "off": False}
 
 
 def resolve_reasoning(option: object, tokenizer: Any) -> ReasoningMarkers | None:

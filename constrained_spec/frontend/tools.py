@@ -136,10 +136,18 @@ class ToolCall:
     tool: Tool | None = field(default=None, repr=False, compare=False)
 
     def invoke(self) -> Any:
-        """Call the tool's Python function with the arguments (function tools only)."""
-        if self.tool is None or self.tool.function is None:
-            raise ConfigError(f"tool {self.name!r} is not a Python function", option="tools")
-        return self.tool.function(**self.arguments)
+        """Run the call: a function tool's Python function with the arguments; for a Pydantic
+        model tool, the validated model instance (the model is the tool: its instance is what
+        the call produces). An OpenAI tool dict has nothing to run here."""
+        from pydantic import BaseModel
+
+        if self.tool is not None and self.tool.function is not None:
+            return self.tool.function(**self.arguments)
+        if isinstance(self.arguments, BaseModel):
+            return self.arguments
+        raise ConfigError(f"tool {self.name!r} is an OpenAI tool dict, with no Python function "
+                          "or model to run: run it yourself with .arguments (a dict)",
+                          option="tools")
 
     def openai(self) -> dict[str, Any]:
         """The call as an OpenAI ``tool_calls`` item (arguments as JSON text)."""
@@ -603,37 +611,127 @@ def _tag(begin: str, content: Any, end: str, tokens: dict[str, int]) -> Any:
     return st.SequenceFormat(elements=[*_pieces(begin, tokens), content, *_pieces(end, tokens)])
 
 
+@dataclass
+class ToolReading:
+    """What :meth:`ToolParser.read` found in an output: the text before the calls, the calls
+    kept, and what was dropped (each said in :meth:`notes`)."""
+
+    content: str
+    calls: list[ToolCall]
+    #: (its index, the index of the earlier call it repeats, the tool's name) of the first call
+    #: identical to an earlier one: it ended the calls, it and anything after it were dropped
+    repeated: tuple[int, int, str] | None = None
+    #: (its index, the tool's name, "" while the name itself was not complete) of a call that
+    #: had begun but did not end (an output cut by ``max_tokens``): dropped
+    cut: tuple[int, str] | None = None
+
+    def notes(self, why: str = "max_tokens") -> list[dict[str, Any]]:
+        """What was dropped and why, one ``{"type", "message"}`` item each (``why``: what cut
+        the output)."""
+        out = []
+        if self.repeated is not None:
+            k, j, name = self.repeated
+            out.append({"type": "tool_call_repeated", "message": (
+                f"tool call {k} ({name}) repeated tool call {j} with the same arguments; a call "
+                "identical to an earlier one ends the calls: it and anything after it were "
+                "dropped")})
+        if self.cut is not None:
+            k, name = self.cut
+            fix = ("raise max_tokens to let it finish" if why == "max_tokens" else
+                   "sampling (temperature) or a repetition guard (no_repeat_ngram_size) helps")
+            out.append({"type": "tool_call_dropped", "message": (
+                f"tool call {k}{f' ({name})' if name else ''} was cut by {why} before its "
+                f"arguments ended and was dropped; {fix}")})
+        return out
+
+
 @dataclass(frozen=True)
 class ToolParser:
     """Reads a finished output of a :class:`ToolSet` in one format back into calls; the
-    ``target`` of the tool spec, which :meth:`Generator.finalize` calls."""
+    ``target`` of the tool spec, which :meth:`Generator.finalize` calls.
+
+    A call identical to an earlier one (same tool, same arguments, written the same way: the
+    grammar writes JSON in one layout) ends the calls: a small model under ``"required"`` with
+    parallel calls tends to repeat its first call until ``max_tokens``, and the repeat adds
+    nothing. It and anything after it are dropped (:attr:`ToolReading.repeated`)."""
 
     tools: ToolSet
     fmt: ToolFormat
     layout: JsonLayout = _COMPACT
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """``text`` (a finished output) -> (the text before the calls, the validated calls)."""
+        reading = self.read(text)
+        return reading.content, reading.calls
+
+    def read(self, text: str, *, complete: bool = True) -> ToolReading:
+        """The text before the calls and the validated calls of ``text``: a finished output
+        (``complete``: a call that does not end is an error, so is no call where one is
+        required), or one cut short (a call that had begun but did not end is dropped, and
+        may leave no call at all)."""
         start = text.find(self.fmt.trigger) if self.tools.choice == "auto" else 0
         if start < 0:
-            return text, []
+            cut = 0 if complete else _held_back(text, self.fmt.trigger)
+            return ToolReading(text[:len(text) - cut], [])
         content, rest = text[:start], text[start:]
-        calls = []
-        for name, args, args_text in _read_calls(rest, self.fmt):
-            tool = self.tools.by_name.get(name)
-            if tool is None:
-                raise OutputValidationError(f"the output calls {name!r}, which is not a tool",
-                                            text=text, errors=[f"unknown tool {name!r}"])
-            try:
-                value = tool.arguments(args)
-            except OutputValidationError as e:
-                raise OutputValidationError(f"tool {name!r}: {e}", text=text,
-                                            errors=e.errors) from None
-            calls.append(ToolCall(name, value, id=self.fmt.new_id(), arguments_json=args_text,
-                                  tool=tool))
-        if not calls:
+        spans = _scan_calls(rest, self.fmt)
+        reading = ToolReading(content.strip(), [])
+        seen: dict[tuple[str, str], int] = {}
+        for k, span in enumerate(spans):
+            if span.end is None:
+                if complete:
+                    raise OutputValidationError(f"the arguments of the call to {span.name!r} do "
+                                                "not end", text=text,
+                                                errors=["unterminated arguments"])
+                reading.cut = (k, span.name)
+                break
+            args_text = rest[span.args_at:span.end]
+            earlier = seen.setdefault((span.name, args_text), k)
+            if earlier != k:
+                reading.repeated = (k, earlier, span.name)
+                break
+            reading.calls.append(self._call(span.name, args_text, text))
+        else:
+            if not complete and _begun_after(rest, spans, self.fmt):
+                reading.cut = (len(spans), "")  # its markers or name were still being written
+        if complete and not reading.calls:
             raise OutputValidationError("the output has no complete tool call", text=text,
                                         errors=["no tool call"])
-        return content.strip(), calls
+        return reading
+
+    def repeats(self, text: str) -> bool:
+        """Whether ``text`` (an output so far) has a complete call identical to an earlier one
+        (which ends the calls: a server stops the output there)."""
+        start = text.find(self.fmt.trigger) if self.tools.choice == "auto" else 0
+        if start < 0:
+            return False
+        seen = set()
+        for span in _scan_calls(text[start:], self.fmt):
+            if span.end is None:
+                return False
+            key = (span.name, text[start + span.args_at:start + span.end])
+            if key in seen:
+                return True
+            seen.add(key)
+        return False
+
+    def _call(self, name: str, args_text: str, text: str) -> ToolCall:
+        """The validated call to ``name`` with the arguments ``args_text`` (in output ``text``)."""
+        tool = self.tools.by_name.get(name)
+        if tool is None:
+            raise OutputValidationError(f"the output calls {name!r}, which is not a tool",
+                                        text=text, errors=[f"unknown tool {name!r}"])
+        try:
+            args = loads(args_text, what=f"the arguments of the call to {name!r}")
+        except (json.JSONDecodeError, JSONDepthError) as e:
+            raise OutputValidationError(f"a tool call is not JSON: {e}", text=text,
+                                        errors=[str(e)]) from None
+        try:
+            value = tool.arguments(args)
+        except OutputValidationError as e:
+            raise OutputValidationError(f"tool {name!r}: {e}", text=text,
+                                        errors=e.errors) from None
+        return ToolCall(name, value, id=self.fmt.new_id(), arguments_json=args_text, tool=tool)
 
     def value(self, text: str) -> Any:
         """What ``generate`` returns: the text (auto, no call), the call, or the list of calls
@@ -644,32 +742,23 @@ class ToolParser:
         return calls if self.tools.parallel else calls[0]
 
 
-def _read_calls(text: str, fmt: ToolFormat) -> list[tuple[str, Any, str]]:
-    """(name, arguments, arguments' JSON text) of each call in ``text`` (which starts with the
-    calls, as the grammar wrote them)."""
-    out = []
-    for name, args_at, end in _scan_calls(text, fmt):
-        if end is None:
-            raise OutputValidationError(f"the arguments of the call to {name!r} do not end",
-                                        text=text, errors=["unterminated arguments"])
-        try:
-            args = loads(text[args_at:end], what=f"the arguments of the call to {name!r}")
-        except (json.JSONDecodeError, JSONDepthError) as e:
-            raise OutputValidationError(f"a tool call is not JSON: {e}", text=text,
-                                        errors=[str(e)]) from None
-        out.append((name, args, text[args_at:end]))
-    return out
+class _Span(typing.NamedTuple):
+    """Where one call sits in an output that starts with the calls."""
+
+    name: str
+    args_at: int  # where its arguments start
+    end: int | None  # where they end (None while they are still being written)
 
 
-def _scan_calls(text: str, fmt: ToolFormat) -> list[tuple[str, int, int | None]]:
+def _scan_calls(text: str, fmt: ToolFormat) -> list[_Span]:
     """(name, start of the arguments, their end or None while they are still being written)
     of each call in ``text``, which starts with the calls; stops before a call whose name is
     not complete yet. One reader for whole outputs and streamed ones."""
-    out: list[tuple[str, int, int | None]] = []
+    out: list[_Span] = []
     pos = _marker(text, 0, fmt.list_begin)
     while pos is not None:
         if out:
-            end = out[-1][2]
+            end = out[-1].end
             pos = None if end is None else _marker(text, end, fmt.call_end)
             pos = None if pos is None else _marker(text, pos, fmt.separator)
             if pos is None:
@@ -682,11 +771,21 @@ def _scan_calls(text: str, fmt: ToolFormat) -> list[tuple[str, int, int | None]]
         if name is None or args_at is None:
             break
         args_at = len(text) - len(text[args_at:].lstrip())
-        out.append((name.group(), args_at, _json_end(text, args_at)))
+        out.append(_Span(name.group(), args_at, _json_end(text, args_at)))
     return out
 
 
 _NAME_RUN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _begun_after(text: str, spans: list[_Span], fmt: ToolFormat) -> bool:
+    """Whether ``text`` (which starts with the calls ``spans``, all complete) goes on into one
+    more call whose name is not complete yet."""
+    if not spans:
+        return bool(text.strip())
+    pos = _marker(text, spans[-1].end or len(text), fmt.call_end)
+    rest = "" if pos is None else text[pos:].strip()  # None: the end markup is being written
+    return bool(rest) and rest != fmt.list_end.strip()
 
 
 def _marker(text: str, pos: int, marker: str) -> int | None:
@@ -740,12 +839,18 @@ class StreamingToolParser:
 
     Text that may be the start of the call trigger is held back until it is not; a call's
     arguments stream as they are written (the grammar guarantees they are complete JSON when
-    the call ends)."""
+    the call ends). A call identical to an earlier one ends the calls, as in
+    :meth:`ToolParser.read`: a call to the same tool whose arguments so far begin an earlier
+    call's arguments is held back until they differ (then it streams) or end the same (then it
+    and anything after it are never sent), so streamed and whole responses carry the same
+    calls."""
 
     def __init__(self, tools: ToolSet, fmt: ToolFormat) -> None:
         self.tools, self.fmt = tools, fmt
         self.content_sent = 0
-        self.calls: list[dict[str, Any]] = []  # {"id", "name", "sent"}
+        self.calls: list[dict[str, Any]] = []  # {"id", "name", "sent", "args"}
+        #: a call repeated an earlier one: nothing more is sent
+        self.ended = False
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         fmt = self.fmt
@@ -757,18 +862,36 @@ class StreamingToolParser:
             return new, []
         content = text[self.content_sent:start].rstrip() if self.content_sent < start else ""
         self.content_sent = max(self.content_sent, start)
-        deltas = []
+        deltas: list[dict[str, Any]] = []
         for index, (name, args_at, end) in enumerate(_scan_calls(text[start:], fmt)):
+            if self.ended:
+                break
             args = text[start + args_at:len(text) if end is None else start + end]
             if index == len(self.calls):
+                held = self._held(name, args, complete=end is not None)
+                if held:
+                    self.ended = held == "repeat"
+                    break
                 self.calls.append({"id": fmt.new_id(), "name": name, "sent": 0})
                 deltas.append({"index": index, "id": self.calls[index]["id"], "type": "function",
                                "function": {"name": name, "arguments": ""}})
             call = self.calls[index]
+            call["args"] = args
             if len(args) > call["sent"]:
                 deltas.append({"index": index, "function": {"arguments": args[call["sent"]:]}})
                 call["sent"] = len(args)
         return content, deltas
+
+    def _held(self, name: str, args: str, *, complete: bool) -> str:
+        """For a call not sent yet: "repeat" when it is identical to an earlier call, "prefix"
+        while it may still become one, "" when it is a new call."""
+        for call in self.calls:
+            if call["name"] == name and call["args"].startswith(args):
+                if not complete:
+                    return "prefix"
+                if call["args"] == args:
+                    return "repeat"
+        return ""
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -223,9 +223,13 @@ def sampling_params(r: Request) -> Any:
     if p.repetition_penalty != 1.0:
         _warn_once("penalty", "vLLM engine: repetition_penalty counts the prompt's tokens too "
                    "(ours counts the output's only)")
+    left = max(1, p.max_tokens - len(r.output_ids))
+    # vLLM's min_tokens holds back its eos and the stop_token_ids (ours): ignore_eos is a
+    # min_tokens of the whole budget (vLLM's own ignore_eos would leave our stop ids live)
+    held = left if p.ignore_eos else max(0, p.min_tokens - len(r.output_ids))
     return SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
-        seed=p.seed, max_tokens=max(1, p.max_tokens - len(r.output_ids)),
+        seed=p.seed, max_tokens=left, min_tokens=held,
         repetition_penalty=p.repetition_penalty, stop_token_ids=list(r.eos_token_ids),
         skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, detokenize=False,
         structured_outputs=structured_outputs(r.matcher))

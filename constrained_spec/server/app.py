@@ -45,6 +45,9 @@ class Guard:
     """
 
     OPEN_PATHS = frozenset({"/health"})
+    #: the paths counted by name in the ``http_responses`` metric (any other: "other")
+    ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
+                        "/metrics", "/tokenize", "/detokenize", "/version"})
 
     def __init__(self, app: Any, config: ServerConfig) -> None:
         self.app = app
@@ -96,7 +99,7 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         error = self._refusal(path, headers, authorization)
         counted = self.config.http_responses
-        route = path if path in ("/v1/chat/completions", "/v1/models", "/health", "/metrics") else "other"
+        route = path if path in self.ROUTES else "other"
         started = False
 
         async def counting_send(message: MutableMapping[str, Any]) -> None:

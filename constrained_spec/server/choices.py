@@ -2,19 +2,37 @@
 
 `Choice` follows one request of the engine (its text as it streams, reasoning split off,
 tool calls read back); `Outcome` is what the response reports for it (text, finish reason,
-error, usage). The server's state (`state.Server`) makes them; routes and streaming read them.
+error, usage, warnings). The server's state (`state.Server`) makes them; routes and streaming
+read them.
+
+Tool calls never reach a client as text. A call identical to an earlier one ends the calls
+(`ToolCallText` stops the choice there; `frontend.tools.ToolParser`): the calls before it are
+the answer, ``finish_reason`` "tool_calls". An output cut short (``max_tokens``, a repetition
+loop) keeps its complete calls as ``tool_calls`` and drops the call that had begun, with
+``finish_reason`` "length" as OpenAI sets it for a cut output; the content is the text before
+the calls, never their markup. What was dropped, and why, is a ``warnings`` item of the
+response (`response_warnings`), beside the schema keywords the grammar does not enforce
+(`schema_warnings`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from constrained_spec.api import SchemaMode
-from constrained_spec.frontend.tools import StreamingToolParser, ToolParser
+from constrained_spec.errors import (
+    ConstrainedSpecError,
+    IncompleteOutputError,
+    RepetitionLoopError,
+)
+from constrained_spec.frontend.tools import StreamingToolParser, ToolParser, ToolReading
 from constrained_spec.generation.serving import Ticket
 from constrained_spec.grammar.reasoning import ReasoningMatcher
+from constrained_spec.schemas import preflight
 from constrained_spec.server.protocol import APIError
 
 
@@ -76,6 +94,27 @@ class ChoiceText:
         return new
 
 
+class ToolCallText(ChoiceText):
+    """The text of a choice that may make several tool calls: stopped (``stopped``, which ends
+    the request as a stop string does) once a call repeats an earlier one, which ends the
+    calls (`ToolParser.repeats`) -- without it a small model repeats its first call until
+    ``max_tokens``."""
+
+    def __init__(self, decode: Any, parser: ToolParser) -> None:
+        super().__init__(decode)
+        self.parser = parser
+
+    def feed(self, ids: Sequence[int]) -> str:
+        before = len(self.text)
+        new = super().feed(ids)
+        # a call ends with its arguments' closing brace: only then can a repeat have appeared
+        # (a scan reads the whole text, so not at every token)
+        if not self.stopped and "}" in self.text[max(before - 1, 0):] \
+                and self.parser.repeats(self.text):
+            self.stopped = True
+        return new
+
+
 class ThoughtText(ChoiceText):
     """The reasoning of a choice as its tokens arrive (a reasoning model's think block): the
     start marker dropped, text that could begin the end marker held back, cut at it."""
@@ -111,7 +150,16 @@ class Choice:
            stop: Sequence[str] = ()) -> Choice:
         matcher = ticket.request.matcher
         thought = ThoughtText(decode, matcher.markers) if isinstance(matcher, ReasoningMatcher) else None
+        target = spec.target if spec is not None else None
+        if isinstance(target, ToolParser) and target.tools.parallel:
+            return cls(index, ticket, spec, mode, ToolCallText(decode, target), thought)
         return cls(index, ticket, spec, mode, ChoiceText(decode, stop), thought)
+
+    @property
+    def tools(self) -> ToolParser | None:
+        """The reader of this choice's tool calls (None: it cannot make any)."""
+        target = self.spec.target if self.spec is not None else None
+        return target if isinstance(target, ToolParser) else None
 
     @property
     def request(self) -> Any:
@@ -131,14 +179,63 @@ class Choice:
 
     def tool_stream(self) -> StreamingToolParser | None:
         """The parser of this choice's streamed tool calls (None: no tool calls possible)."""
-        target = self.spec.target if self.spec is not None else None
-        if not isinstance(target, ToolParser):
+        target = self.tools
+        if target is None:
             return None
         if self._parser is None:
             self._parser = StreamingToolParser(target.tools, target.fmt)
         return self._parser
 
     _parser: StreamingToolParser | None = None
+
+    def stopped_outcome(self, tokens: int) -> Outcome:
+        """The outcome of a choice whose text stopped early: at a stop string ("stop"), or at
+        a tool call that repeats an earlier one (the calls before it, "tool_calls")."""
+        if self.tools is None:
+            return Outcome(self.text.text, "stop", completion_tokens=tokens)
+        # the tokens after the repeated call's end (the same step's) may begin another call
+        out = self._calls_outcome(self.tools.read(self.text.text, complete=False), tokens,
+                                  None, "max_tokens")
+        return out if out is not None else Outcome(self.text.text, "stop", completion_tokens=tokens)
+
+    def tool_outcome(self, result: Any, tokens: int) -> Outcome | None:
+        """The outcome of a finished choice that could make tool calls, from what
+        ``Generator.finalize`` returned: its calls (without repeats), or, for an output cut
+        short, its complete calls and no call markup in the content. None: not a case of tool
+        calls (text under ``"auto"``, an error), for the caller to answer as any other."""
+        parser = self.tools
+        if parser is None:
+            return None
+        if isinstance(result, IncompleteOutputError):
+            why = "a repetition loop" if isinstance(result, RepetitionLoopError) else (
+                "max_tokens" if self.request.finish_reason == "length"
+                else f"the engine ({self.request.finish_reason})")
+            try:  # the answer's text (a reasoning model's thinking is not in it)
+                reading = parser.read(self.text.text, complete=False)
+            except ConstrainedSpecError as e:  # a complete call that does not validate
+                return Outcome("", "length", completion_tokens=tokens, result=result,
+                               warnings=[{"type": "tool_call_dropped", "choice": self.index,
+                                          "message": f"the calls were dropped: {e}"}])
+            return self._calls_outcome(reading, tokens, result, why)
+        if isinstance(result, BaseException) or not hasattr(result, "text"):
+            return None
+        return self._calls_outcome(parser.read(result.text), tokens, result, "max_tokens")
+
+    def _calls_outcome(self, reading: ToolReading, tokens: int, result: Any,
+                       why: str) -> Outcome | None:
+        """The outcome of ``reading``: its calls ("tool_calls" when they ended, "length"
+        when the output was cut during or after them), or its text alone when the output was
+        cut with no complete call (None for a finished output without calls)."""
+        notes = [{**note, "choice": self.index} for note in reading.notes(why)]
+        cut = reading.cut is not None and reading.repeated is None
+        if reading.calls:
+            # complete calls are an answer: a cut after them is not run again (result None)
+            return Outcome(reading.content, "length" if cut else "tool_calls",
+                           completion_tokens=tokens, tool_calls=reading.calls, warnings=notes)
+        if result is None or isinstance(result, IncompleteOutputError):
+            return Outcome(reading.content, "length", completion_tokens=tokens, result=result,
+                           warnings=notes)
+        return None
 
 
 @dataclass
@@ -157,6 +254,9 @@ class Outcome:
     tool_calls: list[Any] | None = None
     #: a reasoning model's thinking (``reasoning_content``); None for other models
     reasoning: str | None = None
+    #: what the response says about this choice (``{"type", "message", "choice"}`` items:
+    #: tool calls dropped and why)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
     def message(self) -> dict[str, Any]:
         """The choice's OpenAI ``message`` (with ``reasoning_content`` as vLLM / DeepSeek
@@ -169,3 +269,53 @@ class Outcome:
         if self.reasoning is not None:
             msg["reasoning_content"] = self.reasoning
         return msg
+
+
+# schema ids (SchemaSpec.key, backend) -> their warnings, most recent last: a server sees the
+# same schemas request after request, and a pre-flight walks the whole schema
+_WARNINGS: OrderedDict[tuple[str, str], list[dict[str, Any]]] = OrderedDict()
+_WARNINGS_LOCK = threading.Lock()
+_WARNINGS_SIZE = 256
+
+
+def schema_warnings(spec: Any, backend: Literal["xgrammar", "outlines"]
+                    ) -> list[dict[str, Any]]:
+    """The keywords of a request's JSON schema (or of its tools' arguments) that the grammar
+    does not enforce, one ``{"type": "keyword_not_enforced", ...}`` item each: what the
+    pre-flight report found and did not refuse (under ``strict`` false, or an ignored keyword
+    without ``strict``). The output is still validated against them, so a violation is a
+    failed attempt, not a wrong answer."""
+    if spec is None:
+        return []
+    if isinstance(spec.target, ToolParser):
+        return [{**item, "tool": tool.name} for tool in spec.target.tools.offered
+                for item in schema_warnings(tool.spec, backend)]
+    if spec.kind != "json_schema" or not spec.key:
+        return []
+    key = (spec.key, backend)
+    with _WARNINGS_LOCK:
+        hit = _WARNINGS.get(key)
+        if hit is not None:
+            _WARNINGS.move_to_end(key)
+            return hit
+    out = [{"type": "keyword_not_enforced", "keyword": issue.keyword,
+            "pointer": issue.pointer, "level": issue.level,
+            "message": f"{issue.keyword or 'the schema'} at {issue.pointer or '/'} is not "
+                       f"enforced while generating ({issue.level}: {issue.message}); the "
+                       "output is validated against it afterwards"}
+           for issue in preflight(spec, backend).issues if issue.level != "narrowed"]
+    with _WARNINGS_LOCK:
+        _WARNINGS[key] = out
+        while len(_WARNINGS) > _WARNINGS_SIZE:
+            _WARNINGS.popitem(last=False)
+    return out
+
+
+def response_warnings(choices: Sequence[Choice], outcomes: Sequence[Outcome] = (),
+                      backend: Literal["xgrammar", "outlines"] = "xgrammar") -> dict[str, Any]:
+    """The response's ``warnings`` field (``{}`` when there is nothing to say, so a response
+    stays exactly OpenAI's): the schema keywords not enforced (once: every choice has the same
+    schema) and what each outcome dropped."""
+    items = schema_warnings(choices[0].spec, backend) if choices else []
+    items = [*items, *(w for o in outcomes for w in o.warnings)]
+    return {"warnings": items} if items else {}

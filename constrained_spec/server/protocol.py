@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -33,6 +33,7 @@ from constrained_spec.generation.serving import QueueFullError
 from constrained_spec.json_limits import check_text_depth, loads
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+R = TypeVar("R", bound="RequestFields")
 #: Upper bound of a request's ``max_retries``: each retry is one more whole generation in a
 #: batch slot, and two retries (the default) already complete every benchmark task (README).
 MAX_RETRIES = 4
@@ -63,12 +64,19 @@ _OPTION_PARAMS = {"prompt": "messages", "max_tokens": "max_tokens", "temperature
                   "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 
 
+#: the pre-flight's hint to Python callers (schemas.check_schema), as an HTTP client follows it
+_LENIENT_HINT = ("pass mode='lenient' to generate anyway",
+                 'send "strict": false in response_format.json_schema to generate anyway')
+
+
 def api_error(exc: BaseException, *, schema_param: str | None = "response_format") -> APIError:
     """The API error for a library exception raised while preparing or running a request."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, SchemaError):
-        return APIError(400, f"bad schema: {exc}", param=schema_param, code="invalid_schema")
+        # the pre-flight's advice names the Python option; a client sends the field instead
+        message = str(exc).replace(*_LENIENT_HINT)
+        return APIError(400, f"bad schema: {message}", param=schema_param, code="invalid_schema")
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
     if isinstance(exc, ConfigError):
@@ -97,22 +105,21 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
-class ChatCompletionRequest(BaseModel):
-    """The fields of OpenAI's chat-completions request this server reads. Any other field is
-    refused with a 400 naming it (`check_extra_fields`), except the bookkeeping ones in
-    ``_IGNORED`` and a falsy (default) value of the unimplemented ones in ``_UNSUPPORTED``."""
+class RequestFields(BaseModel):
+    """The fields that chat completions and completions share: sampling, the library's levers,
+    and every form of output constraint (`structured.constraint_of` reads them). Any other
+    field is refused with a 400 naming it (`check_extra_fields`), except the bookkeeping ones
+    in ``_IGNORED`` and a falsy (default) value of the unimplemented ones in ``_UNSUPPORTED``."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
     response_format: dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # vLLM's extra parameter; -1 (vLLM's "off") and 0 both switch it off
     top_k: int | None = Field(default=None, ge=-1, strict=True)
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
@@ -124,18 +131,129 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, strict=True)
     no_repeat_ngram_size: int | None = Field(default=None, strict=True)
     max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES, strict=True)
+    # vLLM's: no stop token before min_tokens output tokens; stop tokens never (until
+    # max_tokens). A grammar still ends the output where it must (docs/server.md).
+    min_tokens: int | None = Field(default=None, ge=0, strict=True)
+    ignore_eos: bool | None = Field(default=None, strict=True)
+    # output constraints (`structured`): vLLM's current object, its older guided_* fields,
+    # SGLang's regex / ebnf / json_schema, llama.cpp's server's grammar / json_schema
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    grammar: Any = None
+    json_schema: Any = None
+
+    #: extra fields refused (when truthy) by this kind of request besides ``_UNSUPPORTED``
+    unsupported: ClassVar[tuple[str, ...]] = ()
+
+    def check(self) -> None:
+        """Checks across fields, after each field's own."""
+        if self.stream and self.max_retries:
+            raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
+                           "attempt would already be sent; leave max_retries out (a streamed "
+                           "request is never retried) or set it to 0", param="max_retries",
+                           code="unsupported_parameter")
+
+
+class ChatCompletionRequest(RequestFields):
+    """The fields of OpenAI's chat-completions request this server reads, with vLLM's extra
+    ones (`RequestFields`)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     # a reasoning model's thinking budget (the library's max_reasoning_tokens; absent: none)
     max_reasoning_tokens: int | None = Field(default=None, ge=0, strict=True)
+    # reasoning on / off for this request (absent: the server's, "auto"); vLLM and SGLang
+    # clients switch it with chat_template_kwargs.enable_thinking
+    reasoning: bool | None = Field(default=None, strict=True)
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(default=None, strict=True)
+
+    def check(self) -> None:
+        super().check()
+        check_message_fields(self.messages)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice needs tools: give the tools the model may call",
+                           param="tool_choice", code="invalid_value")
+        self.reasoning_option()
+
+    def reasoning_option(self) -> bool | None:
+        """Reasoning on / off for this request (None: the server's): ``reasoning`` or
+        ``chat_template_kwargs.enable_thinking`` (or ``thinking``); the two must agree."""
+        kwargs = self.chat_template_kwargs or {}
+        switch: bool | None = None
+        for name, value in kwargs.items():
+            param = f"chat_template_kwargs.{name[:40]}"
+            if name not in TEMPLATE_SWITCHES:
+                raise APIError(400, f"chat_template_kwargs {name!r:.40} is not supported: this "
+                               f"server reads only {' and '.join(TEMPLATE_SWITCHES)} (reasoning "
+                               "on / off for the request); remove the key", param=param,
+                               code="unsupported_parameter")
+            if not isinstance(value, bool):
+                raise APIError(400, f"{param} must be true or false", param=param,
+                               code="invalid_value")
+            if switch is not None and switch != value:
+                raise APIError(400, "chat_template_kwargs.enable_thinking and .thinking "
+                               "disagree; give one", param=param, code="invalid_value")
+            switch = value
+        if switch is not None and self.reasoning is not None and switch != self.reasoning:
+            raise APIError(400, "reasoning and chat_template_kwargs.enable_thinking disagree; "
+                           "give one", param="reasoning", code="invalid_value")
+        return self.reasoning if self.reasoning is not None else switch
+
+
+#: the chat-template switches a request may set: reasoning on / off (Qwen3's and
+#: DeepSeek-V3.1's templates name it so)
+TEMPLATE_SWITCHES = ("enable_thinking", "thinking")
+
+
+class CompletionRequest(RequestFields):
+    """OpenAI's (legacy) completions request: a raw prompt, no chat template."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = Field(default=False, strict=True)
+    # vLLM's: the tokenizer's special tokens (a BOS) before the prompt, as vLLM's default
+    add_special_tokens: bool = Field(default=True, strict=True)
+
+    unsupported: ClassVar[tuple[str, ...]] = ("suffix", "best_of")
+
+    def check(self) -> None:
+        super().check()
+        # here logprobs is a count, and 0 asks for the chosen token's: any value is a request
+        if (self.model_extra or {}).get("logprobs") is not None:
+            raise APIError(400, "logprobs is not supported by this server yet: token "
+                           "log-probabilities are not returned; leave it out", param="logprobs",
+                           code="unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or token ids (OpenAI's four forms); one choice set per
+        prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        return list(p)  # type: ignore[arg-type]
 
 
 # request fields that would change the answer and that this server does not implement:
 # refused rather than silently ignored (a falsy value is accepted: clients send defaults)
 _UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                 "audio", "frequency_penalty", "presence_penalty", "prediction", "min_p",
-                "reasoning_effort", "web_search_options")
+                "reasoning_effort", "web_search_options", "use_beam_search", "stop_token_ids",
+                "include_stop_str_in_output", "prompt_logprobs", "bad_words", "allowed_token_ids")
+# unimplemented fields' values that ask for nothing besides what this server does
+_DEFAULTS: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
 # request fields that do not change the answer: accepted and ignored
 _IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 # OpenAI's penalties subtract from the logits by count; the guard here divides (as vLLM's and
@@ -145,7 +263,19 @@ _INSTEAD = {**dict.fromkeys(("frequency_penalty", "presence_penalty"),
                             "output, 1.1 to 1.3 is typical) or no_repeat_ngram_size instead"),
             "reasoning_effort": "; a reasoning model's thinking is bounded by max_reasoning_tokens",
             **dict.fromkeys(("functions", "function_call"),
-                            " (OpenAI's deprecated form); use tools and tool_choice")}
+                            " (OpenAI's deprecated form); use tools and tool_choice"),
+            **dict.fromkeys(("logprobs", "top_logprobs", "prompt_logprobs"),
+                            " yet: token log-probabilities are not returned; leave it out"),
+            **dict.fromkeys(("logit_bias", "bad_words", "allowed_token_ids"),
+                            "; constrain the output with response_format or structured_outputs "
+                            "(a regex, choices or a grammar) instead"),
+            "min_p": "; use top_p or top_k instead",
+            "stop_token_ids": "; use stop (strings) instead",
+            "include_stop_str_in_output": "; the stop string is never part of the output here",
+            "use_beam_search": "; use n with sampling (temperature > 0) instead",
+            "prediction": "; speculation here drafts by itself (the server's speculative config)",
+            "suffix": "; put the text after the insertion point in the prompt instead",
+            "best_of": "; use n and choose among the choices instead"}
 
 
 # message fields that clients send back as a response gave them (OpenAI's message objects,
@@ -169,7 +299,9 @@ def depth_error(exc: JSONDepthError) -> APIError:
                     code="invalid_json")
 
 
-def parse_body(raw: bytes) -> ChatCompletionRequest:
+def parse_body(raw: bytes, kind: type[R] = ChatCompletionRequest) -> R:  # type: ignore[assignment]
+    """The request body ``raw`` as a ``kind`` (chat completions by default, or
+    :class:`CompletionRequest`), every field checked; a 400 naming the field otherwise."""
     try:
         # the depth first: json.loads, pydantic and every later walker recurse per level
         data = loads(raw, what="the request body")
@@ -180,16 +312,35 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     try:
-        body = ChatCompletionRequest.model_validate(data)
+        body = kind.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
-                       code="invalid_value") from e
-    extra = body.model_extra or {}
-    for name, value in extra.items():
-        if name in _UNSUPPORTED:
-            if value:
+        raise validation_error(e) from e
+    check_extra_fields(body)
+    body.check()
+    return body
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The 400 of a body that failed its model, naming the field (pydantic's tags of the union
+    member it tried, such as ``str`` or ``list[int]``, left out of the name)."""
+    err = exc.errors()[0]
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    param = ".".join(str(p) for p in loc) or None
+    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+                    code="invalid_value")
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def check_extra_fields(body: RequestFields) -> None:
+    """Refuse a field the request model does not declare, unless it is bookkeeping
+    (``_IGNORED``) or an unimplemented one at its default (falsy, or ``_DEFAULTS``): a
+    misspelt or newer parameter would otherwise be silently ignored."""
+    unsupported = (*_UNSUPPORTED, *body.unsupported)
+    for name, value in (body.model_extra or {}).items():
+        if name in unsupported:
+            if value and value not in _DEFAULTS.get(name, ()):
                 raise APIError(400, f"{name} is not supported by this server"
                                f"{_INSTEAD.get(name, '')}", param=name, code="unsupported_parameter")
         elif name == "modalities":
@@ -197,20 +348,9 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
                 raise APIError(400, f"{name} {value!r:.40} is not supported by this server",
                                param=name, code="unsupported_parameter")
         elif name not in _IGNORED:
-            # a misspelt or newer parameter would otherwise be silently ignored
             raise APIError(400, f"unknown parameter {name!r:.60}: this server does not implement "
                            "it; remove it from the request", param=name[:60],
                            code="unknown_parameter")
-    check_message_fields(body.messages)
-    if body.tool_choice not in (None, "none") and not body.tools:
-        raise APIError(400, "tool_choice needs tools: give the tools the model may call",
-                       param="tool_choice", code="invalid_value")
-    if body.stream and body.max_retries:
-        raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
-                       "attempt would already be sent; leave max_retries out (a streamed "
-                       "request is never retried) or set it to 0", param="max_retries",
-                       code="unsupported_parameter")
-    return body
 
 
 def check_message_fields(messages: Sequence[ChatMessage]) -> None:
@@ -230,10 +370,12 @@ def check_message_fields(messages: Sequence[ChatMessage]) -> None:
 
 
 def schema_of(response_format: dict[str, Any] | None) -> tuple[Any, SchemaMode]:
-    """``response_format`` -> (schema for ``make_request``, pre-flight mode).
+    """``response_format`` -> (schema for ``make_request``, pre-flight mode); a
+    ``structural_tag`` one and every other form of constraint: `structured.constraint_of`.
 
     json_schema: the schema; ``strict`` true -> "strict", absent -> "default", false ->
-    "lenient". json_object: any JSON object. text / absent: free text (``None``).
+    "lenient". json_object: any JSON object, or the ``schema`` in it (llama.cpp's server reads
+    one there). text / absent: free text (``None``).
     """
     if response_format is None:
         return None, "default"
@@ -241,7 +383,13 @@ def schema_of(response_format: dict[str, Any] | None) -> tuple[Any, SchemaMode]:
     if kind == "text":
         return None, "default"
     if kind == "json_object":
-        return {"type": "object"}, "default"
+        schema = response_format.get("schema")
+        if schema is None:
+            return {"type": "object"}, "default"
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.schema must be a JSON Schema object",
+                           param="response_format.schema", code="invalid_schema")
+        return schema, "default"
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
@@ -254,14 +402,16 @@ def schema_of(response_format: dict[str, Any] | None) -> tuple[Any, SchemaMode]:
         strict = spec.get("strict")
         mode: SchemaMode = "default" if strict is None else ("strict" if strict else "lenient")
         return schema, mode
-    raise APIError(400, f"response_format.type {kind!r} is not supported; use 'json_schema', "
-                   "'json_object' or 'text'", param="response_format.type")
+    raise APIError(400, f"response_format.type {kind!r:.40} is not supported; use "
+                   "'json_schema', 'json_object', 'text' or 'structural_tag'",
+                   param="response_format.type")
 
 
-def toolset_of(body: ChatCompletionRequest) -> ToolSet | None:
+def toolset_of(body: ChatCompletionRequest, constraint_param: str | None = None) -> ToolSet | None:
     """The request's tools, ``tool_choice`` (default "auto") and ``parallel_tool_calls``
-    (default true, as OpenAI's) as a ToolSet; None without tools. A ``response_format`` schema
-    together with tools that may be called is refused: the answer may be a call."""
+    (default true, as OpenAI's) as a ToolSet; None without tools. An output constraint (named
+    by ``constraint_param``) together with tools that may be called is refused: the answer may
+    be a call."""
     if not body.tools:
         return None
     parallel = True if body.parallel_tool_calls is None else body.parallel_tool_calls
@@ -272,10 +422,10 @@ def toolset_of(body: ChatCompletionRequest) -> ToolSet | None:
         raise APIError(400, f"bad tool: {e}", param="tools", code="invalid_schema") from e
     except ConfigError as e:
         raise APIError(400, str(e), param=e.option or "tools", code="invalid_value") from e
-    kind = (body.response_format or {}).get("type")
-    if toolset.active and kind in ("json_schema", "json_object"):
-        raise APIError(400, f"response_format {kind} cannot be combined with tools the model may "
-                       "call (tool_choice 'none' keeps the tools out)", param="response_format",
+    if toolset.active and constraint_param is not None:
+        field = constraint_param.split(".")[0]
+        raise APIError(400, f"{constraint_param} cannot be combined with tools the model may "
+                       "call (tool_choice 'none' keeps the tools out)", param=field,
                        code="unsupported_parameter")
     return toolset
 

@@ -1,7 +1,11 @@
-"""The routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and, with
-metrics on, ``GET /metrics``; and the error handlers that answer in OpenAI's envelope.
+"""The routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (a raw prompt,
+`completions`), ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /tokenize`` and
+``/detokenize`` (vLLM's shapes), ``GET /version``, ``GET /health`` and, with metrics on,
+``GET /metrics``; and the error handlers that answer in OpenAI's envelope.
 
-``POST /v1/chat/completions`` reads ``response_format`` (json_schema / json_object / text),
+Both completion routes read every form of output constraint (`structured`: ``response_format``,
+vLLM's ``structured_outputs`` and ``guided_*``, SGLang's and llama.cpp's fields), ``min_tokens``
+and ``ignore_eos``; ``POST /v1/chat/completions`` reads ``response_format`` (json_schema / json_object / text),
 ``stream``, ``n``, ``stop``, ``seed``, ``temperature``, ``top_p``, ``max_tokens``, ``tools``,
 ``tool_choice``, ``parallel_tool_calls`` (calls come back as ``message.tool_calls`` with
 ``finish_reason`` "tool_calls", streamed as OpenAI's tool-call deltas), and as
@@ -32,10 +36,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from constrained_spec import __version__
 from constrained_spec.errors import ConstrainedSpecError
+from constrained_spec.server.choices import response_warnings
+from constrained_spec.server.completions import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    completion_body,
+    max_model_len,
+    parse_small,
+)
+from constrained_spec.server.completions import detokenize as detokenize_body
+from constrained_spec.server.completions import tokenize as tokenize_body
 from constrained_spec.server.protocol import (
     APIError,
     ChatCompletionRequest,
+    CompletionRequest,
+    RequestFields,
     api_error,
     envelope,
     parse_body,
@@ -61,12 +78,37 @@ def add_routes(app: FastAPI, server: Server, registry: Any = None) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "constrained_spec"}]}
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(server, model_id)
+        return _model_card(server)
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": __version__}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _chat_completions(server, request)
+        return await _completions(server, request, ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _completions(server, request, CompletionRequest)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        raw = await _read_body(request, config.max_request_bytes)
+        body = parse_small(raw, TokenizeRequest, config.model_name)
+        return await asyncio.get_running_loop().run_in_executor(
+            server.prep, functools.partial(tokenize_body, server.model, body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        raw = await _read_body(request, config.max_request_bytes)
+        body = parse_small(raw, DetokenizeRequest, config.model_name)
+        return detokenize_body(server.model, body)
 
     if registry is not None:
         @app.get("/metrics")
@@ -94,16 +136,27 @@ def _add_error_handlers(app: FastAPI) -> None:
                                      "internal_error"), status_code=500)
 
 
-async def _chat_completions(server: Server, request: Request) -> Response:
+def _model_card(server: Server) -> dict[str, Any]:
+    return {"id": server.config.model_name, "object": "model", "created": server.created,
+            "owned_by": "constrained_spec", "max_model_len": max_model_len(server.model)}
+
+
+def _check_model(server: Server, name: str) -> None:
+    if name != server.config.model_name:
+        raise APIError(404, f"the model {name!r:.80} does not exist; this server serves "
+                       f"{server.config.model_name!r}", param="model", code="model_not_found")
+
+
+async def _completions(server: Server, request: Request, kind: type[RequestFields]) -> Response:
+    """``POST /v1/chat/completions`` (``kind`` ChatCompletionRequest) or ``/v1/completions``."""
     config = server.config
-    body = parse_body(await _read_body(request, config.max_request_bytes))
-    if body.model != config.model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                       f"{config.model_name!r}", param="model", code="model_not_found")
+    body = parse_body(await _read_body(request, config.max_request_bytes), kind)
+    _check_model(server, body.model)
+    count = body.n * (len(body.prompts()) if isinstance(body, CompletionRequest) else 1)
     capacity = config.max_batch_size + config.max_queue
-    if body.n > capacity:
-        raise APIError(400, f"n={body.n} is more than this server holds at once ({capacity})",
-                       param="n")
+    if count > capacity:
+        raise APIError(400, f"n={body.n} for {count // body.n} prompt(s) is more than this server "
+                       f"holds at once ({capacity})", param="n")
     stop = stop_strings(body.stop)
     try:
         built = await asyncio.get_running_loop().run_in_executor(server.prep,
@@ -113,14 +166,19 @@ async def _chat_completions(server: Server, request: Request) -> Response:
         raise api_error(e) from e
     choices = [Choice.of(i, t, spec, mode, server.decode, stop if spec is None else ())
                for i, (t, (_, spec, mode)) in enumerate(zip(tickets, built))]
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    echo = None
+    if isinstance(body, CompletionRequest):
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        echo = {c.index: server.decode(c.request.prompt_ids) for c in choices} if body.echo else {}
+    else:
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            stream(server, request, choices, completion_id, body.model, include_usage),
+            stream(server, request, choices, completion_id, body.model, include_usage, echo=echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _complete(server, request, body, choices, completion_id)
+    return await _complete(server, request, body, choices, completion_id, echo)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -134,8 +192,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _complete(server: Server, request: Request, body: ChatCompletionRequest,
-                    choices: Sequence[Choice], completion_id: str) -> Response:
+async def _complete(server: Server, request: Request, body: RequestFields,
+                    choices: Sequence[Choice], completion_id: str,
+                    echo: dict[int, str] | None = None) -> Response:
     created = int(time.time())
     work = asyncio.create_task(run_attempts(server, body, choices))
     gone = asyncio.create_task(disconnected(request))
@@ -154,6 +213,10 @@ async def _complete(server: Server, request: Request, body: ChatCompletionReques
     for o in outcomes:
         if o.error is not None:
             return o.error.response()
+    if echo is not None:
+        return JSONResponse(completion_body(completion_id, created, body.model, choices, outcomes,
+                                            echo, response_warnings(choices, outcomes,
+                                                                    server.config.backend)))
     return JSONResponse({
         "id": completion_id, "object": "chat.completion", "created": created, "model": body.model,
         "system_fingerprint": None,
@@ -161,10 +224,11 @@ async def _complete(server: Server, request: Request, body: ChatCompletionReques
                      "logprobs": None, "finish_reason": o.finish_reason}
                     for c, o in zip(choices, outcomes)],
         "usage": usage(choices, outcomes),
+        **response_warnings(choices, outcomes, server.config.backend),
     })
 
 
-async def run_attempts(server: Server, body: ChatCompletionRequest,
+async def run_attempts(server: Server, body: RequestFields,
                        choices: Sequence[Choice]) -> list[Outcome]:
     """Run the choices (their first attempt already submitted) to their outcomes.
 
@@ -190,5 +254,7 @@ async def run_attempts(server: Server, body: ChatCompletionRequest,
         await run_choices(running)
         for c in running:
             outcomes[c.index] = await server.outcome_async(c)
-            attempts.record(c.index, outcomes[c.index].result)
+            # free text is run again only when max_retries asks (the library's rule)
+            attempts.record(c.index, outcomes[c.index].result,
+                            retry=c.spec is not None or body.max_retries is not None)
     return [outcomes[c.index] for c in choices]

@@ -33,18 +33,20 @@ from constrained_spec.errors import (
     IncompleteOutputError,
     OutputValidationError,
 )
-from constrained_spec.frontend.tools import ToolParser
 from constrained_spec.generation.serving import EngineLoop
 from constrained_spec.server.choices import Choice, Outcome
+from constrained_spec.server.completions import prompt_ids, raw_request, token_limit
 from constrained_spec.server.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
     ChatCompletionRequest,
+    CompletionRequest,
+    RequestFields,
     SchemaMode,
     api_error,
     chat_prompt,
-    schema_of,
     toolset_of,
 )
+from constrained_spec.server.structured import constraint_of
 
 logger = logging.getLogger(__name__)
 
@@ -207,37 +209,52 @@ class Server:
         self.retries = 0
 
     @staticmethod
-    def retry_policy(body: ChatCompletionRequest) -> RetryPolicy:
+    def retry_policy(body: RequestFields) -> RetryPolicy:
         """The library's retry rule for a request's ``max_retries`` (at its default temperature):
         absent, the library's default (:data:`~constrained_spec.api.DEFAULT_MAX_RETRIES`), none
-        for a streamed request (``parse_body`` has refused an explicit count with ``stream``)."""
+        for a streamed request (``parse_body`` has refused an explicit count with ``stream``).
+        Free text is retried only when ``max_retries`` is given (`Choice.retryable`)."""
         return RetryPolicy.resolve(body.max_retries, streaming=body.stream)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.tokenizer.decode(list(ids))
 
-    def build_requests(self, body: ChatCompletionRequest, *, attempt: int = 0,
+    def build_requests(self, body: RequestFields, *, attempt: int = 0,
                        indices: Sequence[int] | None = None) -> list[tuple[Any, Any, SchemaMode]]:
-        """Engine requests for the ``n`` choices (runs on the prep thread); with ``attempt``
-        >= 1, the retry of the choices ``indices`` (``max_retries``, :class:`RetryPolicy`)."""
-        schema, mode = schema_of(body.response_format)
-        tools = toolset_of(body)
-        prompt = chat_prompt(body.messages)
+        """Engine requests for the choices (runs on the prep thread): ``n`` per prompt, index
+        ``prompt * n + j``; with ``attempt`` >= 1, the retry of the choices ``indices``
+        (``max_retries``, :class:`RetryPolicy`)."""
+        constraint = constraint_of(body, self.config.backend)
         overrides = _sampling_overrides(body)
         policy = self.retry_policy(body)
-        schema_param = ("response_format.json_schema.schema" if body.response_format and
-                        body.response_format.get("type") == "json_schema" else "response_format")
+        if isinstance(body, CompletionRequest):
+            limit = token_limit(self.model)
+            prompts: list[Any] = [prompt_ids(self.model.tokenizer, p, i, body.add_special_tokens,
+                                             limit) for i, p in enumerate(body.prompts())]
+            tools = None
+        else:
+            assert isinstance(body, ChatCompletionRequest)
+            tools = toolset_of(body, constraint.param if constraint.constrained else None)
+            prompts = [chat_prompt(body.messages)]
+            reasoning = body.reasoning_option()
+            if reasoning is not None:
+                overrides["reasoning"] = reasoning
         out = []
-        for i in range(body.n) if indices is None else indices:
+        for i in range(len(prompts) * body.n) if indices is None else indices:
             # OpenAI's n and seed: choice i uses seed + i; retry k of it seed + i + k
             options = {**overrides, "seed": None if body.seed is None else body.seed + i}
             options = policy.options(options, attempt, self.generator.sampling)
+            prompt = prompts[i // body.n]
             try:
-                req, spec = self.generator.make_request(prompt, schema=schema, schema_mode=mode,
-                                                        tools=tools, **options)
+                if isinstance(body, CompletionRequest):
+                    req, spec = raw_request(self.generator, prompt, constraint, options)
+                else:
+                    req, spec = self.generator.make_request(
+                        prompt, schema=constraint.schema, schema_mode=constraint.mode,
+                        tools=tools, **options)
             except ConstrainedSpecError as e:
-                raise api_error(e, schema_param=schema_param) from e
-            out.append((req, spec, mode))
+                raise api_error(e, schema_param=constraint.param or "response_format") from e
+            out.append((req, spec, constraint.mode))
         return out
 
     async def outcome_async(self, choice: Choice) -> Outcome:
@@ -253,16 +270,19 @@ class Server:
             o.reasoning = getattr(result, "reasoning", None)
             if o.reasoning is None:  # an error or a stop string: what was thought until then
                 o.reasoning = choice.thought.text.strip()
-                if o.finish_reason == "length":  # the answer part of the partial output
+                if o.finish_reason == "length" and choice.tools is None:  # the answer part
                     o.text = choice.text.text
         return o
 
     def _outcome(self, choice: Choice) -> Outcome:
         req = choice.request
         tokens = len(req.output_ids)
-        if choice.text.stopped:
-            return Outcome(choice.text.text, "stop", completion_tokens=tokens)
+        if choice.text.stopped:  # a stop string, or a repeated tool call
+            return choice.stopped_outcome(tokens)
         result = self.generator.finalize(req, choice.spec, return_result=True)
+        calls = choice.tool_outcome(result, tokens)  # tool calls, never their markup as text
+        if calls is not None:
+            return calls
         if isinstance(result, IncompleteOutputError):
             # "length", or another way the engine ended the output early (a detected loop):
             # OpenAI's finish reasons have one word for a cut output, "length"
@@ -278,18 +298,13 @@ class Server:
             if req.error is not None:
                 logger.error("request %s failed: %r", req.id, req.error)
             return Outcome("", "error", api_error(result), tokens, result=result)
-        if isinstance(choice.spec.target if choice.spec is not None else None, ToolParser):
-            content, calls = choice.spec.target.split(result.text)
-            if calls:
-                return Outcome(content, "tool_calls", completion_tokens=tokens, result=result,
-                               tool_calls=calls)
         return Outcome(result.text, "stop", completion_tokens=tokens, result=result)
 
 
-def _sampling_overrides(body: ChatCompletionRequest) -> dict[str, Any]:
+def _sampling_overrides(body: RequestFields) -> dict[str, Any]:
     """The Generator call options a request sets (absent fields keep the server's defaults)."""
     overrides: dict[str, Any] = {}
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is not None:
         overrides["max_tokens"] = max_tokens
     if body.temperature is not None:
@@ -298,10 +313,9 @@ def _sampling_overrides(body: ChatCompletionRequest) -> dict[str, Any]:
         overrides["top_p"] = float(body.top_p)
     if body.top_k is not None:
         overrides["top_k"] = max(body.top_k, 0)  # -1: off, as in vLLM
-    if body.repetition_penalty is not None:
-        overrides["repetition_penalty"] = body.repetition_penalty
-    if body.no_repeat_ngram_size is not None:
-        overrides["no_repeat_ngram_size"] = body.no_repeat_ngram_size
-    if body.max_reasoning_tokens is not None:
-        overrides["max_reasoning_tokens"] = body.max_reasoning_tokens
+    for name in ("repetition_penalty", "no_repeat_ngram_size", "max_reasoning_tokens",
+                 "min_tokens", "ignore_eos"):
+        value = getattr(body, name, None)
+        if value is not None:
+            overrides[name] = value
     return overrides

@@ -14,13 +14,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from constrained_spec.frontend.tools import StreamingToolParser
-from constrained_spec.server.choices import Choice, Outcome
+from constrained_spec.server.choices import Choice, Outcome, response_warnings
 from constrained_spec.server.protocol import APIError, api_error, envelope
 
 if TYPE_CHECKING:
@@ -117,20 +117,38 @@ class _ChunkProducer:
         self.out: asyncio.Queue[Any] = asyncio.Queue()
         self.outcomes: dict[int, Outcome] = {}  # choice index -> how it ended
 
-    def chunk(self, items: list[dict[str, Any]], totals: dict[str, int] | None = None) -> str:
-        """The SSE event of one ``chat.completion.chunk`` with ``items`` (``_delta``s) and,
-        when the client asked for usage, ``totals`` (None on all but the usage chunk)."""
-        data: dict[str, Any] = {"id": self.completion_id, "object": "chat.completion.chunk",
+    object = "chat.completion.chunk"
+
+    def first(self) -> list[str]:
+        """The events before any text: a chunk with every choice's role (and the schema's
+        ``warnings``, if any)."""
+        warned = response_warnings(self.choices, (), self.server.config.backend)
+        return [self.chunk([_delta(c, {"role": "assistant", "content": ""}) for c in self.choices],
+                           warnings=warned.get("warnings"))]
+
+    def totals(self, outcomes: Sequence[Outcome]) -> dict[str, int]:
+        return usage(self.choices, outcomes)
+
+    def chunk(self, items: list[dict[str, Any]], totals: dict[str, int] | None = None,
+              warnings: list[dict[str, Any]] | None = None) -> str:
+        """The SSE event of one chunk (``object``) with ``items`` (``_delta``s) and,
+        when the client asked for usage, ``totals`` (None on all but the usage chunk);
+        ``warnings`` when there are any (`choices.response_warnings`)."""
+        data: dict[str, Any] = {"id": self.completion_id, "object": self.object,
                                 "created": self.created, "model": self.model,
                                 "system_fingerprint": None, "choices": items}
         if self.include_usage:
             data["usage"] = totals
+        if warnings:
+            data["warnings"] = warnings
         return sse(data)
 
     def send(self, choice: Choice, content: dict[str, Any],
-             finish_reason: str | None = None) -> None:
+             finish_reason: str | None = None, warnings: list[dict[str, Any]] | None = None
+             ) -> None:
         """Queue a chunk with one delta of ``choice``."""
-        self.out.put_nowait(self.chunk([_delta(choice, content, finish_reason)]))
+        self.out.put_nowait(self.chunk([_delta(choice, content, finish_reason)],
+                                       warnings=warnings))
 
     def tool_deltas(self, choice: Choice, parser: StreamingToolParser, final: bool) -> None:
         """Queue OpenAI's tool-call deltas of ``choice``'s text so far: the text before the
@@ -168,10 +186,10 @@ class _ChunkProducer:
         if parser is not None:
             choice.text.text = choice.text.decode(choice.text.ids)
             self.tool_deltas(choice, parser, final=True)
-            self.send(choice, {}, o.finish_reason)
+            self.send(choice, {}, o.finish_reason, o.warnings)
             return
         rest = choice.text.finish(o.text)
-        self.send(choice, {"content": rest} if rest else {}, o.finish_reason)
+        self.send(choice, {"content": rest} if rest else {}, o.finish_reason, o.warnings)
 
     async def produce(self) -> None:
         """Run the choices to their end, then queue the usage chunk (if asked) and the end; a
@@ -180,7 +198,7 @@ class _ChunkProducer:
             await run_choices(self.choices, self.on_text, self.on_done, self.on_thought)
             if self.include_usage:
                 outcomes = [self.outcomes[c.index] for c in self.choices]
-                self.out.put_nowait(self.chunk([], usage(self.choices, outcomes)))
+                self.out.put_nowait(self.chunk([], self.totals(outcomes)))
             self.out.put_nowait(None)
         except Exception as e:  # noqa: BLE001 -- sent as an error event, then [DONE] (as vLLM)
             self.out.put_nowait(e)
@@ -189,6 +207,42 @@ class _ChunkProducer:
         """Queue ``_GONE`` once the client has gone away."""
         await disconnected(request)
         self.out.put_nowait(_GONE)
+
+
+class TextChunkProducer(_ChunkProducer):
+    """The producer of a streamed ``/v1/completions`` response: ``text_completion`` chunks with
+    each choice's ``text`` (after ``echo``'s prompt text, when asked), no role chunk."""
+
+    object = "text_completion"
+
+    def __init__(self, server: Server, choices: Sequence[Choice], completion_id: str, model: str,
+                 include_usage: bool, echo: Mapping[int, str]) -> None:
+        super().__init__(server, choices, completion_id, model, include_usage)
+        self.echo = echo
+
+    def first(self) -> list[str]:
+        """The echoed prompts, the schema's ``warnings`` (if any) on the first chunk."""
+        warned = response_warnings(self.choices, (), self.server.config.backend).get("warnings")
+        items = [self._item(c, text) for c in self.choices if (text := self.echo.get(c.index))]
+        if not items and not warned:
+            return []
+        return [self.chunk(items[:1], warnings=warned)] + [self.chunk([i]) for i in items[1:]]
+
+    def totals(self, outcomes: Sequence[Outcome]) -> dict[str, int]:
+        from constrained_spec.server.completions import completion_usage
+
+        return completion_usage(self.choices, outcomes)
+
+    @staticmethod
+    def _item(choice: Choice, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        return {"index": choice.index, "text": text, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def send(self, choice: Choice, content: dict[str, Any],
+             finish_reason: str | None = None, warnings: list[dict[str, Any]] | None = None
+             ) -> None:
+        self.out.put_nowait(self.chunk([self._item(choice, content.get("content", ""),
+                                                   finish_reason)], warnings=warnings))
 
 
 def _error_event(error: BaseException, completion_id: str) -> str:
@@ -200,15 +254,20 @@ def _error_event(error: BaseException, completion_id: str) -> str:
 
 
 async def stream(server: Server, request: Request, choices: Sequence[Choice], completion_id: str,
-                 model: str, include_usage: bool) -> AsyncIterator[str]:
+                 model: str, include_usage: bool, *,
+                 echo: Mapping[int, str] | None = None) -> AsyncIterator[str]:
     """The SSE events of a streamed completion: a role chunk, text deltas as they are safe to
     send, each choice's last delta with its finish reason, the usage chunk if asked, then
-    ``[DONE]``; a late error is one error event before ``[DONE]``."""
-    producer = _ChunkProducer(server, choices, completion_id, model, include_usage)
+    ``[DONE]``; a late error is one error event before ``[DONE]``. With ``echo`` (a dict, empty
+    or not): ``/v1/completions``' ``text_completion`` chunks, the echoed prompt text first."""
+    producer = (_ChunkProducer(server, choices, completion_id, model, include_usage)
+                if echo is None else
+                TextChunkProducer(server, choices, completion_id, model, include_usage, echo))
     tasks = [asyncio.create_task(producer.produce()), asyncio.create_task(producer.watch(request))]
     ended = False
     try:
-        yield producer.chunk([_delta(c, {"role": "assistant", "content": ""}) for c in choices])
+        for event in producer.first():
+            yield event
         while (item := await producer.out.get()) is not None:
             if item is _GONE:
                 return

@@ -27,7 +27,7 @@ def main() -> None:
     for prompt in prompts:
         pair = []
         for model in (ours_model, theirs_model):
-            gen = Generator(model, schema=Person, speculative=False, max_retries=0, max_tokens=64)
+            gen: Generator[Person] = Generator(model, schema=Person, speculative=False, max_retries=0, max_tokens=64)
             pair.append(gen(prompt, return_result=True).token_ids)
         out.append(pair)
     print(json.dumps(out))

@@ -212,3 +212,17 @@ def test_reasoning_on_vllm_with_an_end_marker_of_several_tokens_is_a_config_erro
         generate(vllm_model, PROMPT, schema=Person, reasoning=ReasoningMarkers("<think>", "</think>"),
                  speculative=False)
     assert err.value.option == "reasoning"
+
+
+def test_min_tokens_and_ignore_eos_hold_the_stop_on_vllm(vllm_model):
+    # "What is 2+2?" ends early (11 tokens greedy here); held back, it runs on
+    gen = Generator(vllm_model, speculative=False, max_tokens=40, max_retries=0)
+    plain = gen("What is 2+2?", return_result=True)
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 20
+    held = gen("What is 2+2?", return_result=True, min_tokens=20)
+    assert len(held.token_ids) >= 20 and held.token_ids[:len(plain.token_ids) - 1] == plain.token_ids[:-1]
+    ignored = gen("What is 2+2?", return_result=True, ignore_eos=True)
+    assert len(ignored.token_ids) == 40 and ignored.finish_reason == "length"
+    # a grammar that must end still ends the output (the grammar wins, as on our engine)
+    three = Generator(vllm_model, schema=Regex("[a-z]{3}"), speculative=False, max_tokens=16)
+    assert len(three("Three letters:", min_tokens=12)) == 3
