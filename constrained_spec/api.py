@@ -60,6 +60,7 @@ from constrained_spec.frontend.reasoning import (
 )
 from constrained_spec.frontend.tools import ToolParser, ToolSet, detect_format
 from constrained_spec.generation.engine import Engine, Request
+from constrained_spec.generation.logprobs import TokenLogprob
 from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.protocols import BatchEngine
 from constrained_spec.generation.retry import can_resume, quote_tokens, resume, resume_point
@@ -118,6 +119,13 @@ class GenerationResult(Generic[T]):
     #: a reasoning model's thinking, markers stripped (``reasoning``); None when off. ``text``
     #: and ``value`` are the answer after it; ``token_ids`` hold every output token
     reasoning: str | None = None
+    #: with ``logprobs=k``: one `TokenLogprob` per token of ``token_ids`` (its logprob and k
+    #: alternatives; which distribution: ``logprobs_mode``, docs/options.md); None when off
+    logprobs: list[TokenLogprob] | None = None
+
+
+def _logprobs_of(req: Request) -> list[TokenLogprob] | None:
+    return list(req.logprobs) if req.params.logprobs is not None else None
 
 
 #: Retries after a failed first attempt when a call does not set ``max_retries`` and its output
@@ -466,8 +474,9 @@ class Generator(Generic[T]):
     describes each:
 
     - ``sampling`` (:class:`SamplingParams`): ``max_tokens``, ``temperature``, ``top_p``,
-      ``top_k``, ``seed`` and the opt-in repetition guard ``repetition_penalty``,
-      ``no_repeat_ngram_size``;
+      ``top_k``, ``seed``, the opt-in repetition guard ``repetition_penalty``,
+      ``no_repeat_ngram_size``, ``min_tokens``, ``ignore_eos`` and ``logprobs`` /
+      ``logprobs_mode`` (`generation.logprobs`);
     - ``schema_options`` (:class:`SchemaOptions`): ``schema_mode``, ``backend``, ``layout``,
       ``system_prompt`` and the opt-in bounds ``max_string_length``, ``max_items``; the
       pre-flight report of the Generator's own schema is ``report`` (None for free text);
@@ -493,6 +502,8 @@ class Generator(Generic[T]):
                  layout: JsonLayout | Mapping[str, object] | None = None,
                  tokenizer: object = None, max_batch_size: int = 64,
                  repetition_penalty: float = 1.0, no_repeat_ngram_size: int = 0,
+                 min_tokens: int = 0, ignore_eos: bool = False,
+                 logprobs: int | None = None, logprobs_mode: str = "masked",
                  max_string_length: int | None = None, max_items: int | None = None,
                  max_retries: int | None = None,
                  retry_temperature: float = DEFAULT_RETRY_TEMPERATURE,
@@ -509,7 +520,9 @@ class Generator(Generic[T]):
         self.sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                        seed=seed, max_tokens=max_tokens,
                                        repetition_penalty=repetition_penalty,
-                                       no_repeat_ngram_size=no_repeat_ngram_size)
+                                       no_repeat_ngram_size=no_repeat_ngram_size,
+                                       min_tokens=min_tokens, ignore_eos=ignore_eos,
+                                       logprobs=logprobs, logprobs_mode=logprobs_mode)
         self.retries = RetryPolicy(max_retries, retry_temperature, retry_from)
         self.speculative = resolve_speculative(speculative)
         self.max_batch_size = check_count(max_batch_size, "max_batch_size", minimum=1)
@@ -689,7 +702,7 @@ class Generator(Generic[T]):
             return answer
         return GenerationResult(value=answer, text=answer, token_ids=list(req.output_ids),
                                 finish_reason=req.finish_reason or "length", stats=req.stats,
-                                reasoning=reasoning)
+                                reasoning=reasoning, logprobs=_logprobs_of(req))
 
     # -- building blocks (also used by servers that run their own engine loop) --------------
     def make_request(self, prompt: str | Messages, *, schema: object = _SAME,
@@ -710,6 +723,10 @@ class Generator(Generic[T]):
         """
         toolset = self.tools if tools is _SAME else _toolset(tools, "auto", False)
         options, (markers, budget), params = self._call_options(overrides, schema_mode)
+        if self.model.vllm is not None:  # what vLLM's engine cannot do: a ConfigError now
+            from constrained_spec.generation.vllm_engine import check_sampling
+
+            check_sampling(params)
         spec, compiled, calls = self._request_spec(schema, toolset, options)
         ids = _encode_with_check(self.model, prompt, None if calls else spec,
                                  options.system_prompt, params.max_tokens, toolset)
@@ -831,7 +848,7 @@ class Generator(Generic[T]):
         if return_result:
             return GenerationResult(value=value, text=answer, token_ids=list(req.output_ids),
                                     finish_reason=req.finish_reason, stats=req.stats,
-                                    reasoning=reasoning)
+                                    reasoning=reasoning, logprobs=_logprobs_of(req))
         return value
 
     @staticmethod

@@ -27,6 +27,8 @@ MAX_PROMPT_LOOKUP = 32
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_NO_REPEAT_NGRAM_SIZE = 64
+#: Most alternatives listed per emitted token with ``logprobs`` (OpenAI's and vLLM's limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,10 @@ class SamplingParams:
     # (`engine.mask_stop_tokens`)
     min_tokens: int = 0
     ignore_eos: bool = False
+    # None: no logprobs; k in 0..20: each emitted token's logprob and its k most likely
+    # alternatives (`generation.logprobs`, where the two modes' distributions are said)
+    logprobs: int | None = None
+    logprobs_mode: str = "masked"
 
     def __post_init__(self) -> None:
         if not is_real(self.temperature) or not (0.0 <= self.temperature <= 100.0):
@@ -173,6 +179,14 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"must be True or False, got {self.ignore_eos!r:.40}",
                               option="ignore_eos")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise ConfigError(f"must be None (off) or an integer in 0..{MAX_TOP_LOGPROBS} (the "
+                              f"alternatives listed per token), got {k!r:.40}", option="logprobs")
+        if self.logprobs_mode not in ("masked", "raw"):
+            raise ConfigError(f"must be 'masked' (the grammar's renormalized distribution) or "
+                              f"'raw' (the model's, before the mask), got {self.logprobs_mode!r:.40}",
+                              option="logprobs_mode")
 
     @property
     def greedy(self) -> bool:

@@ -43,9 +43,9 @@ def check_valid(task: dict, value) -> None:
         assert value in task["choices"], value
 
 
-def run_all(embedded, speculative, batch: bool):
+def run_all(embedded, speculative, batch: bool, **options: Any):
     tasks = load_tasks()
-    gen: Generator[Any] = Generator(embedded, speculative=speculative, max_retries=0)
+    gen: Generator[Any] = Generator(embedded, speculative=speculative, max_retries=0, **options)
     if batch:
         # max_tokens differs per task: group by it, each group one batch of mixed schemas
         out = {}

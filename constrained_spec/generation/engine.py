@@ -44,6 +44,7 @@ from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters.base import Drafter, DraftState, GrammarCursor
 from constrained_spec.drafters.forced import ForcedDrafter
 from constrained_spec.errors import ConfigError, GenerationError
+from constrained_spec.generation.logprobs import TokenLogprob, request_rows, row_logprobs
 from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
 from constrained_spec.generation.stats import SpecStats
@@ -90,6 +91,8 @@ class Request:
     #: sets it False when it freed the slot after all
     keep_slot: bool = False
     resumed: bool = False  # continues a failed attempt's output (generation/retry.py)
+    #: per committed token, when ``params.logprobs`` is set (`generation.logprobs`)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -264,6 +267,10 @@ class StepBatch:
     draft_tokens: torch.Tensor  # int64 [N]
     draft_probs: torch.Tensor | None  # float32 [N, V]: q per draft (a point mass is one-hot);
     #                                   None when every draft is a point mass
+    #: the verified rows of the requests that want logprobs (`logprobs.request_rows`) and
+    #: their logits before the grammar mask ("raw") and after it ("masked"), set by `_verify`
+    logprob_rows: list[int] = field(default_factory=list)
+    logprob_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, reqs: list[Request], states: list[DraftState], num_rows: list[int],
@@ -547,10 +554,19 @@ class Engine:
     def _verify(self, batch: StepBatch, logits: torch.Tensor) -> RejectionOutput:
         """Mask rows, sampling transforms, then rejection sampling (`kernels.rejection_sample`)."""
         dev = logits.device
+        modes = {r.params.logprobs_mode for r in batch.reqs if r.params.logprobs is not None}
+        if modes:  # the verifier's own logits: no extra forward (generation/logprobs.py)
+            batch.logprob_rows = request_rows([r.params.logprobs is not None for r in batch.reqs],
+                                              batch.num_rows)
+            rows = torch.tensor(batch.logprob_rows, device=dev)
+            if "raw" in modes:
+                batch.logprob_logits["raw"] = logits.index_select(0, rows)
         if batch.constrained:
             apply_bitmask(logits, batch.bitmask.view(-1, self.words).to(dev), batch.row_index.to(dev))
         if any(r.params.min_tokens or r.params.ignore_eos for r in batch.reqs):
             mask_stop_tokens(logits, batch.reqs, batch.num_rows)
+        if "masked" in modes:
+            batch.logprob_logits["masked"] = logits.index_select(0, rows)
         logits = self._sampling_transforms(batch, logits)
         greedy = torch.tensor([r.params.greedy for r in batch.reqs])
         uniform, exp_noise = self._random_draws(batch, greedy)
@@ -596,11 +612,20 @@ class Engine:
 
     # -- 4. commit ------------------------------------------------------------------------
     def _commit_all(self, batch: StepBatch, result: RejectionOutput) -> None:
+        at = 0  # request b's first row among batch.logprob_rows
         for b, (r, s) in enumerate(zip(batch.reqs, batch.states)):
             n_acc = int(result.num_accepted[b])
             emitted = [int(t) for t in result.output_tokens[b, : n_acc + 1]]
+            before = len(r.output_ids)
             with contain("commit", [r]):  # its matcher: this request alone
                 self._commit(r, s, emitted, n_acc)
+                if r.params.logprobs is not None:  # the tokens committed (a stop may cut them)
+                    kept = len(r.output_ids) - before
+                    r.logprobs += row_logprobs(
+                        batch.logprob_logits[r.params.logprobs_mode],
+                        torch.arange(at, at + kept), torch.tensor(emitted[:kept]), r.params.logprobs)
+            if r.params.logprobs is not None:
+                at += batch.num_rows[b]
 
     def _commit(self, r: Request, s: DraftState, emitted: list[int], n_acc: int) -> None:
         """The emitted tokens to ``r``'s real matcher and output (up to a stop or max_tokens),

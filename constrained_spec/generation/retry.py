@@ -138,5 +138,7 @@ def resume(retry: Request, failed: Request, keep: int) -> None:
                                    structural_min_length=retry.loops.structural_min_length)
         retry.loops.extend(prefix)
     retry.output_ids = list(prefix)
+    if retry.params.logprobs is not None:  # the kept tokens' values: the same positions
+        retry.logprobs = list(failed.logprobs[:keep])
     retry.resumed = True
     retry.slot, failed.slot = failed.slot, -1

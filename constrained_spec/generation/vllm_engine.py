@@ -46,6 +46,7 @@ from constrained_spec.generation.engine import (
     finish,
     run_requests,
 )
+from constrained_spec.generation.logprobs import TokenLogprob
 from constrained_spec.grammar.compile import CompiledSpec
 from constrained_spec.grammar.matcher import Matcher, XGrammarMatcher
 from constrained_spec.grammar.reasoning import ReasoningMatcher
@@ -210,6 +211,17 @@ def reasoning_tag(matcher: ReasoningMatcher) -> dict[str, Any]:
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
 
 
+def check_sampling(p: Any) -> None:
+    """A `ConfigError` for sampling options vLLM's engine has no counterpart for."""
+    if p.no_repeat_ngram_size:
+        raise ConfigError("no_repeat_ngram_size has no vLLM counterpart; use repetition_penalty "
+                          "on the vLLM engine", option="no_repeat_ngram_size")
+    if p.logprobs is not None and p.logprobs_mode != "raw":
+        raise ConfigError("vLLM's engine reports the model's logprobs before the grammar mask: "
+                          "set logprobs_mode='raw' (the grammar's renormalized distribution, "
+                          "'masked', needs the native engine)", option="logprobs_mode")
+
+
 def sampling_params(r: Request) -> Any:
     """vLLM's ``SamplingParams`` for ``r``: its sampling, its grammar, our eos ids as stops;
     one token at a time (``DELTA``), so every token passes through our commit."""
@@ -217,9 +229,7 @@ def sampling_params(r: Request) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     p = r.params
-    if p.no_repeat_ngram_size:
-        raise ConfigError("no_repeat_ngram_size has no vLLM counterpart; use repetition_penalty "
-                          "on the vLLM engine", option="no_repeat_ngram_size")
+    check_sampling(p)
     if p.repetition_penalty != 1.0:
         _warn_once("penalty", "vLLM engine: repetition_penalty counts the prompt's tokens too "
                    "(ours counts the output's only)")
@@ -232,7 +242,7 @@ def sampling_params(r: Request) -> Any:
         seed=p.seed, max_tokens=left, min_tokens=held,
         repetition_penalty=p.repetition_penalty, stop_token_ids=list(r.eos_token_ids),
         skip_special_tokens=False, output_kind=RequestOutputKind.DELTA, detokenize=False,
-        structured_outputs=structured_outputs(r.matcher))
+        structured_outputs=structured_outputs(r.matcher), logprobs=p.logprobs)
 
 
 def _record_speculation(st: Any, metrics: Any) -> None:
@@ -243,6 +253,19 @@ def _record_speculation(st: Any, metrics: Any) -> None:
     for drafted, accepted in zip(getattr(metrics, "per_step_drafted", []) or [],
                                  getattr(metrics, "per_step_accepted", []) or []):
         st.record_positions(int(drafted), int(accepted))
+
+
+def _logprobs(comp: Any, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Our `TokenLogprob`s of ``tokens`` from vLLM's per-token logprob dicts (token id ->
+    ``Logprob``: the chosen token and the ``top`` most likely, by rank)."""
+    out = []
+    for tok, entry in zip(tokens, comp.logprobs or []):
+        ranked = sorted(((lp.rank or 0, tid, lp.logprob) for tid, lp in entry.items()
+                         if lp.rank is not None and 0 < lp.rank <= top))
+        chosen = entry.get(tok)
+        out.append(TokenLogprob(int(tok), float(chosen.logprob) if chosen is not None else float("nan"),
+                                tuple((int(t), float(v)) for _, t, v in ranked)))
+    return out
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -324,7 +347,11 @@ class VLLMEngine:
                 st.step_s += dt
             st.target_forwards += 1
             with contain("commit", [r]):
+                before = len(r.output_ids)
                 commit_tokens(r, tokens)
+                if r.params.logprobs is not None:
+                    r.logprobs += _logprobs(comp, tokens[:len(r.output_ids) - before],
+                                            r.params.logprobs)
         metrics = getattr(comp, "spec_decode_metrics", None)
         if metrics is not None:  # sent once, when vLLM finishes the request
             _record_speculation(st, metrics)

@@ -30,9 +30,11 @@ from constrained_spec.errors import (
     RepetitionLoopError,
 )
 from constrained_spec.frontend.tools import StreamingToolParser, ToolParser, ToolReading
+from constrained_spec.generation.logprobs import TokenLogprob
 from constrained_spec.generation.serving import Ticket
 from constrained_spec.grammar.reasoning import ReasoningMatcher
 from constrained_spec.schemas import preflight
+from constrained_spec.server.logprobs import token_text, within
 from constrained_spec.server.protocol import APIError
 
 
@@ -147,13 +149,16 @@ class Choice:
 
     @classmethod
     def of(cls, index: int, ticket: Ticket, spec: Any, mode: SchemaMode, decode: Any,
-           stop: Sequence[str] = ()) -> Choice:
+           stop: Sequence[str] = (), decoded: Sequence[bytes] = ()) -> Choice:
+        """``decoded``: token id -> bytes, for the logprobs of a request that asks."""
         matcher = ticket.request.matcher
         thought = ThoughtText(decode, matcher.markers) if isinstance(matcher, ReasoningMatcher) else None
         target = spec.target if spec is not None else None
         if isinstance(target, ToolParser) and target.tools.parallel:
-            return cls(index, ticket, spec, mode, ToolCallText(decode, target), thought)
-        return cls(index, ticket, spec, mode, ChoiceText(decode, stop), thought)
+            text: ChoiceText = ToolCallText(decode, target)
+        else:
+            text = ChoiceText(decode, stop)
+        return cls(index, ticket, spec, mode, text, thought, decoded=decoded)
 
     @property
     def tools(self) -> ToolParser | None:
@@ -187,6 +192,42 @@ class Choice:
         return self._parser
 
     _parser: StreamingToolParser | None = None
+    decoded: Sequence[bytes] = ()  # token id -> bytes (for logprobs)
+    _lp_text: str = ""  # the answer text whose tokens' logprobs were streamed
+    _lp_sent: int = 0  # logprob entries streamed
+    _lp_chars: int = 0  # their tokens' text length (completions' text_offset)
+
+    def answer_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs of the answer's tokens so far (a reasoning model's thinking left out);
+        None when the request did not ask for them."""
+        req = self.request
+        if req.params.logprobs is None:
+            return None
+        matcher = req.matcher
+        start = matcher.answer_start if isinstance(matcher, ReasoningMatcher) else 0
+        return list(req.logprobs[start or 0:]) if start is not None else []
+
+    def stream_logprobs(self, text: str) -> tuple[list[TokenLogprob] | None, int]:
+        """(the entries of the tokens behind ``text``, the answer text just streamed, not yet
+        sent; where in the answer their tokens' text starts, as completions' ``text_offset``
+        counts it). None when the request did not ask."""
+        entries = self.answer_logprobs()
+        if entries is None:
+            return None, 0
+        offset = self._lp_chars
+        self._lp_text += text
+        kept = within(self.decoded, entries, self._lp_text)
+        new, self._lp_sent = kept[self._lp_sent:], len(kept)
+        self._lp_chars += sum(len(token_text(self.decoded, e.token_id)) for e in new)
+        return new, offset
+
+    def final_logprobs(self, text: str, calls: bool) -> list[TokenLogprob] | None:
+        """The answer's logprobs for the response: the tokens behind ``text`` (a content cut at
+        a stop string keeps its own), or every answer token when the choice made ``calls``."""
+        entries = self.answer_logprobs()
+        if entries is None or calls:
+            return entries
+        return within(self.decoded, entries, text)
 
     def stopped_outcome(self, tokens: int) -> Outcome:
         """The outcome of a choice whose text stopped early: at a stop string ("stop"), or at
@@ -257,6 +298,8 @@ class Outcome:
     #: what the response says about this choice (``{"type", "message", "choice"}`` items:
     #: tool calls dropped and why)
     warnings: list[dict[str, Any]] = field(default_factory=list)
+    #: the answer's tokens' logprobs when the request asked (`Choice.final_logprobs`)
+    logprobs: list[TokenLogprob] | None = None
 
     def message(self) -> dict[str, Any]:
         """The choice's OpenAI ``message`` (with ``reasoning_content`` as vLLM / DeepSeek

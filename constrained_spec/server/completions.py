@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from constrained_spec.generation.engine import Request
 from constrained_spec.json_limits import loads
 from constrained_spec.server.choices import Choice, Outcome
+from constrained_spec.server.logprobs import completion_logprobs
 from constrained_spec.server.protocol import APIError, ChatMessage, chat_prompt, validation_error
 
 if TYPE_CHECKING:
@@ -93,7 +94,9 @@ def completion_body(completion_id: str, created: int, model: str, choices: Seque
     return {"id": completion_id, "object": "text_completion", "created": created,
             "model": model, "system_fingerprint": None,
             "choices": [{"index": c.index, "text": echo.get(c.index, "") + o.text,
-                         "logprobs": None, "finish_reason": o.finish_reason}
+                         "logprobs": None if o.logprobs is None else completion_logprobs(
+                             c.decoded, o.logprobs, len(echo.get(c.index, ""))),
+                         "finish_reason": o.finish_reason}
                         for c, o in zip(choices, outcomes)],
             "usage": completion_usage(choices, outcomes), **(warnings or {})}
 

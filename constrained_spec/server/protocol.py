@@ -135,6 +135,9 @@ class RequestFields(BaseModel):
     # max_tokens). A grammar still ends the output where it must (docs/server.md).
     min_tokens: int | None = Field(default=None, ge=0, strict=True)
     ignore_eos: bool | None = Field(default=None, strict=True)
+    # ours: which distribution logprobs report ("masked": the grammar's, renormalized, the
+    # default; "raw": the model's before the mask, as vLLM's default) -- docs/server.md
+    logprobs_mode: Literal["masked", "raw"] | None = None
     # output constraints (`structured`): vLLM's current object, its older guided_* fields,
     # SGLang's regex / ebnf / json_schema, llama.cpp's server's grammar / json_schema
     structured_outputs: dict[str, Any] | None = None
@@ -151,6 +154,10 @@ class RequestFields(BaseModel):
 
     #: extra fields refused (when truthy) by this kind of request besides ``_UNSUPPORTED``
     unsupported: ClassVar[tuple[str, ...]] = ()
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per token the response lists with its logprobs (None: no logprobs)."""
+        return None
 
     def check(self) -> None:
         """Checks across fields, after each field's own."""
@@ -176,9 +183,17 @@ class ChatCompletionRequest(RequestFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = Field(default=None, strict=True)
+    logprobs: bool | None = Field(default=None, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check(self) -> None:
         super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
+                           code="invalid_value")
         check_message_fields(self.messages)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise APIError(400, "tool_choice needs tools: give the tools the model may call",
@@ -222,16 +237,13 @@ class CompletionRequest(RequestFields):
     echo: bool = Field(default=False, strict=True)
     # vLLM's: the tokenizer's special tokens (a BOS) before the prompt, as vLLM's default
     add_special_tokens: bool = Field(default=True, strict=True)
+    # here a count (0-20; OpenAI's API allows 5): 0 asks for the chosen tokens' logprobs only
+    logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
 
     unsupported: ClassVar[tuple[str, ...]] = ("suffix", "best_of")
 
-    def check(self) -> None:
-        super().check()
-        # here logprobs is a count, and 0 asks for the chosen token's: any value is a request
-        if (self.model_extra or {}).get("logprobs") is not None:
-            raise APIError(400, "logprobs is not supported by this server yet: token "
-                           "log-probabilities are not returned; leave it out", param="logprobs",
-                           code="unsupported_parameter")
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or token ids (OpenAI's four forms); one choice set per
@@ -248,7 +260,7 @@ class CompletionRequest(RequestFields):
 
 # request fields that would change the answer and that this server does not implement:
 # refused rather than silently ignored (a falsy value is accepted: clients send defaults)
-_UNSUPPORTED = ("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+_UNSUPPORTED = ("functions", "function_call", "logit_bias",
                 "audio", "frequency_penalty", "presence_penalty", "prediction", "min_p",
                 "reasoning_effort", "web_search_options", "use_beam_search", "stop_token_ids",
                 "include_stop_str_in_output", "prompt_logprobs", "bad_words", "allowed_token_ids")
@@ -264,8 +276,8 @@ _INSTEAD = {**dict.fromkeys(("frequency_penalty", "presence_penalty"),
             "reasoning_effort": "; a reasoning model's thinking is bounded by max_reasoning_tokens",
             **dict.fromkeys(("functions", "function_call"),
                             " (OpenAI's deprecated form); use tools and tool_choice"),
-            **dict.fromkeys(("logprobs", "top_logprobs", "prompt_logprobs"),
-                            " yet: token log-probabilities are not returned; leave it out"),
+            "prompt_logprobs": " yet: the prompt's log-probabilities are not returned (the "
+                               "output's are: logprobs); leave it out",
             **dict.fromkeys(("logit_bias", "bad_words", "allowed_token_ids"),
                             "; constrain the output with response_format or structured_outputs "
                             "(a regex, choices or a grammar) instead"),

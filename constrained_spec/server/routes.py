@@ -48,6 +48,7 @@ from constrained_spec.server.completions import (
 )
 from constrained_spec.server.completions import detokenize as detokenize_body
 from constrained_spec.server.completions import tokenize as tokenize_body
+from constrained_spec.server.logprobs import chat_logprobs
 from constrained_spec.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -164,7 +165,8 @@ async def _completions(server: Server, request: Request, kind: type[RequestField
         tickets = server.loop.submit([req for req, _, _ in built])
     except ConstrainedSpecError as e:
         raise api_error(e) from e
-    choices = [Choice.of(i, t, spec, mode, server.decode, stop if spec is None else ())
+    choices = [Choice.of(i, t, spec, mode, server.decode, stop if spec is None else (),
+                         server.model.tokenizer_data.decoded)
                for i, (t, (_, spec, mode)) in enumerate(zip(tickets, built))]
     echo = None
     if isinstance(body, CompletionRequest):
@@ -221,7 +223,8 @@ async def _complete(server: Server, request: Request, body: RequestFields,
         "id": completion_id, "object": "chat.completion", "created": created, "model": body.model,
         "system_fingerprint": None,
         "choices": [{"index": c.index, "message": o.message(),
-                     "logprobs": None, "finish_reason": o.finish_reason}
+                     "logprobs": None if o.logprobs is None else chat_logprobs(c.decoded, o.logprobs),
+                     "finish_reason": o.finish_reason}
                     for c, o in zip(choices, outcomes)],
         "usage": usage(choices, outcomes),
         **response_warnings(choices, outcomes, server.config.backend),
@@ -249,7 +252,8 @@ async def run_attempts(server: Server, body: RequestFields,
             except ConstrainedSpecError as e:
                 raise api_error(e) from e
             for c, ticket in zip(running, tickets):
-                fresh = Choice.of(c.index, ticket, c.spec, c.mode, server.decode, c.text.stop)
+                fresh = Choice.of(c.index, ticket, c.spec, c.mode, server.decode, c.text.stop,
+                                  c.decoded)
                 c.ticket, c.text, c.thought, c._seen = ticket, fresh.text, fresh.thought, 0
         await run_choices(running)
         for c in running:

@@ -272,6 +272,7 @@ class Server:
                 o.reasoning = choice.thought.text.strip()
                 if o.finish_reason == "length" and choice.tools is None:  # the answer part
                     o.text = choice.text.text
+        o.logprobs = choice.final_logprobs(o.text, bool(o.tool_calls))
         return o
 
     def _outcome(self, choice: Choice) -> Outcome:
@@ -314,8 +315,10 @@ def _sampling_overrides(body: RequestFields) -> dict[str, Any]:
     if body.top_k is not None:
         overrides["top_k"] = max(body.top_k, 0)  # -1: off, as in vLLM
     for name in ("repetition_penalty", "no_repeat_ngram_size", "max_reasoning_tokens",
-                 "min_tokens", "ignore_eos"):
+                 "min_tokens", "ignore_eos", "logprobs_mode"):
         value = getattr(body, name, None)
         if value is not None:
             overrides[name] = value
+    if body.logprob_count() is not None:
+        overrides["logprobs"] = body.logprob_count()
     return overrides

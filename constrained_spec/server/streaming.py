@@ -21,6 +21,7 @@ from fastapi import Request
 
 from constrained_spec.frontend.tools import StreamingToolParser
 from constrained_spec.server.choices import Choice, Outcome, response_warnings
+from constrained_spec.server.logprobs import chat_logprobs, completion_logprobs
 from constrained_spec.server.protocol import APIError, api_error, envelope
 
 if TYPE_CHECKING:
@@ -95,10 +96,12 @@ def usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> dict[str, i
             "total_tokens": prompt + completion}
 
 
-def _delta(choice: Choice, content: dict[str, Any],
-           finish_reason: str | None = None) -> dict[str, Any]:
-    """One choice's item of a ``chat.completion.chunk``: its ``delta`` and ``finish_reason``."""
-    return {"index": choice.index, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+def _delta(choice: Choice, content: dict[str, Any], finish_reason: str | None = None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice's item of a ``chat.completion.chunk``: its ``delta``, ``logprobs`` (of the
+    tokens behind the delta's text, when asked) and ``finish_reason``."""
+    return {"index": choice.index, "delta": content, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 class _ChunkProducer:
@@ -146,8 +149,11 @@ class _ChunkProducer:
     def send(self, choice: Choice, content: dict[str, Any],
              finish_reason: str | None = None, warnings: list[dict[str, Any]] | None = None
              ) -> None:
-        """Queue a chunk with one delta of ``choice``."""
-        self.out.put_nowait(self.chunk([_delta(choice, content, finish_reason)],
+        """Queue a chunk with one delta of ``choice`` (and the logprobs of the tokens behind its
+        content, when the request asked)."""
+        entries, _ = choice.stream_logprobs(content.get("content") or "")
+        logprobs = None if entries is None else chat_logprobs(choice.decoded, entries)
+        self.out.put_nowait(self.chunk([_delta(choice, content, finish_reason, logprobs)],
                                        warnings=warnings))
 
     def tool_deltas(self, choice: Choice, parser: StreamingToolParser, final: bool) -> None:
@@ -233,16 +239,20 @@ class TextChunkProducer(_ChunkProducer):
 
         return completion_usage(self.choices, outcomes)
 
-    @staticmethod
-    def _item(choice: Choice, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        return {"index": choice.index, "text": text, "logprobs": None,
+    def _item(self, choice: Choice, text: str, finish_reason: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"index": choice.index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     def send(self, choice: Choice, content: dict[str, Any],
              finish_reason: str | None = None, warnings: list[dict[str, Any]] | None = None
              ) -> None:
-        self.out.put_nowait(self.chunk([self._item(choice, content.get("content", ""),
-                                                   finish_reason)], warnings=warnings))
+        text = content.get("content", "")
+        entries, at = choice.stream_logprobs(text)
+        logprobs = None if entries is None else completion_logprobs(
+            choice.decoded, entries, len(self.echo.get(choice.index, "")) + at)
+        self.out.put_nowait(self.chunk([self._item(choice, text, finish_reason, logprobs)],
+                                       warnings=warnings))
 
 
 def _error_event(error: BaseException, completion_id: str) -> str:

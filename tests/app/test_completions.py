@@ -160,13 +160,6 @@ def test_echo_puts_the_prompt_before_the_text_streamed_and_not(url):
     assert chunks[-1]["usage"] == whole["usage"]
 
 
-def test_completions_logprobs_is_a_400_even_at_zero(url):
-    for value in (0, 1):
-        r = post(url, "/v1/completions", model=MODEL, prompt="a", logprobs=value)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-        assert "not supported" in r.json()["error"]["message"]
-
-
 def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(url):
     t = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "hello world",
                                             "return_token_strs": True}).json()

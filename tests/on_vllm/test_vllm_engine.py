@@ -226,3 +226,16 @@ def test_min_tokens_and_ignore_eos_hold_the_stop_on_vllm(vllm_model):
     # a grammar that must end still ends the output (the grammar wins, as on our engine)
     three = Generator(vllm_model, schema=Regex("[a-z]{3}"), speculative=False, max_tokens=16)
     assert len(three("Three letters:", min_tokens=12)) == 3
+
+
+def test_raw_logprobs_on_vllm_cover_every_token_and_masked_is_a_config_error(vllm_model):
+    from constrained_spec.errors import ConfigError
+
+    gen = Generator(vllm_model, schema=Person, speculative=False, max_retries=0)
+    res = gen(PROMPT, return_result=True, logprobs=2, logprobs_mode="raw")
+    assert len(res.logprobs) == len(res.token_ids) > 0
+    assert [e.token_id for e in res.logprobs] == res.token_ids
+    assert all(e.logprob <= 0 and len(e.top) == 2 for e in res.logprobs)
+    with pytest.raises(ConfigError) as err:
+        gen(PROMPT, logprobs=2)
+    assert err.value.option == "logprobs_mode"
