@@ -155,7 +155,7 @@ _SCHEMA_CALL_OPTIONS = ("max_string_length", "max_items")  # and schema_mode, a 
 _RETRY_CALL_OPTIONS = ("max_retries", "retry_temperature", "retry_from")
 _REASONING_CALL_OPTIONS = ("reasoning", "max_reasoning_tokens")
 _CALL_OPTIONS = sorted([*SamplingParams.__dataclass_fields__, *_SCHEMA_CALL_OPTIONS, "schema_mode",
-                        *_RETRY_CALL_OPTIONS, *_REASONING_CALL_OPTIONS])
+                        *_RETRY_CALL_OPTIONS, *_REASONING_CALL_OPTIONS, "chat_template_kwargs"])
 
 
 def _resolve_layout(layout: object) -> JsonLayout:
@@ -420,7 +420,8 @@ def shared_drafter(model: LoadedModel, speculative: SpeculativeConfig | None) ->
 
 def _encode_with_check(loaded: LoadedModel, prompt: str | Messages, spec: SchemaSpec | None,
                        system_prompt: str | bool | None, max_tokens: int,
-                       tools: ToolSet | None = None) -> list[int]:
+                       tools: ToolSet | None = None,
+                       template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The prompt's ids, refused when they and ``max_tokens`` do not fit the context. The
     speculative lookahead takes no room here (the engine drafts no further than max_tokens),
     so speculation changes neither the prompt nor whether it is accepted."""
@@ -428,7 +429,7 @@ def _encode_with_check(loaded: LoadedModel, prompt: str | Messages, spec: Schema
     limit = loaded.max_context if loaded.vllm is not None else loaded.runner.max_context
     # the default schema description shortens itself to fit beside max_tokens (prompts.py)
     ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
-                        reserved=max_tokens + 1, tools=tools)
+                        reserved=max_tokens + 1, tools=tools, template_kwargs=template_kwargs)
     if len(ids) + max_tokens + 1 > limit:
         raise PromptTooLongError(
             f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
@@ -709,6 +710,7 @@ class Generator(Generic[T]):
                      schema_mode: SchemaMode | None = None,
                      on_tokens: Callable[[list[int]], None] | None = None,
                      tools: object = _SAME,
+                     chat_template_kwargs: Mapping[str, Any] | None = None,
                      **overrides: Any) -> tuple[Request, SchemaSpec | None]:
         """A ready-to-run engine request for ``prompt`` and the spec to finalize it with.
 
@@ -719,7 +721,9 @@ class Generator(Generic[T]):
         ``max_string_length``, ``max_items``, ``reasoning``, ``max_reasoning_tokens``. ``tools``:
         this request's :class:`~constrained_spec.frontend.tools.ToolSet` (or a list of tools, under
         ``"auto"``; default the Generator's; None: no tools); while calls are possible, its
-        grammar replaces ``schema``.
+        grammar replaces ``schema``. ``chat_template_kwargs``: passed to the chat template
+        (e.g. ``{"enable_thinking": False}``, which Qwen3's template turns into a closed think
+        block: reasoning "auto" then answers at once).
         """
         toolset = self.tools if tools is _SAME else _toolset(tools, "auto", False)
         options, (markers, budget), params = self._call_options(overrides, schema_mode)
@@ -729,7 +733,8 @@ class Generator(Generic[T]):
             check_sampling(params)
         spec, compiled, calls = self._request_spec(schema, toolset, options)
         ids = _encode_with_check(self.model, prompt, None if calls else spec,
-                                 options.system_prompt, params.max_tokens, toolset)
+                                 options.system_prompt, params.max_tokens, toolset,
+                                 chat_template_kwargs)
         matcher: Matcher | None
         if markers is not None:  # the grammar starts after the reasoning
             matcher = reasoning_matcher(self.model, compiled, markers, ids, budget)

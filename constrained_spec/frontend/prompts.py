@@ -34,7 +34,7 @@ import json
 import re
 import string
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from constrained_spec.errors import ConfigError
@@ -386,7 +386,8 @@ def build_messages(prompt: str | Messages, spec: SchemaSpec | None,
 
 def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | None,
                   system_prompt: str | bool | None = None, *, context: int | None = None,
-                  reserved: int = 0, tools: ToolSet | None = None) -> list[int]:
+                  reserved: int = 0, tools: ToolSet | None = None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of the full model input, generation prompt included.
 
     With ``context`` (the model's context in tokens) and ``reserved`` (the tokens kept for the
@@ -394,7 +395,10 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | Non
     of ``SCHEMA_PROMPT_SHARE * context`` tokens and whatever the rest of the prompt and
     ``reserved`` leave (module docstring); without them it is the full description. ``tools``
     (active: ``tool_choice`` not "none") are described instead of ``spec``.
+    ``template_kwargs``: extra variables for the chat template (``enable_thinking``, ...).
     """
+    if template_kwargs:
+        tokenizer = _TemplateArgs(tokenizer, check_template_kwargs(template_kwargs))
     if isinstance(prompt, list):
         # a history from Python: nesting bounded before any recursive walk (template, repr)
         check_depth(prompt, what="the messages", option="prompt")
@@ -436,6 +440,41 @@ def _fitting_description(tokenizer: Any, spec: SchemaSpec, budget: int) -> str:
     if len(_FITTED) > _FITTED_SIZE:
         _FITTED.popitem(last=False)
     return text
+
+
+class _TemplateArgs:
+    """A tokenizer whose chat template also gets ``kwargs`` (a request's
+    ``chat_template_kwargs``); everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer: Any, kwargs: Mapping[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self._kwargs = dict(kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
+
+
+#: template variables the library sets itself (a request's value would silently lose or
+#: break the prompt's structure)
+_OWN_TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt", "tokenize", "documents",
+                      "return_dict", "continue_final_message")
+
+
+def check_template_kwargs(kwargs: object) -> dict[str, Any]:
+    """``chat_template_kwargs``: a mapping of names to JSON values, none of those the library
+    sets itself."""
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError("must be a mapping of template variable names to values",
+                          option="chat_template_kwargs")
+    check_depth(kwargs, what="chat_template_kwargs", option="chat_template_kwargs")
+    own = sorted(set(kwargs) & set(_OWN_TEMPLATE_ARGS))
+    if own:
+        raise ConfigError(f"{own[0]!r} is set by the library itself; pass the messages, tools "
+                          "or options instead", option="chat_template_kwargs")
+    return dict(kwargs)
 
 
 def _encode_messages(tokenizer: Any, messages: Messages,

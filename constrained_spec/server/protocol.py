@@ -205,13 +205,10 @@ class ChatCompletionRequest(RequestFields):
         ``chat_template_kwargs.enable_thinking`` (or ``thinking``); the two must agree."""
         kwargs = self.chat_template_kwargs or {}
         switch: bool | None = None
-        for name, value in kwargs.items():
+        for name, value in kwargs.items():  # every key reaches the template (make_request)
             param = f"chat_template_kwargs.{name[:40]}"
             if name not in TEMPLATE_SWITCHES:
-                raise APIError(400, f"chat_template_kwargs {name!r:.40} is not supported: this "
-                               f"server reads only {' and '.join(TEMPLATE_SWITCHES)} (reasoning "
-                               "on / off for the request); remove the key", param=param,
-                               code="unsupported_parameter")
+                continue
             if not isinstance(value, bool):
                 raise APIError(400, f"{param} must be true or false", param=param,
                                code="invalid_value")
@@ -225,8 +222,8 @@ class ChatCompletionRequest(RequestFields):
         return self.reasoning if self.reasoning is not None else switch
 
 
-#: the chat-template switches a request may set: reasoning on / off (Qwen3's and
-#: DeepSeek-V3.1's templates name it so)
+#: the chat-template variables that also switch the library's reasoning on / off for the
+#: request (Qwen3's and DeepSeek-V3.1's templates name them so); every variable is passed on
 TEMPLATE_SWITCHES = ("enable_thinking", "thinking")
 
 

@@ -251,7 +251,7 @@ class Server:
                 else:
                     req, spec = self.generator.make_request(
                         prompt, schema=constraint.schema, schema_mode=constraint.mode,
-                        tools=tools, **options)
+                        tools=tools, chat_template_kwargs=body.chat_template_kwargs, **options)
             except ConstrainedSpecError as e:
                 raise api_error(e, schema_param=constraint.param or "response_format") from e
             out.append((req, spec, constraint.mode))

@@ -214,8 +214,11 @@ def test_ignore_eos_runs_to_max_tokens_and_a_grammar_still_ends_the_output(url):
 
 
 def test_reasoning_switches_are_checked(url):
-    r = post(url, chat_template_kwargs={"foo": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.foo"
+    assert post(url, chat_template_kwargs={"foo": 1}).status_code == 200  # passed to the template
+    r = post(url, chat_template_kwargs={"add_generation_prompt": False})  # the library's own
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = post(url, chat_template_kwargs={"enable_thinking": "no"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
     r = post(url, chat_template_kwargs={"enable_thinking": True}, reasoning=False)
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning"
     assert post(url, chat_template_kwargs={"enable_thinking": False}).status_code == 200

@@ -644,3 +644,26 @@ def test_a_started_or_text_matching_reasoning_matcher_is_refused_by_the_vllm_eng
     feed(started, ["a"])
     with pytest.raises(ConfigError, match="fresh"):
         reasoning_tag(started)
+
+
+# Qwen3's pattern: enable_thinking=False renders a closed think block
+SWITCHED = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_switch_the_reasoning_phase():
+    from constrained_spec import Generator
+
+    loaded = think_loaded(SWITCHED)
+    gen = Generator(loaded, schema=["yes", "no"], max_tokens=20, max_reasoning_tokens=3)
+    thinking, _ = gen.make_request("Is it?")
+    closed, _ = gen.make_request("Is it?", chat_template_kwargs={"enable_thinking": False})
+    assert not loaded.tokenizer.decode(thinking.prompt_ids).rstrip().endswith("</think>")
+    assert loaded.tokenizer.decode(closed.prompt_ids).rstrip().endswith("</think>")
+    assert thinking.matcher.phase == "thinking" and closed.matcher.phase == "answer"
+    result = gen("Is it?", return_result=True, chat_template_kwargs={"enable_thinking": False})
+    assert result.reasoning == "" and result.value in ("yes", "no")
+    with pytest.raises(ConfigError) as err:
+        gen.make_request("Is it?", chat_template_kwargs={"tools": []})
+    assert err.value.option == "chat_template_kwargs"
