@@ -35,9 +35,11 @@ def schema_from_args(args: argparse.Namespace) -> Any:
     if positional is not None and args.schema is not None:
         raise ConfigError("give the schema once: as SCHEMA or with --schema", option="--schema")
     text = positional if positional is not None else args.schema
-    if args.schema_multi and (args.regex is not None or args.choice or args.grammar is not None):
-        raise ConfigError("wraps a JSON Schema (--schema or --pydantic), not --regex, --choice "
-                          "or --grammar", option="--schema-multi")
+    tag = getattr(args, "structural_tag", None)
+    if args.schema_multi and (args.regex is not None or args.choice or args.grammar is not None
+                              or tag is not None):
+        raise ConfigError("wraps a JSON Schema (--schema or --pydantic), not --regex, --choice, "
+                          "--grammar or --structural-tag", option="--schema-multi")
     schema: Any = None
     if text is not None:
         schema = resolve_schema_text(text)
@@ -47,6 +49,8 @@ def schema_from_args(args: argparse.Namespace) -> Any:
         schema = list(args.choice)
     elif args.grammar is not None:
         schema = Grammar(_read_text(args.grammar, "--grammar"))
+    elif tag is not None:
+        schema = structural_tag_arg(tag)
     elif args.pydantic is not None:
         schema = load_pydantic(args.pydantic)
         if args.schema_multi:
@@ -59,6 +63,15 @@ def schema_from_args(args: argparse.Namespace) -> Any:
     if args.schema_multi:
         schema = wrap_multi(schema)
     return schema
+
+
+def structural_tag_arg(value: str) -> Any:
+    """``--structural-tag``: a JSON file or inline JSON (`schemas.StructuralTag.from_dict`)."""
+    from constrained_spec.schemas import StructuralTag
+
+    path = Path(value).expanduser()
+    text = _read_text(str(path), "--structural-tag") if _is_file(path) else value
+    return StructuralTag.from_dict(text, where="--structural-tag")
 
 
 def resolve_schema_text(value: str, *, allow_file: bool = True,

@@ -335,6 +335,11 @@ def _add_schema_arguments(parser: argparse.ArgumentParser) -> None:
     forms.add_argument("--choice", action="append", metavar="TEXT",
                        help="one allowed output; repeat for each choice")
     forms.add_argument("--grammar", metavar="FILE.ebnf", help="an EBNF grammar file (xgrammar syntax)")
+    forms.add_argument("--structural-tag", metavar="TAG",
+                       help="free text with tagged segments: a JSON file or inline JSON in vLLM's "
+                            "shape ({\"structures\": [{\"begin\", \"schema\", \"end\"}], "
+                            "\"triggers\": [...]}) or xgrammar's ({\"format\": {...}}); each "
+                            "segment is validated, the text printed as a JSON string")
     forms.add_argument("--pydantic", metavar="MODULE:CLASS",
                        help="a Pydantic model class (the current directory is importable; "
                             "MODULE may be a .py file)")
