@@ -13,8 +13,12 @@ largest |logit difference| and its share of the largest |logit|, and the argmax 
 default speculation, no retries) on the native path against the torch path, and against
 speculation off. Run it on a quiet machine, or compare only ratios from one run.
 
+``--int8``: the two sides are the native forward with bf16 activations (the default) and with
+int8 activations (`LeanRunner.int8_activations`: the 4-bit products on integer dot products,
+where the CPU has them); every comparison above is then int8 against bf16.
+
     python -m benchmarks.forward [--keys 300] [--threads 2] [--clock wall|cpu] [--tasks 24]
-                                 [--out FILE.md]
+                                 [--int8] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from constrained_spec.model.plan import machine_info
 from constrained_spec.model.runner import LeanRunner
 
 HEADING = "## Decode forward: one native call against the torch layers"
+HEADING_INT8 = "## Decode forward: int8 against bf16 activations on the native forward"
 ROWS = (1, 7)
 TASKS = Path(__file__).with_name("data") / "tasks.jsonl"
 
@@ -65,14 +70,21 @@ def packed_bytes(runner: LeanRunner) -> int:
     return total
 
 
+def side(runner: LeanRunner, on: bool, int8: bool) -> None:
+    """Put ``runner`` on one side of the comparison: native (``on``) or torch layers, or with
+    ``int8`` the native forward on int8 (``on``) or bf16 activations."""
+    runner.native_forward = on or int8
+    runner.int8_activations = on and int8
+
+
 def time_forwards(runner: LeanRunner, slot: int, keys: int, rounds: int, repeats: int,
-                  now: Callable[[], float]) -> dict[tuple[int, bool], float]:
-    """Median of the round medians (ms) per (rows, native)."""
+                  now: Callable[[], float], int8: bool = False) -> dict[tuple[int, bool], float]:
+    """Median of the round medians (ms) per (rows, side: native or int8)."""
     samples: dict[tuple[int, bool], list[float]] = {(T, n): [] for T in ROWS for n in (True, False)}
     for r in range(rounds + 1):  # round 0 warms up
         for T in ROWS:
             for native in ((True, False) if r % 2 else (False, True)):
-                runner.native_forward = native
+                side(runner, native, int8)
                 times = []
                 for _ in range(repeats):
                     t0 = now()
@@ -81,18 +93,19 @@ def time_forwards(runner: LeanRunner, slot: int, keys: int, rounds: int, repeats
                     runner.truncate(slot, keys)
                 if r:
                     samples[(T, native)].append(statistics.median(times) * 1000)
-    runner.native_forward = True
+    side(runner, True, False)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def logit_difference(runner: LeanRunner, prompts: list[list[int]], steps: int = 8) -> dict[str, float]:
+def logit_difference(runner: LeanRunner, prompts: list[list[int]], steps: int = 8,
+                     int8: bool = False) -> dict[str, float]:
     """Largest |native - torch| logit over greedy decode steps from the same caches, its share
     of the largest |logit|, and the share of steps whose argmax agrees."""
     diff, scale, agree, n = 0.0, 0.0, 0, 0
     for ids in prompts:
         logits: dict[bool, torch.Tensor] = {}
         for native in (True, False):
-            runner.native_forward = native
+            side(runner, native, int8)
             s = runner.new_slot()
             runner.forward([s], [ids], [0])
             tok, rows = ids[-1], []
@@ -106,11 +119,11 @@ def logit_difference(runner: LeanRunner, prompts: list[list[int]], steps: int = 
         diff, scale = max(diff, d), max(scale, logits[False].abs().max().item())
         agree += int((logits[True].argmax(-1) == logits[False].argmax(-1)).sum())
         n += steps
-    runner.native_forward = True
+    side(runner, True, False)
     return {"max_diff": diff, "share": diff / scale, "argmax_agree": agree / n}
 
 
-def greedy_outputs(loaded: Any, tasks: list[dict]) -> dict[str, int]:
+def greedy_outputs(loaded: Any, tasks: list[dict], int8: bool = False) -> dict[str, int]:
     """Tasks whose greedy tokens differ: native vs torch (speculation on), and native with
     speculation on vs off."""
     from benchmarks.speculation import task_schema
@@ -118,13 +131,13 @@ def greedy_outputs(loaded: Any, tasks: list[dict]) -> dict[str, int]:
     runner = loaded.runner
     outs: dict[tuple[bool, bool], list[Any]] = {}
     for native, spec in ((True, True), (False, True), (True, False)):
-        runner.native_forward = native
+        side(runner, native, int8)
         gen: Generator[Any] = (Generator(loaded, max_retries=0) if spec
                                else Generator(loaded, max_retries=0, speculative=False))
         outs[(native, spec)] = [
             getattr(gen.batch([t["prompt"]], schemas=[task_schema(t)], return_result=True,
                               max_tokens=t["max_tokens"])[0], "token_ids", None) for t in tasks]
-    runner.native_forward = True
+    side(runner, True, False)
     return {"native_vs_torch": sum(a != b for a, b in zip(outs[(True, True)], outs[(False, True)])),
             "spec_on_vs_off": sum(a != b for a, b in zip(outs[(True, True)], outs[(True, False)])),
             "tasks": len(tasks)}
@@ -134,30 +147,32 @@ def render(res: dict, args: argparse.Namespace) -> str:
     info = machine_info()
     floor_ms = res["bytes"] / res["bandwidth"] * 1000
     t = res["times"]
-    lines = ["| forward | torch layers (ms) | native, one call (ms) | torch / native | native / floor |",
+    a, b = ("native, bf16 act.", "native, int8 act.") if args.int8 else ("torch layers", "native, one call")
+    lines = [f"| forward | {a} (ms) | {b} (ms) | {a} / {b} | {b} / floor |",
              "| --- | --- | --- | --- | --- |"]
     for T in ROWS:
         lines.append(f"| {'1-row decode' if T == 1 else f'{T}-row verify'} | {t[(T, False)]:.2f} | "
                      f"{t[(T, True)]:.2f} | {t[(T, False)] / t[(T, True)]:.2f}x | "
                      f"{t[(T, True)] / floor_ms:.2f}x |")
-    verify = f"{ROWS[-1]}-row verify / 1-row decode: native {t[(ROWS[-1], True)] / t[(1, True)]:.2f}x, " \
-             f"torch {t[(ROWS[-1], False)] / t[(1, False)]:.2f}x."
+    verify = f"{ROWS[-1]}-row verify / 1-row decode: {b} {t[(ROWS[-1], True)] / t[(1, True)]:.2f}x, " \
+             f"{a} {t[(ROWS[-1], False)] / t[(1, False)]:.2f}x."
     num = res["logits"]
     out = [f"CPU {info.get('cpu', '?')}, flags {' '.join(info.get('flags', []))}; native build "
-           f"`{cpu_native.build_for_this_cpu()}`, torch capability "
+           f"`{cpu_native.build_for_this_cpu()}` (integer dot products: {cpu_native.int8_activations()}), "
+           f"torch capability "
            f"{torch.backends.cpu.get_cpu_capability()}; torch {torch.__version__}, {args.threads} threads, "
            f"clock {args.clock}; plan `{res['plan']}`; {args.keys} cached keys. {args.rounds} alternating "
            f"rounds of {args.repeats} forwards, median of the round medians. `python -m benchmarks.forward`.",
            "", f"Floor: {res['bytes'] / 1e6:.1f} MB of packed weights at {res['bandwidth'] / 1e9:.1f} GB/s "
            f"(measured read bandwidth) = {floor_ms:.2f} ms.", "", *lines, "", verify, "",
-           f"Logits, native vs torch, {num['steps']} greedy decode steps: max |difference| "
+           f"Logits, {b} vs {a}, {num['steps']} greedy decode steps: max |difference| "
            f"{num['max_diff']:.3f} ({100 * num['share']:.2f}% of the largest |logit|), argmax agreement "
            f"{100 * num['argmax_agree']:.1f}%."]
     if "greedy" in res:
         g = res["greedy"]
         out += ["", f"Greedy outputs on {g['tasks']} shared tasks (default speculation, no retries): "
-                f"{g['native_vs_torch']} differ between the native and the torch forward; "
-                f"{g['spec_on_vs_off']} differ between speculation on and off on the native forward."]
+                f"{g['native_vs_torch']} differ between {b} and {a}; "
+                f"{g['spec_on_vs_off']} differ between speculation on and off on {b}."]
     return "\n".join(out)
 
 
@@ -170,8 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--logit-prompts", type=int, default=4)
     ap.add_argument("--tasks", type=int, default=0, help="greedy outputs of the first N shared tasks")
+    ap.add_argument("--int8", action="store_true",
+                    help="compare int8 activations against bf16 on the native forward")
     ap.add_argument("--out", type=Path, help="write the section into this markdown file")
     args = ap.parse_args(argv)
+    if args.int8 and not cpu_native.int8_activations():
+        ap.error("--int8: this CPU's native library has no integer dot products (AVX-512-VNNI / AVX-VNNI)")
     torch.set_num_threads(args.threads)
     now = time.process_time if args.clock == "cpu" else time.perf_counter
     loaded = load_model(None, quiet=True)
@@ -181,18 +200,19 @@ def main(argv: list[str] | None = None) -> None:
     slot = runner.new_slot()
     runner.forward([slot], [[100 + (7 * j) % 4000 for j in range(args.keys)]], [0])
     res: dict[str, Any] = {"plan": loaded.describe_kernels()["plan"], "bytes": packed_bytes(runner),
-                           "times": time_forwards(runner, slot, args.keys, args.rounds, args.repeats, now)}
+                           "times": time_forwards(runner, slot, args.keys, args.rounds, args.repeats, now,
+                                                  args.int8)}
     runner.free_slot(slot)
     res["bandwidth"] = read_bandwidth(args.threads)
     torch.set_num_threads(args.threads)
     prompts = [loaded.tokenizer.encode(t["prompt"]) for t in tasks[: args.logit_prompts]]
-    res["logits"] = dict(logit_difference(runner, prompts), steps=8 * len(prompts))
+    res["logits"] = dict(logit_difference(runner, prompts, int8=args.int8), steps=8 * len(prompts))
     if args.tasks:
-        res["greedy"] = greedy_outputs(loaded, tasks[: args.tasks])
+        res["greedy"] = greedy_outputs(loaded, tasks[: args.tasks], args.int8)
     body = render(res, args)
     print(body)
     if args.out:
-        write_section(args.out, HEADING, body)
+        write_section(args.out, HEADING_INT8 if args.int8 else HEADING, body)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 /* Few-row products with 4-bit and 8-bit group weights on an x86 CPU (see cpu_native.py).
 
    q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, int8 groups: a GGUF Q8_0 / Q5_0 / Q5_1 matrix such as an
-   LM head) after it; then the exact decode attention (cs_attention) and, at the end, the whole
+   LM head) after it; q4 with int8 activations where the CPU has integer dot products
+   (cs_q4i8_gemm); then the exact decode attention (cs_attention) and, at the end, the whole
    decode / verify layer stack in one call made of them (cs_forward, native_forward.py).
 
    y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / GROUP,
@@ -321,6 +322,185 @@ int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
     return 0;
 }
 
+/* q4 with int8 activations (cs_q4i8_gemm, and cs_forward when its model asks): where the build
+   has integer dot products (AVX-512-VNNI's vpdpbusd on the AVX-512 build, AVX-VNNI's on the
+   AVX2 build; cs_vnni() says which), each group of GROUP inputs of a row is quantized on its
+   own, as llama.cpp's Q8_0 does it: d = max|x| / 127, xq = round(x / d), but with d kept in
+   float32 (Q8_0 rounds it to float16) and ties rounded to even (Q8_0: away from zero). Per
+   output column and group acc = sum_k xq[k] * q[n, k] is exact in int32
+   (|acc| <= 32 * 15 * 127), then y += (scale * d) * acc and y += min * (d * sum_k xq[k]): the
+   min term on the quantized inputs too, as llama.cpp's product with Q8_0 takes it (a file's
+   weights scale * q + min are about centred, so the two terms' quantization errors largely
+   cancel: with the exact sums of x instead, the error measured ~1.3x larger). A row's
+   quantization reads only that row and its instruction sequence is the row's own, so the
+   product is row-invariant like q4. The 4-bit pack is q4's: per 4 k a 32-bit lane of a
+   column holds q[k], q[k + 2], q[k + 1], q[k + 3] on the AVX-512 build (from its byte pairs)
+   and q[k .. k + 3] in order on the AVX2 build, so each row's xq is stored in that order. */
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define CS_VNNI 1
+#else
+#define CS_VNNI 0
+#endif
+
+int cs_vnni(void) { return CS_VNNI; }
+
+/* One row's K inputs (bf16 bits) to int8 [K] in the build's lane order and per group two
+   float32 [2 * K / GROUP]: its scale d and d * the sum of its int8 values. d = max|x| / 127,
+   xq = x * (1 / d) rounded to nearest, ties to even (the vector conversion's; llama.cpp's
+   roundf takes ties away from zero: they differ only on an exact tie). Both builds compute
+   the same values. */
+#if defined(__AVX512BF16__)
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static void quant_row(const uint16_t *xb, int K, int8_t *xq, float *dx) {
+    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    for (int g = 0; g < K / GROUP; g++) {
+        const __m512 v0 = bf16x16(xb + g * GROUP), v1 = bf16x16(xb + g * GROUP + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const __m512 s = _mm512_set1_ps(id);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, s)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, s));
+        dx[2 * g] = d;
+        dx[2 * g + 1] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        const __m128i q0 = _mm512_cvtsepi32_epi8(i0), q1 = _mm512_cvtsepi32_epi8(i1);
+        _mm_storeu_si128((__m128i *)(xq + g * GROUP), _mm_shuffle_epi8(q0, order));  /* k, k+2, k+1, k+3 */
+        _mm_storeu_si128((__m128i *)(xq + g * GROUP + 16), _mm_shuffle_epi8(q1, order));
+    }
+}
+#else
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static void quant_row(const uint16_t *xb, int K, int8_t *xq, float *dx) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int g = 0; g < K / GROUP; g++) {
+        __m256 v[4];
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = bf16x8(xb + g * GROUP + 8 * i);
+            a = _mm256_max_ps(a, _mm256_and_ps(v[i], abs_mask));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float d = _mm_cvtss_f32(h) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const __m256 s = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], s));
+        __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1));
+        dx[2 * g] = d;
+        dx[2 * g + 1] = d * (float)_mm_cvtsi128_si32(u);
+        /* packs interleave the 128-bit halves: the permute puts the 32 values back in order */
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), _mm256_permutevar8x32_epi32(b, order));
+    }
+}
+#endif
+
+#if CS_VNNI
+#if defined(__AVX512BF16__)
+#define IVEC __m512i
+#define IZERO _mm512_setzero_si512
+#define ISET1 _mm512_set1_epi32
+#define ITOF _mm512_cvtepi32_ps
+#define DPBUSD _mm512_dpbusd_epi32
+/* the 4-bit values of 4 k of the tile (32 bytes at p) as one u8 lane of 4 per column */
+static inline __m512i i8_weights(const uint8_t *p) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_and_si512(_mm512_or_si512(w, _mm512_slli_epi16(w, 4)), _mm512_set1_epi16(0x0F0F));
+}
+#define I8_STEP_BYTES 32
+#else
+#define IVEC __m256i
+#define IZERO _mm256_setzero_si256
+#define ISET1 _mm256_set1_epi32
+#define ITOF _mm256_cvtepi32_ps
+#define DPBUSD _mm256_dpbusd_avx_epi32
+/* 16 bytes at p: byte c holds q[k], q[k + 1] of column c, byte 8 + c q[k + 2], q[k + 3] */
+static inline __m256i i8_weights(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, _mm_srli_si128(b, 8)));
+    return _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0F0F));
+}
+#define I8_STEP_BYTES 16
+#endif
+
+#define DEF_I8_BLOCK(MB)                                                                         \
+static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, const float *dx, \
+                                 int K, float *out) {                                            \
+    const int G = K / GROUP;                                                                     \
+    VEC tot[MB];                                                                                 \
+    for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
+    for (int g = 0; g < G; g++) {                                                                \
+        IVEC acc[MB];                                                                            \
+        for (int m = 0; m < MB; m++) acc[m] = IZERO();                                           \
+        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);                                  \
+        for (int s = 0; s < GROUP / 4; s++) {                                                    \
+            const IVEC w = i8_weights(gp + s * I8_STEP_BYTES);                                   \
+            for (int m = 0; m < MB; m++) {                                                       \
+                int32_t p;                                                                       \
+                memcpy(&p, xq + (size_t)m * K + g * GROUP + s * 4, 4);                           \
+                acc[m] = DPBUSD(acc[m], w, ISET1(p));                                            \
+            }                                                                                    \
+        }                                                                                        \
+        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
+        const VEC sc = VLOAD_SCALES(sp, half);                                                   \
+        const VEC mn = VLOAD_SCALES(sp + TILE * ((half) ? 2 : 4), half);                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            const float *dg = dx + 2 * ((size_t)m * G + g);                                      \
+            tot[m] = VFMA(ITOF(acc[m]), VMUL_(sc, VSET1(dg[0])), tot[m]);                        \
+            tot[m] = VFMA(mn, VSET1(dg[1]), tot[m]);                                             \
+        }                                                                                        \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
+}
+DEF_I8_BLOCK(1) DEF_I8_BLOCK(2) DEF_I8_BLOCK(3) DEF_I8_BLOCK(4)
+#if MAXB > 4
+DEF_I8_BLOCK(5) DEF_I8_BLOCK(6) DEF_I8_BLOCK(7) DEF_I8_BLOCK(8)
+#endif
+typedef void (*i8_block_fn)(const uint8_t *, int, const int8_t *, const float *, int, float *);
+static const i8_block_fn I8_BLOCKS[MAXB + 1] = {
+    0, i8_block_1, i8_block_2, i8_block_3, i8_block_4,
+#if MAXB > 4
+    i8_block_5, i8_block_6, i8_block_7, i8_block_8,
+#endif
+};
+#endif  /* CS_VNNI */
+
+/* x: bf16 bits [M, K]; pack: a q4 pack; y: [M, N], bf16 bits when out_bf16, else float32.
+   Returns 0, -1 when out of memory, -2 when this build has no integer dot products. */
+int cs_q4i8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
+                 int out_bf16) {
+#if CS_VNNI
+    const int G = K / GROUP, T = N / TILE;
+    float *dx = (float *)malloc(sizeof(float) * (2 * (size_t)M * G + 1));
+    int8_t *xq = (int8_t *)malloc((size_t)M * K + 4);
+    if (!dx || !xq) { free(dx); free(xq); return -1; }
+    for (int m = 0; m < M; m++) quant_row(xb + (size_t)m * K, K, xq + (size_t)m * K, dx + 2 * (size_t)m * G);
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
+        float out[MAXB * TILE];
+        for (int m0 = 0; m0 < M; m0 += MAXB) {
+            const int mb = M - m0 < MAXB ? M - m0 : MAXB;
+            I8_BLOCKS[mb](wp, half, xq + (size_t)m0 * K, dx + 2 * (size_t)m0 * G, K, out);
+            rows_out(out, mb, m0, N, t, y, out_bf16);
+        }
+    }
+    free(dx);
+    free(xq);
+    return 0;
+#else
+    (void)xb; (void)M; (void)K; (void)N; (void)pack; (void)half; (void)y; (void)out_bf16;
+    return -2;
+#endif
+}
+
 /* Exact decode attention. Row r (one query position of one request) attends over the keys
    [lo[r], hi[r]) of cache slot slot[r], in key order: scores s = (q . k) * scale (soft-capped
    when softcap > 0), p = exp(s - max) with a fixed polynomial exp, o = sum p v / sum p, all in
@@ -578,6 +758,7 @@ typedef struct {         /* what every layer shares */
     int norm_offset;       /* gemma: norm weights hold 1 + w, the product is taken in float32 */
     int gelu;              /* 1: gelu (tanh approximation), 0: silu */
     float eps, scale, softcap;  /* the norms' epsilon; the attention's scale and soft cap (0: none) */
+    int int8;              /* 1: the 4-bit products take int8 activations (cs_q4i8_gemm's); needs cs_vnni() */
 } cs_model;
 
 static inline float bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
@@ -649,9 +830,10 @@ static void prep_row(const uint16_t *xb, int K, float *sx, float *xf) {
 
 /* y[M, n] = x[M, k] @ W^T (+ bias), bf16 out, its weight tiles shared among the team (an
    orphaned worksharing loop: called by every thread of the team). x: the bf16 rows (read on
-   AVX-512-BF16), xf: the same as float32 (read on AVX2), sx: their group sums. */
-static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const float *sx, int M,
-                     uint16_t *y) {
+   AVX-512-BF16), xf: the same as float32 (read on AVX2), sx: their group sums; xq, dx: the
+   rows as int8 and their scales (quant_row's), or NULL: where given, 4-bit products take them. */
+static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const float *sx,
+                     const int8_t *xq, const float *dx, int M, uint16_t *y) {
     const int K = w->k, N = w->n, G = K / GROUP, T = N / TILE;
 #if defined(__AVX512BF16__)
     const xelem *xe = x;
@@ -659,6 +841,9 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
 #else
     const xelem *xe = xf;
     (void)x;
+#endif
+#if !CS_VNNI
+    (void)xq; (void)dx;
 #endif
     const size_t tile_bytes = (size_t)G * (w->bits == 8 ? Q8_GROUP_BYTES(w->half, w->has_min)
                                                         : GROUP_BYTES(w->half));
@@ -670,6 +855,10 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
             if (w->bits == 8)
                 Q8_BLOCKS[mb](wp, w->half, w->has_min, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+#if CS_VNNI
+            else if (xq)
+                I8_BLOCKS[mb](wp, w->half, xq + (size_t)m0 * K, dx + 2 * (size_t)m0 * G, K, out);
+#endif
             else
                 BLOCKS[mb](wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
             for (int m = 0; m < mb; m++)
@@ -721,11 +910,13 @@ static inline float act_of(float g, int gelu) {
 typedef struct {
     uint16_t *h, *qkv, *att, *a, *gu, *mid;
     float *sx, *xf;
+    int8_t *xq;            /* int8 activations (the model's int8): the next product's rows */
+    float *dx;             /* and per row and group their scale and scale * sum (quant_row's) */
 } fwd_buf;
 
 static void free_buf(fwd_buf *b) {
     free(b->h); free(b->qkv); free(b->att); free(b->a); free(b->gu); free(b->mid);
-    free(b->sx); free(b->xf);
+    free(b->sx); free(b->xf); free(b->xq); free(b->dx);
 }
 
 static int alloc_buf(const cs_model *m, int R, fwd_buf *b) {
@@ -744,13 +935,24 @@ static int alloc_buf(const cs_model *m, int R, fwd_buf *b) {
     b->xf = malloc(sizeof(float) * (R * kmax + 1));
     if (!b->xf) { free_buf(b); return -1; }
 #endif
+    if (m->int8) {
+        b->xq = malloc(R * kmax + 4);
+        b->dx = malloc(sizeof(float) * (2 * R * kmax / GROUP + 1));
+        if (!b->xq || !b->dx) { free_buf(b); return -1; }
+    }
     if (!b->h || !b->qkv || !b->att || !b->a || !b->gu || !b->mid || !b->sx) { free_buf(b); return -1; }
     return 0;
 }
 
-/* The input of the next product, row r: group sums (and float32 on AVX2) of x [K]. */
-#define PREP(b, x, r, K) prep_row((x) + (size_t)(r) * (K), (K), (b)->sx + (size_t)(r) * ((K) / GROUP), \
-                                  (b)->xf ? (b)->xf + (size_t)(r) * (K) : 0)
+/* The input of the next product, row r: group sums (and float32 on AVX2) of x [K], and its
+   int8 form when the model's products take int8 activations. */
+#define PREP(b, x, r, K)                                                                         \
+    do {                                                                                         \
+        prep_row((x) + (size_t)(r) * (K), (K), (b)->sx + (size_t)(r) * ((K) / GROUP),           \
+                 (b)->xf ? (b)->xf + (size_t)(r) * (K) : 0);                                     \
+        if ((b)->xq) quant_row((x) + (size_t)(r) * (K), (K), (b)->xq + (size_t)(r) * (K),        \
+                               (b)->dx + 2 * (size_t)(r) * ((K) / GROUP));                       \
+    } while (0)
 
 /* One decoder layer for R rows (called by every thread of the team). */
 static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x, fwd_buf *b,
@@ -764,7 +966,7 @@ static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x,
         rms_row(x + (size_t)r * D, D, ly->attn_in, m->eps, m->norm_offset, b->h + (size_t)r * D);
         PREP(b, b->h, r, D);
     }
-    lin_rows(&ly->qkv, b->h, b->xf, b->sx, R, b->qkv);
+    lin_rows(&ly->qkv, b->h, b->xf, b->sx, b->xq, b->dx, R, b->qkv);
     #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) qkv_row(m, ly, b->qkv, r, write, R, kc, vc, L, rope);
     #pragma omp for schedule(static)
@@ -776,7 +978,7 @@ static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x,
         }
     #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) PREP(b, b->att, r, A);
-    lin_rows(&ly->o, b->att, b->xf, b->sx, R, b->a);
+    lin_rows(&ly->o, b->att, b->xf, b->sx, b->xq, b->dx, R, b->a);
     #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
         uint16_t *xr = x + (size_t)r * D, *ar = b->a + (size_t)r * D;
@@ -785,7 +987,7 @@ static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x,
         rms_row(xr, D, ly->mlp_in, m->eps, m->norm_offset, b->h + (size_t)r * D);
         PREP(b, b->h, r, D);
     }
-    lin_rows(&ly->gate_up, b->h, b->xf, b->sx, R, b->gu);
+    lin_rows(&ly->gate_up, b->h, b->xf, b->sx, b->xq, b->dx, R, b->gu);
     #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
         const uint16_t *g = b->gu + (size_t)r * 2 * I;
@@ -794,7 +996,7 @@ static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x,
             mr[j] = f32_to_bf16(bf(act_of(bf16_to_f32(g[j]), m->gelu)) * bf16_to_f32(g[I + j]));
         PREP(b, b->mid, r, I);
     }
-    lin_rows(&ly->down, b->mid, b->xf, b->sx, R, b->a);
+    lin_rows(&ly->down, b->mid, b->xf, b->sx, b->xq, b->dx, R, b->a);
     #pragma omp for schedule(static)
     for (int r = 0; r < R; r++) {
         uint16_t *xr = x + (size_t)r * D, *ar = b->a + (size_t)r * D;
@@ -820,7 +1022,7 @@ int cs_forward(const cs_model *m, const cs_layer *layers, int R, uint16_t *x, co
                const int32_t *const *rows, uint16_t *const *keep) {
     const int H = m->H, KV = m->KV, hd = m->hd, D = m->D;
     if (hd % W || hd > MAX_HD || KV <= 0 || H % KV || H / KV > MAX_G || m->rot % 2 || m->rot > hd
-        || m->rot <= 0)
+        || m->rot <= 0 || (m->int8 && !CS_VNNI))
         return -2;
     for (int i = 0; i < m->layers; i++) {
         const cs_layer *ly = layers + i;

@@ -38,6 +38,9 @@ why) and the plan never offers ``q4`` or ``q8`` (torch's kernels run instead). T
 library uses the OpenMP runtime torch already loaded, so ``torch.set_num_threads`` applies to it.
 The same library holds the exact decode attention (`attention`) and the whole decode / verify
 layer stack in one call (``cs_forward``: `forward_function`, driven by `native_forward`).
+Where the CPU has integer dot products (AVX-512-VNNI, or AVX-VNNI on the AVX2 build: `VNNI`),
+the library is built with them and also multiplies 4-bit packs with int8 activations
+(`matmul`'s ``int8_act``, `int8_activations`); elsewhere that kernel is not compiled in.
 """
 
 from __future__ import annotations
@@ -72,6 +75,18 @@ BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 8),
 }
 _CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11")
+# build -> (CPU flag, compiler flag) of its integer dot products (the q4 kernel with int8
+# activations, ``cs_q4i8_gemm``): compiled in only where this CPU has them, so the library of
+# a CPU without them has no such kernel (`int8_activations` is False there) and never faults
+VNNI: dict[str, tuple[str, str]] = {"avx512bf16": ("avx512_vnni", "-mavx512vnni"),
+                                    "avx2": ("avx_vnni", "-mavxvnni")}
+
+
+def _build_flags(build: str) -> tuple[str, ...]:
+    """The compiler flags of ``build`` on this CPU: `BUILDS`' and, where the CPU has them, its
+    integer dot products' (`VNNI`)."""
+    cpu_flag, cc_flag = VNNI[build]
+    return BUILDS[build][1] + ((cc_flag,) if cpu_flag in _cpu_flags() else ())
 
 
 def _cpu_flags() -> set[str]:
@@ -126,7 +141,8 @@ class _Refused(Exception):
 
 
 def _key(build: str) -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + repr((_CFLAGS, BUILDS[build])).encode()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes()
+                          + repr((_CFLAGS, BUILDS[build], _build_flags(build))).encode()).hexdigest()[:16]
 
 
 def _compiler() -> tuple[list[str] | None, str]:
@@ -144,7 +160,7 @@ def _compiler() -> tuple[list[str] | None, str]:
 
 def _run_compiler(cc: list[str], build: str, out: Path) -> str | None:
     """Compile the library for ``build`` to ``out``; None when built, else why not."""
-    base = [*cc, *_CFLAGS, *BUILDS[build][1], str(SOURCE), "-o", str(out), "-lm"]
+    base = [*cc, *_CFLAGS, *_build_flags(build), str(SOURCE), "-o", str(out), "-lm"]
     n, last = len(cc), ""
     # OpenMP for the threads (torch's runtime, already loaded); without it, one thread
     for cmd in (base[:n] + ["-fopenmp"] + base[n:], base):
@@ -306,6 +322,11 @@ def _bind(lib: ctypes.CDLL, build: str) -> tuple[ctypes.CDLL, int]:
     if hasattr(lib, "cs_forward"):
         lib.cs_forward.argtypes = [vp, vp, i, vp, vp, vp, i, vp, vp, vp]
         lib.cs_forward.restype = i
+    # the q4 kernel with int8 activations (`int8_activations`): likewise optional
+    if hasattr(lib, "cs_vnni") and hasattr(lib, "cs_q4i8_gemm"):
+        lib.cs_vnni.restype = i
+        lib.cs_q4i8_gemm.argtypes = [vp, i, i, i, vp, i, vp, i]
+        lib.cs_q4i8_gemm.restype = i
     tile = int(lib.cs_q4_tile())
     if tile != BUILDS[build][2]:
         raise _Refused(f"its tiles have {tile} columns, not {BUILDS[build][2]}")
@@ -432,6 +453,16 @@ def why_unavailable(build: str | None = None) -> str | None:
     if _library(b) is not None:
         return None
     return _why.get(b, "the kernels did not load")
+
+
+def int8_activations(build: str | None = None) -> bool:
+    """Whether the q4 kernel with int8 activations (`matmul`'s ``int8_act``, the native
+    forward's) runs here: the library loads and was built with this CPU's integer dot products
+    (AVX-512-VNNI on the AVX-512 build, AVX-VNNI on the AVX2 build)."""
+    if not available(build):
+        return False
+    lib = _lib(build)[0]
+    return hasattr(lib, "cs_vnni") and hasattr(lib, "cs_q4i8_gemm") and bool(lib.cs_vnni())
 
 
 def tile(build: str | None = None) -> int:
@@ -571,9 +602,13 @@ def unpack_q(packed: GroupPack) -> torch.Tensor:
     return out
 
 
-def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch.bfloat16,
+           int8_act: bool = False) -> torch.Tensor:
     """``x @ W.T`` for a `pack` or `pack_q8`: ``x`` [..., K] (cast to bfloat16), the result
-    [..., N] in ``out_dtype`` (bfloat16, rounded to nearest even, or float32)."""
+    [..., N] in ``out_dtype`` (bfloat16, rounded to nearest even, or float32). ``int8_act``
+    (a 4-bit pack, where `int8_activations`): each row's groups of `GROUP` inputs quantized to
+    int8 with a float32 scale each (llama.cpp's Q8_0 but for the scale's precision) and
+    multiplied with integer dot products (cpu_native.c, ``cs_q4i8_gemm``)."""
     lib = _lib(packed.build)[0]
     N, K = packed.n, packed.k
     if x.shape[-1] != K:
@@ -583,7 +618,13 @@ def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch
     x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=out_dtype)
-    if packed.bits == 8:
+    if int8_act:
+        if packed.bits != 4 or not int8_activations(packed.build):
+            raise ValueError(f"int8 activations take a 4-bit pack on a CPU with integer dot products "
+                             f"(this pack: {packed.bits}-bit; here: {int8_activations(packed.build)})")
+        failed = M and lib.cs_q4i8_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
+                                        int(packed.half), y.data_ptr(), int(out_dtype == torch.bfloat16))
+    elif packed.bits == 8:
         failed = M and lib.cs_q8_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
                                       int(packed.half), int(packed.has_min), y.data_ptr(),
                                       int(out_dtype == torch.bfloat16))

@@ -19,6 +19,12 @@ on the row (each row is computed by one thread with the same instruction sequenc
 q4 / q8 and attention kernels), so a 7-row verify gives each row the bits of a 1-row decode.
 Threads: one OpenMP team for the whole forward; each step is a worksharing loop of it (over
 rows, weight tiles or attention tasks).
+
+Opt-in, where the CPU has integer dot products (`cpu_native.int8_activations`): the 4-bit
+products on int8 activations (``int8_activations=True``; `LeanRunner.int8_activations`), each
+row's groups of 32 inputs quantized on their own (llama.cpp's Q8_0 scheme, float32 scales).
+Still row-invariant (decode and verify rows take it alike, so speculation on = off), but not
+bit-equal to the bf16 products: docs/performance.md states the difference.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int), ("D", ctypes.c_int), ("H", ctypes.c_int),
                 ("KV", ctypes.c_int), ("hd", ctypes.c_int), ("I", ctypes.c_int),
                 ("rot", ctypes.c_int), ("norm_offset", ctypes.c_int), ("gelu", ctypes.c_int),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("int8", ctypes.c_int)]
 
 
 @dataclass(eq=False)
@@ -102,22 +109,29 @@ class NativeForward:
 
     ``heads``, ``kv_heads``, ``head_dim``: the attention's shape; ``eps``: the norms'; ``scale``
     and ``softcap`` (None: none): the attention's; ``norm_offset``: Gemma's ``1 + w`` norms
-    (product in float32); ``gelu``: tanh-GELU instead of SiLU. ``ValueError`` when a layer's
-    shapes do not fit the kernel (the caller runs its torch path instead).
+    (product in float32); ``gelu``: tanh-GELU instead of SiLU; ``int8_activations``: the 4-bit
+    products quantize their input rows to int8 per group of 32 and use integer dot products
+    (`cpu_native.int8_activations`; not exact against the bf16 products, still row-invariant).
+    ``ValueError`` when a layer's shapes do not fit the kernel, or int8 activations are asked
+    for where the library has none (the caller runs its torch path instead).
     """
 
     def __init__(self, layers: Sequence[NativeLayer], *, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, scale: float, softcap: float | None, norm_offset: bool, gelu: bool) -> None:
+                 eps: float, scale: float, softcap: float | None, norm_offset: bool, gelu: bool,
+                 int8_activations: bool = False) -> None:
         fn = cpu_native.forward_function()
         if fn is None:
             raise ValueError(f"the native forward is not available here ({cpu_native.why_unavailable()})")
+        if int8_activations and not cpu_native.int8_activations():
+            raise ValueError("int8 activations need integer dot products (AVX-512-VNNI or AVX-VNNI), "
+                             "which this CPU's library lacks")
         self._fn = fn
         first = layers[0]
         D, inner = first.o.pack.n, first.down.pack.k
         self.hidden = D
         self._model = _Model(layers=len(layers), D=D, H=heads, KV=kv_heads, hd=head_dim, I=inner,
                              rot=head_dim, norm_offset=int(norm_offset), gelu=int(gelu), eps=eps,
-                             scale=scale, softcap=softcap or 0.0)
+                             scale=scale, softcap=softcap or 0.0, int8=int(int8_activations))
         # the tensors the structs point to, kept alive with them
         self._held: list[torch.Tensor] = []
         self._layers = (_Layer * len(layers))(*[self._layer(L) for L in layers])

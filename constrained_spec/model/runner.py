@@ -277,6 +277,10 @@ class LeanRunner(RunnerBase):
         # exact decode / verify rows on the one-call native layer stack (`_native_stack`) where
         # it runs; False: the torch path (the reference, which tests and benchmarks compare)
         self.native_forward = True
+        # opt-in: the native stack's 4-bit products on int8 activations (integer dot products,
+        # `cpu_native.int8_activations`); row-invariant, but not bit-equal to the bf16 products,
+        # so not a default: decode and verify rows both take it, speculation on stays = off
+        self.int8_activations = False
         self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
@@ -682,11 +686,13 @@ class LeanRunner(RunnerBase):
         packed q4 / q8. Built once per decode kernel (dropped with the plan)."""
         if not (self.native_forward and fb.native):
             return None
-        if fb.kernel not in self._native_stacks:
-            self._native_stacks[fb.kernel] = self._build_native_stack(fb.kernel)
-        return self._native_stacks[fb.kernel]
+        int8 = self.int8_activations and cpu_native.int8_activations()
+        key = fb.kernel + ("|int8" if int8 else "")
+        if key not in self._native_stacks:
+            self._native_stacks[key] = self._build_native_stack(fb.kernel, int8=int8)
+        return self._native_stacks[key]
 
-    def _build_native_stack(self, kernel: str) -> native_forward.NativeForward | None:
+    def _build_native_stack(self, kernel: str, *, int8: bool = False) -> native_forward.NativeForward | None:
         if not native_forward.available():
             return None
         fam = self.family
@@ -714,7 +720,8 @@ class LeanRunner(RunnerBase):
             stack = native_forward.NativeForward(
                 layers, heads=self.n_heads, kv_heads=self.n_kv, head_dim=self.head_dim, eps=self.eps,
                 scale=self.head_dim ** -0.5 if fam.attn_scale is None else fam.attn_scale,
-                softcap=fam.attn_softcap, norm_offset=fam.norm_offset, gelu=fam.act != "silu")
+                softcap=fam.attn_softcap, norm_offset=fam.norm_offset, gelu=fam.act != "silu",
+                int8_activations=int8)
         except ValueError as e:
             logger.info("decode rows on the torch layers: %s", e)
             return None
