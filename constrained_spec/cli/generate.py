@@ -20,7 +20,7 @@ from constrained_spec.cli.args import (
     speculative_from_args,
     tools_from_args,
 )
-from constrained_spec.cli.exit_codes import EXIT_OK, PROG
+from constrained_spec.cli.exit_codes import EXIT_OK
 from constrained_spec.errors import (
     ConfigError,
 )
@@ -92,15 +92,15 @@ def load_generator(args: argparse.Namespace, schema: Any, options: dict[str, Any
         check_text(args.system, "--system", "the system prompt")
     engine = engine_options_from_args(args)
     # loading takes seconds (tens on a first run): say so on stderr, the results' stream
-    # (stdout) stays the output alone
+    # (stdout) stays the output alone. No "constrained-spec:" prefix: that one starts errors
     if not args.quiet:
-        print(f"{PROG}: loading model {args.model or '(the embedded default)'} ...",
+        print(f"loading model {args.model or '(the embedded default)'} ...",
               file=sys.stderr, flush=True)
     started = time.perf_counter()
     with _transformers_quiet(args.quiet):
         loaded = load_model(args.model, quiet=args.quiet, **engine)
     if not args.quiet:
-        print(f"{PROG}: model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+        print(f"model loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr,
               flush=True)
     return Generator(loaded, schema=schema, speculative=speculative, backend=args.backend,
                      schema_mode=args.schema_mode, system_prompt=args.system, layout=layout,
