@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import pytest
-from cs_testlib import bigram_loaded
+import test_default_retries
+from test_default_retries import MIXED_SCHEMAS, STRING_SCHEMA
 
 from constrained_spec import ConfigError, GenerationResult, Generator, IncompleteOutputError
 from constrained_spec.config import SamplingParams
@@ -22,21 +23,8 @@ from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.generation.loops import Loop, LoopDetector
 from constrained_spec.generation.retry import open_value_start, resume, resume_point
 
-STRING_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
-                 "additionalProperties": False}
-MIXED_SCHEMAS = [
-    {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
-     "required": ["n", "s"]},
-    {"type": "string"},
-    ["red", "green", "blue"],
-    {"type": "array", "items": {"type": "string"}},
-]
-
-
-@pytest.fixture(scope="module")
-def looping():
-    """Inside a string: a -> b -> a -> ... (5); the closing quote comes second (3)."""
-    return bigram_loaded({('"', "a"): 5, ("a", "b"): 5, ("b", "a"): 5, ("a", '"'): 3, ("b", '"'): 3})
+# the looping bigram model of the default retries' tests (a fixture): the same cases
+looping = test_default_retries.looping
 
 
 class PrefillSpy:
