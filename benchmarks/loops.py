@@ -21,7 +21,9 @@ import gzip
 import json
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from constrained_spec.generation.loops import MAX_PERIOD, MIN_LENGTH, MIN_REPEATS, find_loop
 from constrained_spec.schemas import JsonLayout
@@ -55,26 +57,31 @@ def encode(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def false_positives(tok) -> tuple[list[str], list[str]]:
-    layout = JsonLayout()
-    rows: list[str] = []
-    hits: list[str] = []
-    total: Counter[str] = Counter()  # valid instances per split
-    fired: Counter[str] = Counter()
+def valid_instances() -> Iterator[tuple[str, dict, Any]]:
+    """(split, schema row, instance) of every valid test instance of JSONSchemaBench."""
     for path in sorted(BENCH.glob("*.jsonl.gz")):
         split = path.name.split(".")[0]
         with gzip.open(path, "rt") as f:
             for line in f:
                 row = json.loads(line)
                 for test in row.get("tests") or []:
-                    if not test.get("valid"):
-                        continue
-                    total[split] += 1
-                    loop = find_loop(encode(tok, layout.dumps(test["data"])))
-                    if loop is not None:
-                        fired[split] += 1
-                        hits.append(f"{split} {row.get('description', '')[-40:]}: period "
-                                    f"{loop.period}, span {loop.length} tokens")
+                    if test.get("valid"):
+                        yield split, row, test["data"]
+
+
+def false_positives(tok) -> tuple[list[str], list[str]]:
+    layout = JsonLayout()
+    rows: list[str] = []
+    hits: list[str] = []
+    total: Counter[str] = Counter()  # valid instances per split
+    fired: Counter[str] = Counter()
+    for split, row, data in valid_instances():
+        total[split] += 1
+        loop = find_loop(encode(tok, layout.dumps(data)))
+        if loop is not None:
+            fired[split] += 1
+            hits.append(f"{split} {row.get('description', '')[-40:]}: period "
+                        f"{loop.period}, span {loop.length} tokens")
     rows.append("| split | valid instances | detector fired (false positives) |")
     rows.append("| --- | ---: | ---: |")
     for split in total:

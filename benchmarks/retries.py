@@ -30,7 +30,6 @@ Three parts, each printed as a markdown table:
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import time
@@ -183,7 +182,7 @@ def observe_table(model: Any, tasks: list[dict], tool_requests: int) -> str:
 
 
 def spans_table() -> str:
-    from benchmarks.loops import BENCH, embedded_tokenizer, encode
+    from benchmarks.loops import embedded_tokenizer, encode, valid_instances
     from constrained_spec.generation.loops import LoopDetector, find_loop
     from constrained_spec.generation.retry import quote_tokens
     from constrained_spec.schemas import JsonLayout
@@ -192,23 +191,17 @@ def spans_table() -> str:
     quotes = quote_tokens([tok.decode([i]).encode() for i in range(len(tok))])
     layout = JsonLayout()
     n, structural, in_string, longest = 0, 0, 0, {"string": 0, "array": 0}
-    for path in sorted(BENCH.glob("*.jsonl.gz")):
-        with gzip.open(path, "rt") as f:
-            for line in f:
-                row = json.loads(line)
-                for test in row.get("tests") or []:
-                    if not test.get("valid"):
-                        continue
-                    n += 1
-                    ids = encode(tok, layout.dumps(test["data"]))
-                    # any structural span of 4 periods, down to 8 tokens
-                    if LoopDetector(min_length=10**9, structural_tokens=quotes,
-                                    structural_min_length=8).extend(ids) is not None:
-                        structural += 1
-                    if find_loop(ids, min_length=8) is not None:
-                        in_string += 1
-                    for kind, length in _value_spans(tok, ids).items():
-                        longest[kind] = max(longest[kind], length)
+    for _, _, data in valid_instances():
+        n += 1
+        ids = encode(tok, layout.dumps(data))
+        # any structural span of 4 periods, down to 8 tokens
+        if LoopDetector(min_length=10**9, structural_tokens=quotes,
+                        structural_min_length=8).extend(ids) is not None:
+            structural += 1
+        if find_loop(ids, min_length=8) is not None:
+            in_string += 1
+        for kind, length in _value_spans(tok, ids).items():
+            longest[kind] = max(longest[kind], length)
     return "\n".join([
         f"Valid instances of JSONSchemaBench (all splits, compact layout): {n}.", "",
         "| periodic span of >= 4 periods, >= 8 tokens | instances |", "| --- | ---: |",
