@@ -397,6 +397,7 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | Non
     (active: ``tool_choice`` not "none") are described instead of ``spec``.
     ``template_kwargs``: extra variables for the chat template (``enable_thinking``, ...).
     """
+    plain = tokenizer  # the description's fit counts tokens only: cached per tokenizer proper
     if template_kwargs:
         tokenizer = _TemplateArgs(tokenizer, check_template_kwargs(template_kwargs))
     if isinstance(prompt, list):
@@ -415,7 +416,7 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | Non
     # what the prompt takes besides our text: the same messages with an empty system message
     base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user])
     budget = min(int(SCHEMA_PROMPT_SHARE * context), context - reserved - len(base))
-    text = _fitting_description(tokenizer, spec, budget)
+    text = _fitting_description(plain, spec, budget)
     return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user])
 
 
