@@ -189,9 +189,11 @@ def reasoning_tag(matcher: ReasoningMatcher) -> dict[str, Any]:
     if matcher.started or t.match_text or len(t.end_ids) != 1:
         raise ConfigError("a reasoning request reaches vLLM only fresh, with tables built for "
                           "vLLM (load_model(..., engine='vllm'))", option="reasoning")
-    markers = set(t.start_ids) | set(t.end_ids)
-    ordinary = {i for ids in t.tok.text_tokens().values() for i in ids} | markers
-    others = [i for i in range(t.vocab_size) if i not in ordinary]
+    def build() -> list[int]:  # once per tokenizer and markers: a walk over the vocabulary
+        ordinary = {i for ids in t.tok.text_tokens().values() for i in ids}
+        ordinary |= set(t.start_ids) | set(t.end_ids)
+        return [i for i in range(t.vocab_size) if i not in ordinary]
+    others = t.tok.derived(f"vllm_reasoning_others:{t.start_ids}:{t.end_ids}", build)
     source = matcher.source
     if source is None:
         answer: dict[str, Any] = {"type": "any_tokens", "exclude_tokens": others}
