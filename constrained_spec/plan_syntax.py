@@ -1,5 +1,6 @@
 """The kernel plan's words, without torch: kernel names, memory modes, and the text of a fixed
-plan (``CONSTRAINED_SPEC_PLAN=prefill=fp32,decode=int4:12/bf16,lm_head=bf16``).
+plan (``CONSTRAINED_SPEC_PLAN=prefill=fp32,decode=int4:12/bf16,lm_head=bf16``), and the
+activations of a decode forward's 4-bit products (``act=bf16`` or ``act=int8``).
 
 `constrained_spec.settings` checks a fixed plan with `parse_plan` when it reads the environment
 (before torch is imported); `constrained_spec.model.plan` builds its `KernelPlan` from the same
@@ -15,7 +16,10 @@ from constrained_spec.errors import ConfigError
 Kernel = Literal["fp32", "bf16", "int8", "int4", "q4", "q8"]
 KERNELS: tuple[Kernel, ...] = ("fp32", "bf16", "int8", "int4", "q4", "q8")
 MEMORY_MODES = ("fast", "lean")  # what a plan holds; CONSTRAINED_SPEC_MEMORY may also say "auto"
-PHASES = ("prefill", "decode", "lm_head", "kv", "memory")
+# what a decode forward's 4-bit products multiply: the model's bf16 activations, or each row's
+# groups of 32 quantized to int8 (integer dot products; CONSTRAINED_SPEC_ACTIVATIONS)
+ACTIVATIONS = ("bf16", "int8")
+PHASES = ("prefill", "decode", "lm_head", "kv", "memory", "act")
 ALL_ROWS = 1 << 30  # the row limit of a bucket that covers every row count
 _OPTION = "CONSTRAINED_SPEC_PLAN"
 
@@ -27,9 +31,10 @@ def check_kernel(kernel: str) -> None:
 
 
 def parse_plan(text: str, *, memory: str = "fast") -> dict[str, Any]:
-    """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16][,memory=lean]`` -> the
-    `KernelPlan` fields (``prefill``, ``decode``, ``lm_head``, ``kv``, ``memory``), checked:
-    missing phases take the decode kernel of 1 row; a missing ``memory`` is ``memory``."""
+    """``prefill=fp32,decode=int4:12/bf16,lm_head=bf16[,kv=bf16][,memory=lean][,act=int8]`` ->
+    the `KernelPlan` fields (``prefill``, ``decode``, ``lm_head``, ``kv``, ``memory``, ``act``),
+    checked: missing phases take the decode kernel of 1 row; a missing ``memory`` is
+    ``memory``, a missing ``act`` is bf16."""
     parts: dict[str, str] = {}
     for item in text.split(","):
         key, sep, value = item.strip().partition("=")
@@ -43,12 +48,15 @@ def parse_plan(text: str, *, memory: str = "fast") -> dict[str, Any]:
     if parts.get("memory", "fast") not in MEMORY_MODES:
         raise ConfigError(f"memory={parts['memory']!r} in the kernel plan: use fast or lean",
                           option=_OPTION)
+    if parts.get("act", "bf16") not in ACTIVATIONS:
+        raise ConfigError(f"act={parts['act']!r} in the kernel plan: use bf16 or int8",
+                          option=_OPTION)
     decode = parse_buckets(parts["decode"])
     first = sorted(decode)[0][1]
     fields: dict[str, Any] = {"prefill": parse_buckets(parts.get("prefill", first)), "decode": decode,
               "lm_head": parts.get("lm_head", first),
               "kv": parts.get("kv", "fp32" if first == "fp32" else "bf16"),
-              "memory": parts.get("memory") or memory}
+              "memory": parts.get("memory") or memory, "act": parts.get("act", "bf16")}
     for kernel in [fields["lm_head"], *(k for _, k in fields["prefill"]), *(k for _, k in decode)]:
         check_kernel(kernel)
     return fields

@@ -17,10 +17,11 @@ BOOLEANS = {"EXACT": "exact", "INT4": "int4", "DEBUG": "debug"}
 def test_an_empty_environment_gives_the_documented_defaults():
     assert Settings.from_env({}) == Settings(cache=None, smollm2_wheel=None, dtype="auto",
                                              memory="auto", plan=None, exact=None, int4=True,
-                                             debug=False)
+                                             debug=False, activations="bf16")
     # an empty or blank variable is an unset one
     assert Settings.from_env({f"{PREFIX}{n}": " " for n in
-                              ("CACHE", "SMOLLM2_WHEEL", "DTYPE", "MEMORY", "PLAN", *BOOLEANS)}) \
+                              ("CACHE", "SMOLLM2_WHEEL", "DTYPE", "MEMORY", "PLAN", "ACTIVATIONS",
+                               *BOOLEANS)}) \
         == Settings()
 
 
@@ -55,7 +56,8 @@ def test_paths_choices_and_plan_are_parsed():
 
 
 @pytest.mark.parametrize("name,bad", [("DTYPE", "float64"), ("MEMORY", "small"),
-                                      ("PLAN", "decode=int3"), ("PLAN", "speed=fast")])
+                                      ("PLAN", "decode=int3"), ("PLAN", "speed=fast"),
+                                      ("PLAN", "decode=q4,act=fp8"), ("ACTIVATIONS", "int4")])
 def test_a_bad_choice_or_plan_names_the_variable(name, bad):
     with pytest.raises(ConfigError) as e:
         Settings.from_env({f"CONSTRAINED_SPEC_{name}": bad})

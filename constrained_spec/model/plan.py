@@ -49,6 +49,7 @@ import torch
 from constrained_spec.errors import ConfigError
 from constrained_spec.model.weights import ACT_DTYPE, PACKED_KERNELS, ROW_INVARIANT_KERNELS
 from constrained_spec.plan_syntax import (
+    ACTIVATIONS,
     ALL_ROWS,
     MEMORY_MODES,
     bucket_kernel,
@@ -112,12 +113,15 @@ class KernelPlan:
     # 4-bit weights per call and a dense decode bucket must win by DENSE_DECODE_GAIN
     memory: str = "fast"
     times_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kernel -> ms
+    # the activations of the native decode stack's 4-bit products: "bf16" (the model's), or
+    # "int8" (each row's groups quantized; CONSTRAINED_SPEC_ACTIVATIONS, `_choose_act`)
+    act: str = "bf16"
 
     # written out (the dataclass keeps it) because ``prefill`` also takes one kernel for every
     # prompt length, which the field, always buckets once built, does not
     def __init__(self, prefill: list[tuple[int, str]] | str, decode: list[tuple[int, str]],
                  lm_head: str, kv: str = "bf16", source: str = "fixed", memory: str = "fast",
-                 times_ms: dict[str, dict[str, float]] | None = None) -> None:
+                 times_ms: dict[str, dict[str, float]] | None = None, act: str = "bf16") -> None:
         self.prefill = [(ALL_ROWS, prefill)] if isinstance(prefill, str) else prefill
         self.decode = decode
         self.lm_head = lm_head
@@ -125,6 +129,7 @@ class KernelPlan:
         self.source = source
         self.memory = memory
         self.times_ms = {} if times_ms is None else times_ms
+        self.act = act
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -133,6 +138,9 @@ class KernelPlan:
         if self.memory not in MEMORY_MODES:
             raise ConfigError(f"memory mode {self.memory!r} is not one of {', '.join(MEMORY_MODES)}",
                               option="CONSTRAINED_SPEC_MEMORY")
+        if self.act not in ACTIVATIONS:
+            raise ConfigError(f"activations {self.act!r} are not one of {', '.join(ACTIVATIONS)}",
+                              option="CONSTRAINED_SPEC_PLAN")
         if self.kv not in ("fp32", "bf16"):
             raise ConfigError(f"kv cache dtype {self.kv!r} is not fp32 or bf16",
                               option="CONSTRAINED_SPEC_PLAN")
@@ -161,7 +169,8 @@ class KernelPlan:
 
     def describe(self) -> str:
         return (f"prefill={describe_buckets(self.prefill)},decode={describe_buckets(self.decode)},"
-                f"lm_head={self.lm_head},kv={self.kv},memory={self.memory}")
+                f"lm_head={self.lm_head},kv={self.kv},memory={self.memory}"
+                + ("" if self.act == "bf16" else f",act={self.act}"))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,7 +180,7 @@ class KernelPlan:
         return cls(prefill=[tuple(x) for x in d["prefill"]], decode=[tuple(x) for x in d["decode"]],
                    lm_head=d["lm_head"], memory=d.get("memory", "fast"),
                    kv=d.get("kv", "bf16"), source=d.get("source", "fixed"),
-                   times_ms=d.get("times_ms", {}))
+                   times_ms=d.get("times_ms", {}), act=d.get("act", "bf16"))
 
     @classmethod
     def parse(cls, text: str, *, memory: str = "fast") -> KernelPlan:
@@ -296,11 +305,13 @@ def _best(times: dict[str, float]) -> str:
 
 def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DECODE_ROWS,
             prefill_rows: Sequence[int] = PREFILL_ROWS, repeats: int = 2, memory: str = "fast",
-            progress: Callable[[str], None] | None = None, exact: bool = False) -> KernelPlan:
+            progress: Callable[[str], None] | None = None, exact: bool = False,
+            activations: str = "bf16") -> KernelPlan:
     """Time each phase of ``runner`` (a lean runner) with each kernel in ``candidates`` and
     return the fastest per phase, over ``repeats`` rounds of every kernel (``progress`` is
     called once per kernel and round). Uses one scratch slot, freed after. ``exact``: decode
-    and the LM head on one row-invariant kernel (see the module docstring)."""
+    and the LM head on one row-invariant kernel (see the module docstring). ``activations``
+    "auto": the chosen decode kernel is timed again with int8 activations (`_choose_act`)."""
     times: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
     times.update({f"decode@{r}": {} for r in rows})
     times["lm_head"] = {}
@@ -370,9 +381,62 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     head = times["lm_head"]
     if exact:
         head = {k: v for k, v in head.items() if k in ROW_INVARIANT_KERNELS} or head
+    act = "bf16"
+    if activations == "auto" and len({k for _, k in decode}) == 1:
+        act, act_times = _choose_act(runner, first, rows, repeats)
+        times.update(act_times)
     return KernelPlan(prefill=_merge(prefill), decode=decode, lm_head=_best(head),
                       kv="fp32" if first == "fp32" else "bf16", source="measured", memory=memory,
-                      times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()})
+                      times_ms={p: {k: round(v * 1e3, 3) for k, v in t.items()} for p, t in times.items()},
+                      act=act)
+
+
+def _act_choices(runner: Any, kernel: str) -> tuple[str, ...]:
+    """`LeanRunner.act_choices`; bf16 only for a runner without it."""
+    choices = getattr(runner, "act_choices", None)
+    return ("bf16",) if choices is None else tuple(choices(kernel))
+
+
+# the gain int8 activations must bring the decode rows (on average over the measured row
+# counts) for a measured plan to take them: they cost the exactness against the bf16 products
+ACT_GAIN = 0.1
+
+
+def _choose_act(runner: Any, kernel: str, rows: Sequence[int],
+                repeats: int) -> tuple[str, dict[str, dict[str, float]]]:
+    """("int8" or "bf16", the times) for decode forwards on ``kernel``: both activations timed
+    at each of ``rows`` in alternating rounds, int8 taken when its mean time ratio to bf16 is
+    below 1 / (1 + `ACT_GAIN`). "bf16" and no times where int8 activations cannot run
+    (`LeanRunner.act_choices`)."""
+    if "int8" not in _act_choices(runner, kernel):
+        return "bf16", {}
+    times: dict[str, dict[str, float]] = {f"decode@{r} act": {} for r in rows}
+    slot = runner.new_slot()
+    saved = runner.plan
+    prompt = [(7 * i + 3) % min(runner.vocab_size, 1000) for i in range(max(_CONTEXT, *rows))]
+
+    def decode_call(r: int) -> Callable[[], None]:
+        def call() -> None:
+            runner.truncate(slot, _CONTEXT)
+            runner.forward([slot], [prompt[:r]], [0], phase="decode")
+        return call
+
+    try:
+        for rnd in range(max(1, repeats)):
+            for act in ACTIVATIONS if rnd % 2 == 0 else ACTIVATIONS[::-1]:
+                plan = KernelPlan.uniform(kernel)
+                plan.act = act
+                runner.set_plan(plan)
+                runner.forward([slot], [prompt[:_CONTEXT]], [0], phase="prefill")
+                for r in rows:
+                    seconds = _timed(2, decode_call(r), warm=rnd == 0)
+                    phase = times[f"decode@{r} act"]
+                    phase[act] = min(seconds, phase.get(act, float("inf")))
+    finally:
+        runner.free_slot(slot)
+        runner.set_plan(saved)
+    ratio = sum(t["int8"] / t["bf16"] for t in times.values()) / len(times)
+    return ("int8" if ratio * (1 + ACT_GAIN) < 1 else "bf16"), times
 
 
 def _head_call(runner: Any, rows: Sequence[int], kernel: str) -> Callable[[], Any]:
@@ -420,8 +484,10 @@ def plan_key(runner: Any, *, int8: bool = False) -> str:
 
     exact = bool(getattr(runner, "exact", False))
     native = runner.device.type != "cpu" or cpu_native.available()
+    act = settings().activations
     return (machine_key(runner.device) + "|" + settings().memory + ("|int8" if int8 else "")
-            + ("|exact" if exact else "") + ("" if native else "|no-native"))
+            + ("|exact" if exact else "") + ("" if native else "|no-native")
+            + ("" if act == "bf16" else f"|act-{act}"))
 
 
 def _cached(path: Path | None, key: str) -> KernelPlan | None:
@@ -497,13 +563,13 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
         return KernelPlan(prefill=[(ALL_ROWS, "bf16")], decode=decode, lm_head="bf16")
     memory = settings().memory
     if env and env != "measure":
-        return KernelPlan.parse(env, memory=_fixed_memory(memory))
+        return _with_act(runner, KernelPlan.parse(env, memory=_fixed_memory(memory)), fixed=True)
     key = plan_key(runner, int8=int8)
     path = None if cache is None else cache / PLAN_FILE
     if env != "measure":
         cached = _cached(path, key)
         if cached is not None:
-            return cached
+            return _with_act(runner, cached)
     candidates = plan_candidates(runner, int8=int8)
     from tqdm.auto import tqdm
 
@@ -515,10 +581,29 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
             bar.update(1)
 
         plan = measure(runner, candidates, memory=memory, repeats=rounds, exact=exact,
-                       progress=advance)
+                       progress=advance, activations=settings().activations)
     logger.info("kernel plan: %s", plan.describe())
     if path is not None:
         _store(path, key, plan)
+    return _with_act(runner, plan)
+
+
+def _with_act(runner: Any, plan: KernelPlan, *, fixed: bool = False) -> KernelPlan:
+    """``plan`` with the activations ``CONSTRAINED_SPEC_ACTIVATIONS`` asks for: "int8" sets
+    them where they can run (`LeanRunner.act_choices` of the 1-row decode kernel), "bf16"
+    clears them; "auto" keeps the measured choice. A fixed plan's ``act=int8`` where int8
+    activations cannot run is a `ConfigError` (it would be silently bf16 otherwise)."""
+    asked = settings().activations
+    can = "int8" in _act_choices(runner, plan.decode_kernel(1))
+    if fixed and plan.act == "int8" and not can:
+        raise ConfigError("act=int8 needs exact decode rows on the native layer stack with "
+                          "4-bit weights and a CPU with integer dot products (AVX-512-VNNI or "
+                          f"AVX-VNNI); with decode={plan.decode_kernel(1)} here it cannot run",
+                          option="CONSTRAINED_SPEC_PLAN")
+    if asked == "int8" and can:
+        plan.act = "int8"
+    elif asked == "bf16" and not fixed:
+        plan.act = "bf16"
     return plan
 
 

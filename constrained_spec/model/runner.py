@@ -279,7 +279,8 @@ class LeanRunner(RunnerBase):
         self.native_forward = True
         # opt-in: the native stack's 4-bit products on int8 activations (integer dot products,
         # `cpu_native.int8_activations`); row-invariant, but not bit-equal to the bf16 products,
-        # so not a default: decode and verify rows both take it, speculation on stays = off
+        # so not a default: decode and verify rows both take it, speculation on stays = off.
+        # True here, or a plan with act="int8" (CONSTRAINED_SPEC_ACTIVATIONS), turns it on
         self.int8_activations = False
         self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
 
@@ -686,11 +687,21 @@ class LeanRunner(RunnerBase):
         packed q4 / q8. Built once per decode kernel (dropped with the plan)."""
         if not (self.native_forward and fb.native):
             return None
-        int8 = self.int8_activations and cpu_native.int8_activations()
+        int8 = (self.int8_activations or self.plan.act == "int8") and cpu_native.int8_activations()
         key = fb.kernel + ("|int8" if int8 else "")
         if key not in self._native_stacks:
             self._native_stacks[key] = self._build_native_stack(fb.kernel, int8=int8)
         return self._native_stacks[key]
+
+    def act_choices(self, kernel: str) -> tuple[str, ...]:
+        """The activations (`plan.KernelPlan.act`) decode rows on ``kernel`` can take: "int8"
+        too where they run on the native layer stack (exact, `native_forward` on, every
+        linear packed) with a 4-bit product among them, on a CPU with integer dot products."""
+        if not (self.exact and self.native_forward and self.device.type == "cpu"
+                and cpu_native.int8_activations() and native_forward.available()):
+            return ("bf16",)
+        kinds = {self._kernel(lin, kernel) for lin in self.linears()}
+        return ("bf16", "int8") if kinds <= {"q4", "q8"} and "q4" in kinds else ("bf16",)
 
     def _build_native_stack(self, kernel: str, *, int8: bool = False) -> native_forward.NativeForward | None:
         if not native_forward.available():
