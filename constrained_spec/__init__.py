@@ -14,6 +14,7 @@ from constrained_spec.errors import (
     IncompleteOutputError,
     ModelLoadError,
     OutputValidationError,
+    OutputWarning,
     PromptTooLongError,
     RepetitionLoopError,
     SchemaError,
@@ -31,5 +32,5 @@ __all__ = [
     "ConstrainedSpecError", "SchemaError", "GenerationError",
     "IncompleteOutputError", "OutputValidationError", "ModelLoadError", "ConfigError",
     "PromptTooLongError", "RepetitionLoopError", "LoadedModel", "load_model", "SpecStats",
-    "ToolCall",
+    "ToolCall", "OutputWarning",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -45,6 +46,7 @@ from constrained_spec.errors import (
     GenerationError,
     IncompleteOutputError,
     OutputValidationError,
+    OutputWarning,
     PromptTooLongError,
     RepetitionLoopError,
     SchemaError,
@@ -122,6 +124,11 @@ class GenerationResult(Generic[T]):
     #: with ``logprobs=k``: one `TokenLogprob` per token of ``token_ids`` (its logprob and k
     #: alternatives; which distribution: ``logprobs_mode``, docs/options.md); None when off
     logprobs: list[TokenLogprob] | None = None
+    #: what the reading of the output dropped, one ``{"type", "message"}`` item each (the
+    #: server's ``warnings``): a tool call cut by ``max_tokens`` after complete ones, which are
+    #: returned (``finish_reason`` "length"); an :class:`OutputWarning` where only the value
+    #: is returned
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _logprobs_of(req: Request) -> list[TokenLogprob] | None:
@@ -826,6 +833,10 @@ class Generator(Generic[T]):
             return ConstrainedSpecError("the request was cancelled")
         if req.finish_reason == "error":
             return self._generation_error(req, text)
+        if req.finish_reason == "length" and spec is not None and isinstance(spec.target, ToolParser):
+            cut = _complete_calls(req, spec.target, answer, reasoning, return_result)
+            if cut is not None:
+                return cut
         if req.finish_reason != "stop":
             # "length", or any other way the engine ends an output early: incomplete (and so
             # a failed attempt that RetryPolicy runs again)
@@ -865,6 +876,32 @@ class Generator(Generic[T]):
                                                  stats=req.stats)
         err.partial_text = text
         return err
+
+
+def _complete_calls(req: Request, parser: ToolParser, answer: str, reasoning: str | None,
+                    return_result: bool) -> Any:
+    """The complete tool calls of an output cut by ``max_tokens`` (as the server returns them:
+    the call that had begun is dropped and named in the result's ``warnings``, or in an
+    `OutputWarning` when the value is returned alone), or
+    None when it has none: then it is an incomplete output like any other (retried). A
+    complete call that fails its tool's schema is that error."""
+    try:
+        reading = parser.read(answer, complete=False)
+    except ConstrainedSpecError as e:
+        if hasattr(e, "stats"):
+            e.stats = req.stats
+        return e
+    if not reading.calls:
+        return None
+    notes = reading.notes()
+    value = reading.calls if parser.tools.parallel else reading.calls[0]
+    if not return_result:  # the value alone: the warning is the only word of what was dropped
+        for note in notes:
+            warnings.warn(note["message"], OutputWarning, stacklevel=4)
+        return value
+    return GenerationResult(value=value, text=answer, token_ids=list(req.output_ids),
+                            finish_reason="length", stats=req.stats, reasoning=reasoning,
+                            logprobs=_logprobs_of(req), warnings=notes)
 
 
 def _cut_free_text(req: Request, spec: SchemaSpec | None, return_result: bool,

@@ -137,3 +137,8 @@ class JSONDepthError(ConfigError):
         self.limit = limit
         self.path = list(path)
         super().__init__(message, option=option)
+
+
+class OutputWarning(UserWarning):
+    """Part of an output was dropped but the rest is returned (a tool call cut by
+    ``max_tokens`` after complete ones): ``GenerationResult.warnings`` holds the same items."""

@@ -260,7 +260,10 @@ class Choice:
             return self._calls_outcome(reading, tokens, result, why)
         if isinstance(result, BaseException) or not hasattr(result, "text"):
             return None
-        return self._calls_outcome(parser.read(result.text), tokens, result, "max_tokens")
+        # finalize returns the complete calls of an output cut by max_tokens (finish "length")
+        complete = getattr(result, "finish_reason", "stop") != "length"
+        return self._calls_outcome(parser.read(result.text, complete=complete), tokens, result,
+                                   "max_tokens")
 
     def _calls_outcome(self, reading: ToolReading, tokens: int, result: Any,
                        why: str) -> Outcome | None:
