@@ -108,6 +108,11 @@ class Settings:
     on the 4-bit kernel, and keeps draft heads and draft models off the int8 weight-only
     kernel. Default: on (the ``int4=`` argument of ``load_model`` overrides it)."""
 
+    amx: bool = True
+    """``CONSTRAINED_SPEC_AMX``: off keeps the native kernels off AMX tiles (the ``avx512bf16``
+    build instead of ``amx``) on a CPU and OS that offer them; their 4-bit products then round
+    as on any AVX-512-BF16 CPU. Default: on (AMX where granted)."""
+
     debug: bool = False
     """``CONSTRAINED_SPEC_DEBUG``: on makes the command line print the traceback of an
     unexpected internal error. Default: off."""
@@ -149,6 +154,7 @@ class Settings:
             plan=plan,
             exact=None if raw("EXACT") is None else parse_bool(PREFIX + "EXACT", raw("EXACT"), default=False),
             int4=parse_bool(PREFIX + "INT4", raw("INT4"), default=True),
+            amx=parse_bool(PREFIX + "AMX", raw("AMX"), default=True),
             debug=parse_bool(PREFIX + "DEBUG", raw("DEBUG"), default=False),
         )
 

@@ -212,12 +212,126 @@ static void rows_out(const float *out, int mb, int m0, int N, int t, void *y, in
     }
 }
 
+/* AMX (the amx build: AVX-512-BF16 plus AMX-BF16 tiles, used only where the OS lets this
+   process use them: cpu_native.py asks for them first). The 4-bit products take the tile unit
+   for every row count: per tile of 16 output columns and group, the group's 4-bit values go
+   to bfloat16 (exactly, by the blocks' table) in a B tile of 16 k pairs, the rows' inputs of
+   the group are an A tile read in place, and one TDPBF16PS gives every row's group sum d at
+   once; then y += scale * d + min * sum x, the blocks' epilogue. A row's d is the tile
+   unit's dot product of that row alone (row m of C depends only on row m of A: a row's bits
+   alone equal its bits among 16 rows, tested), so the product stays row-invariant; it is not
+   bit-equal to the AVX-512 blocks' (the tile unit sums a group's 32 products in its own order:
+   about 0.5% of outputs differ in the last bit), which is why a library is one build or the
+   other. Cost (one thread): a 1-row product about the AVX-512 blocks'; 7 rows ~1.4x one row
+   (the blocks: ~3x), 16 rows ~1.9x. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define CS_AMX 1
+#define AMX_ROWS 16  /* rows of an A / C tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+/* This thread's tiles for `rows` rows: C 0 and 1 (rows x 16 float32), A 4 and 6 (rows x 32
+   bf16), B 5 and 7 (16 k pairs x 16 columns of bf16 pairs). */
+static void amx_config(int rows) {
+    amx_cfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = c.rows[4] = c.rows[6] = (uint8_t)rows;
+    c.rows[5] = c.rows[7] = GROUP / 2;
+    c.colsb[0] = c.colsb[1] = c.colsb[4] = c.colsb[6] = c.colsb[5] = c.colsb[7] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* The B tile of one 4-bit group (its GROUP * TILE / 2 bytes at gp): row 2s holds the pairs
+   (q[4s], q[4s + 1]) of the 16 columns as bf16, row 2s + 1 (q[4s + 2], q[4s + 3]). */
+static inline void amx_b_q4(const uint8_t *gp, uint16_t *bs) {
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i low4 = _mm512_set1_epi16(0xF);
+    for (int s = 0; s < GROUP / 4; s++) {
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(gp + s * 32)));
+        _mm512_store_si512((__m512i *)(bs + 64 * s), _mm512_permutexvar_epi16(_mm512_and_si512(w, low4), table));
+        _mm512_store_si512((__m512i *)(bs + 64 * s + 32), _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+    }
+}
+
+/* out[M, TILE] = x[M, K] (bf16 rows, M <= AMX_ROWS, the tiles configured for M rows) times
+   one tile of a q4 pack (wp), two groups per step. */
+static void amx_q4_rows(const uint8_t *wp, int half, const uint16_t *x, const float *sx, int M,
+                        int K, float *out) {
+    const int G = K / GROUP;
+    __attribute__((aligned(64))) uint16_t bs[2][GROUP * TILE];
+    __attribute__((aligned(64))) float cb[2][AMX_ROWS * TILE];
+    __m512 tot[AMX_ROWS];
+    for (int m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g += 2) {
+        const int two = g + 1 < G;
+        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);
+        amx_b_q4(gp, bs[0]);
+        if (two) amx_b_q4(gp + GROUP_BYTES(half), bs[1]);
+        _tile_zero(0);
+        _tile_loadd(4, x + (size_t)g * GROUP, 2 * K);
+        _tile_loadd(5, bs[0], 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (two) {
+            _tile_zero(1);
+            _tile_loadd(6, x + (size_t)(g + 1) * GROUP, 2 * K);
+            _tile_loadd(7, bs[1], 64);
+            _tile_dpbf16ps(1, 6, 7);
+        }
+        _tile_stored(0, cb[0], 64);
+        if (two) _tile_stored(1, cb[1], 64);
+        for (int j = 0; j <= two; j++) {
+            const __m512 *acc = (const __m512 *)cb[j];  /* row m's group sums d: acc[m] */
+            GROUP_EPILOGUE(M, gp + j * GROUP_BYTES(half) + GROUP * TILE / 2, half, 1, sx, G, g + j);
+        }
+    }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * TILE, tot[m]);
+}
+
+/* Configure this thread's tiles for `mb` rows unless they are (`*rows`: their row count, 0
+   for none yet). */
+static inline void amx_rows_for(int mb, int *rows) {
+    if (mb != *rows) {
+        amx_config(mb);
+        *rows = mb;
+    }
+}
+#else
+#define CS_AMX 0
+#endif
+
+int cs_amx(void) { return CS_AMX; }
+
 int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
                int out_bf16) {
     const int G = K / GROUP, T = N / TILE;
     float *sx, *xf;
     const xelem *x;
     if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
+#if CS_AMX
+    #pragma omp parallel
+    {
+        int rows = 0;
+        float out[AMX_ROWS * TILE];
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
+            for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                amx_rows_for(mb, &rows);
+                amx_q4_rows(wp, half, x + (size_t)m0 * K, sx + (size_t)m0 * G, mb, K, out);
+                rows_out(out, mb, m0, N, t, y, out_bf16);
+            }
+        }
+        if (rows) _tile_release();
+    }
+#else
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
@@ -228,6 +342,7 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
             rows_out(out, mb, m0, N, t, y, out_bf16);
         }
     }
+#endif
     free(sx);
     free(xf);
     return 0;
@@ -828,6 +943,18 @@ static void prep_row(const uint16_t *xb, int K, float *sx, float *xf) {
     }
 }
 
+/* A product's results (mb rows of TILE columns of tile t, from row m0) into y [., w->n] as
+   bf16, rounded where the torch path rounds: the product, then with its bias added. */
+static void lin_out(const cs_lin *w, const float *out, int mb, int m0, int t, uint16_t *y) {
+    for (int m = 0; m < mb; m++)
+        for (int c = 0; c < TILE; c++) {
+            const int col = t * TILE + c;
+            float v = bf(out[m * TILE + c]);
+            if (w->bias) v = bf(v + bf16_to_f32(w->bias[col]));
+            y[(size_t)(m0 + m) * w->n + col] = f32_to_bf16(v);
+        }
+}
+
 /* y[M, n] = x[M, k] @ W^T (+ bias), bf16 out, its weight tiles shared among the team (an
    orphaned worksharing loop: called by every thread of the team). x: the bf16 rows (read on
    AVX-512-BF16), xf: the same as float32 (read on AVX2), sx: their group sums; xq, dx: the
@@ -847,6 +974,24 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
 #endif
     const size_t tile_bytes = (size_t)G * (w->bits == 8 ? Q8_GROUP_BYTES(w->half, w->has_min)
                                                         : GROUP_BYTES(w->half));
+#if CS_AMX
+    if (w->bits == 4 && !xq) {  /* the 4-bit products on the tile unit (every thread alike) */
+        int rows = 0;
+        float out[AMX_ROWS * TILE];
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            const uint8_t *wp = w->pack + (size_t)t * tile_bytes;
+            for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                amx_rows_for(mb, &rows);
+                amx_q4_rows(wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, mb, K, out);
+                lin_out(w, out, mb, m0, t, y);
+            }
+        }
+        if (rows) _tile_release();
+        return;
+    }
+#endif
     #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = w->pack + (size_t)t * tile_bytes;
@@ -861,13 +1006,7 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
 #endif
             else
                 BLOCKS[mb](wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
-            for (int m = 0; m < mb; m++)
-                for (int c = 0; c < TILE; c++) {
-                    const int col = t * TILE + c;
-                    float v = bf(out[m * TILE + c]);
-                    if (w->bias) v = bf(v + bf16_to_f32(w->bias[col]));
-                    y[(size_t)(m0 + m) * N + col] = f32_to_bf16(v);
-                }
+            lin_out(w, out, mb, m0, t, y);
         }
     }
 }

@@ -51,6 +51,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shlex
 import shutil
 import signal
@@ -69,7 +70,11 @@ GROUP = 32  # inputs per group: cpu_native.c's GROUP
 GROUPS: dict[int, tuple[int, ...]] = {4: (GROUP,), 8: (GROUP,)}
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # build -> (CPU flags it needs, compiler flags, columns per tile)
+# (amx: the avx512bf16 build with its 4-bit products on AMX tiles, `amx_permitted`)
 BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
+    "amx": (("avx512f", "avx512bw", "avx512_bf16", "fma", "amx_tile", "amx_bf16"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+             "-mamx-bf16"), 16),
     "avx512bf16": (("avx512f", "avx512bw", "avx512_bf16", "fma"),
                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"), 16),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), 8),
@@ -78,7 +83,8 @@ _CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11")
 # build -> (CPU flag, compiler flag) of its integer dot products (the q4 kernel with int8
 # activations, ``cs_q4i8_gemm``): compiled in only where this CPU has them, so the library of
 # a CPU without them has no such kernel (`int8_activations` is False there) and never faults
-VNNI: dict[str, tuple[str, str]] = {"avx512bf16": ("avx512_vnni", "-mavx512vnni"),
+VNNI: dict[str, tuple[str, str]] = {"amx": ("avx512_vnni", "-mavx512vnni"),
+                                    "avx512bf16": ("avx512_vnni", "-mavx512vnni"),
                                     "avx2": ("avx_vnni", "-mavxvnni")}
 
 
@@ -99,12 +105,44 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether this process may use AMX tiles: a CPU with them (``amx_tile``, ``amx_bf16``) and
+    a Linux kernel that grants the request for their state (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, once per process). A VM that does not enable AMX refuses it; a tile
+    instruction without it would kill the process, so the amx build is never loaded then."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64" \
+            or not {"amx_tile", "amx_bf16"} <= _cpu_flags():
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(158, 0x1023, 18)) == 0  # SYS_arch_prctl, REQ_XCOMP_PERM, XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
+def _runs_here(build: str) -> str | None:
+    """Why ``build``'s library cannot run on this CPU (None: it can): a CPU flag it needs, or
+    for the amx build the OS's grant of the tiles (`amx_permitted`)."""
+    missing = [f for f in BUILDS[build][0] if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if build == "amx" and not amx_permitted():
+        return "the operating system does not grant this process AMX tiles"
+    return None
+
+
 @functools.cache  # asked on every weight multiply (Linear.supports)
 def build_for_this_cpu() -> str | None:
-    """The build this machine runs: ``avx512bf16``, ``avx2`` or None. torch's capability caps
-    it (``ATEN_CPU_CAPABILITY=avx2`` simulates an AVX2-only CPU for torch and for this)."""
+    """The build this machine runs: ``amx``, ``avx512bf16``, ``avx2`` or None. torch's
+    capability caps it (``ATEN_CPU_CAPABILITY=avx2`` simulates an AVX2-only CPU for torch and
+    for this)."""
+    from constrained_spec.settings import settings
+
     flags = _cpu_flags()
     cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512") and settings().amx and _runs_here("amx") is None:
+        return "amx"
     if cap.startswith("AVX512") and all(f in flags for f in BUILDS["avx512bf16"][0]):
         return "avx512bf16"
     if cap.startswith(("AVX2", "AVX512")) and all(f in flags for f in BUILDS["avx2"][0]):
@@ -405,6 +443,10 @@ def _library(build: str | None) -> tuple[ctypes.CDLL, int] | None:
     from constrained_spec.errors import ConfigError
 
     _why.pop(build, None)
+    cannot = _runs_here(build)
+    if cannot is not None:  # never loaded where its instructions would fault
+        _why[build] = f"the {build} build cannot run here: {cannot}"
+        return None
     try:
         folder = cache_dir() / "kernels"
     except ConfigError as e:  # the kernels are optional: torch's run; the loader says it again

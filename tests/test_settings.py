@@ -11,7 +11,7 @@ import pytest
 from constrained_spec.errors import ConfigError
 from constrained_spec.settings import PREFIX, Settings, overridden, reload_settings, settings
 
-BOOLEANS = {"EXACT": "exact", "INT4": "int4", "DEBUG": "debug"}
+BOOLEANS = {"EXACT": "exact", "INT4": "int4", "DEBUG": "debug", "AMX": "amx"}
 
 
 def test_an_empty_environment_gives_the_documented_defaults():

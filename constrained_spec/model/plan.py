@@ -471,8 +471,9 @@ def _timed(repeats: int, fn: Callable[[], Any], *, warm: bool = True) -> float:
 
 # -- choosing and caching ------------------------------------------------------------------
 def plan_key(runner: Any, *, int8: bool = False) -> str:
-    """The key of ``runner``'s plan in a plan file: machine, memory mode, int8, exactness, and
-    whether the native kernels load here (`kernels.cpu_native.available`).
+    """The key of ``runner``'s plan in a plan file: machine, memory mode, int8, exactness,
+    whether the native kernels load here (`kernels.cpu_native.available`) and on AMX tiles
+    (their ``amx`` build, `settings.Settings.amx`), and the activations setting.
 
     The CPU alone does not say whether q4 / q8 can run: that also takes a compiler and a
     library that loads, both of which can come and go on the same machine. A plan measured
@@ -484,10 +485,11 @@ def plan_key(runner: Any, *, int8: bool = False) -> str:
 
     exact = bool(getattr(runner, "exact", False))
     native = runner.device.type != "cpu" or cpu_native.available()
+    amx = native and runner.device.type == "cpu" and cpu_native.build_for_this_cpu() == "amx"
     act = settings().activations
     return (machine_key(runner.device) + "|" + settings().memory + ("|int8" if int8 else "")
             + ("|exact" if exact else "") + ("" if native else "|no-native")
-            + ("" if act == "bf16" else f"|act-{act}"))
+            + ("|amx" if amx else "") + ("" if act == "bf16" else f"|act-{act}"))
 
 
 def _cached(path: Path | None, key: str) -> KernelPlan | None:

@@ -71,7 +71,7 @@ def test_a_row_has_the_same_bits_among_any_number_of_rows(build, bits):
         p = cpu_native.pack_q8(*q8_groups(64, 96, seed=5), build=build)
     x = torch.randn(max(ROWS), 96, generator=torch.Generator().manual_seed(6)).bfloat16()
     alone = torch.cat([cpu_native.matmul(x[i: i + 1], p) for i in range(max(ROWS))])
-    for rows in ROWS:  # across the row blocks of 4 (AVX2) and 8 (AVX-512)
+    for rows in ROWS:  # across the row blocks of 4 (AVX2), 8 (AVX-512) and 16 (AMX tiles)
         assert torch.equal(cpu_native.matmul(x[:rows], p), alone[:rows]), rows
     assert torch.equal(cpu_native.matmul(x[[5, 0, 3]], p), alone[[5, 0, 3]])  # any order
 
