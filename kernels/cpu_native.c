@@ -34,6 +34,8 @@
 #define GROUP 32
 /* bytes of one group of one tile: its 4-bit values, then its scales and mins */
 #define GROUP_BYTES(half) (GROUP * TILE / 2 + 2 * TILE * ((half) ? 2 : 4))
+/* the same for the q8 kernel: its int8 values, its scales, and its mins where it has them */
+#define Q8_GROUP_BYTES(half, has_min) (GROUP * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -213,9 +215,9 @@ static void rows_out(const float *out, int mb, int m0, int N, int t, void *y, in
 }
 
 /* AMX (the amx build: AVX-512-BF16 plus AMX-BF16 tiles, used only where the OS lets this
-   process use them: cpu_native.py asks for them first). The 4-bit products take the tile unit
-   for every row count: per tile of 16 output columns and group, the group's 4-bit values go
-   to bfloat16 (exactly, by the blocks' table) in a B tile of 16 k pairs, the rows' inputs of
+   process use them: cpu_native.py asks for them first). The q4 and q8 products take the tile
+   unit for every row count: per tile of 16 output columns and group, the group's 4-bit or
+   int8 values go to bfloat16 (exactly) in a B tile of 16 k pairs, the rows' inputs of
    the group are an A tile read in place, and one TDPBF16PS gives every row's group sum d at
    once; then y += scale * d + min * sum x, the blocks' epilogue. A row's d is the tile
    unit's dot product of that row alone (row m of C depends only on row m of A: a row's bits
@@ -260,20 +262,33 @@ static inline void amx_b_q4(const uint8_t *gp, uint16_t *bs) {
     }
 }
 
+/* The B tile of one 8-bit group (its GROUP * TILE int8 at gp, k pairs per column as the
+   AVX-512 q8 pack holds them): row s the pairs (q[2s], q[2s + 1]) of the 16 columns as bf16
+   (exact). */
+static inline void amx_b_q8(const uint8_t *gp, uint16_t *bs) {
+    for (int s = 0; s < GROUP / 2; s++)
+        _mm512_store_si512((__m512i *)(bs + 32 * s),
+                           (__m512i)_mm512_cvtne2ps_pbh(Q8_LOAD(gp + s * 32 + 16), Q8_LOAD(gp + s * 32)));
+}
+
 /* out[M, TILE] = x[M, K] (bf16 rows, M <= AMX_ROWS, the tiles configured for M rows) times
-   one tile of a q4 pack (wp), two groups per step. */
-static void amx_q4_rows(const uint8_t *wp, int half, const uint16_t *x, const float *sx, int M,
-                        int K, float *out) {
+   one tile of a q4 (bits 4) or q8 (bits 8) pack at wp, two groups per step. */
+static void amx_rows(int bits, const uint8_t *wp, int half, int has_min, const uint16_t *x,
+                     const float *sx, int M, int K, float *out) {
     const int G = K / GROUP;
+    const size_t gbytes = bits == 8 ? Q8_GROUP_BYTES(half, has_min) : GROUP_BYTES(half);
+    const size_t vbytes = bits == 8 ? GROUP * TILE : GROUP * TILE / 2;  /* values, then scales */
     __attribute__((aligned(64))) uint16_t bs[2][GROUP * TILE];
     __attribute__((aligned(64))) float cb[2][AMX_ROWS * TILE];
     __m512 tot[AMX_ROWS];
     for (int m = 0; m < M; m++) tot[m] = _mm512_setzero_ps();
     for (int g = 0; g < G; g += 2) {
         const int two = g + 1 < G;
-        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);
-        amx_b_q4(gp, bs[0]);
-        if (two) amx_b_q4(gp + GROUP_BYTES(half), bs[1]);
+        const uint8_t *gp = wp + (size_t)g * gbytes;
+        for (int j = 0; j <= two; j++) {
+            if (bits == 8) amx_b_q8(gp + j * gbytes, bs[j]);
+            else amx_b_q4(gp + j * gbytes, bs[j]);
+        }
         _tile_zero(0);
         _tile_loadd(4, x + (size_t)g * GROUP, 2 * K);
         _tile_loadd(5, bs[0], 64);
@@ -288,7 +303,7 @@ static void amx_q4_rows(const uint8_t *wp, int half, const uint16_t *x, const fl
         if (two) _tile_stored(1, cb[1], 64);
         for (int j = 0; j <= two; j++) {
             const __m512 *acc = (const __m512 *)cb[j];  /* row m's group sums d: acc[m] */
-            GROUP_EPILOGUE(M, gp + j * GROUP_BYTES(half) + GROUP * TILE / 2, half, 1, sx, G, g + j);
+            GROUP_EPILOGUE(M, gp + j * gbytes + vbytes, half, has_min, sx, G, g + j);
         }
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * TILE, tot[m]);
@@ -302,6 +317,29 @@ static inline void amx_rows_for(int mb, int *rows) {
         *rows = mb;
     }
 }
+/* cs_q4_gemm / cs_q8_gemm (bits 4 / 8) on the tile unit: x bf16 [M, K] and its group sums
+   sx; the pack's tiles shared among the threads, each configuring its own tiles. */
+static void amx_gemm(int bits, const uint16_t *x, const float *sx, int M, int K, int N,
+                     const uint8_t *pack, int half, int has_min, void *y, int out_bf16) {
+    const int G = K / GROUP, T = N / TILE;
+    const size_t tile_bytes = (size_t)G * (bits == 8 ? Q8_GROUP_BYTES(half, has_min) : GROUP_BYTES(half));
+    #pragma omp parallel
+    {
+        int rows = 0;
+        float out[AMX_ROWS * TILE];
+        #pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
+                amx_rows_for(mb, &rows);
+                amx_rows(bits, pack + (size_t)t * tile_bytes, half, has_min, x + (size_t)m0 * K,
+                         sx + (size_t)m0 * G, mb, K, out);
+                rows_out(out, mb, m0, N, t, y, out_bf16);
+            }
+        }
+        if (rows) _tile_release();
+    }
+}
 #else
 #define CS_AMX 0
 #endif
@@ -310,28 +348,13 @@ int cs_amx(void) { return CS_AMX; }
 
 int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
                int out_bf16) {
-    const int G = K / GROUP, T = N / TILE;
     float *sx, *xf;
     const xelem *x;
     if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
 #if CS_AMX
-    #pragma omp parallel
-    {
-        int rows = 0;
-        float out[AMX_ROWS * TILE];
-        #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
-            for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
-                const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                amx_rows_for(mb, &rows);
-                amx_q4_rows(wp, half, x + (size_t)m0 * K, sx + (size_t)m0 * G, mb, K, out);
-                rows_out(out, mb, m0, N, t, y, out_bf16);
-            }
-        }
-        if (rows) _tile_release();
-    }
+    amx_gemm(4, x, sx, M, K, N, pack, half, 1, y, out_bf16);
 #else
+    const int G = K / GROUP, T = N / TILE;
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
@@ -354,7 +377,6 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
    (and y += min * sum_k x[k] when the pack has mins). Pack: per tile, per group, GROUP x TILE int8
    (k-major: the TILE columns of one k together), then the TILE scales and, with `has_min`, the
    TILE mins (float16 when `half`, else float32). Row-invariant as q4. */
-#define Q8_GROUP_BYTES(half, has_min) (GROUP * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))
 
 #if defined(__AVX512BF16__)
 /* AVX-512-BF16: the int8 values go to bf16 (exact) and vdpbf16ps multiplies two k at a time, x
@@ -418,10 +440,13 @@ static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
    bf16 bits when out_bf16, else float32. Returns 0, or -1 when out of memory. */
 int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, int has_min,
                void *y, int out_bf16) {
-    const int G = K / GROUP, T = N / TILE;
     float *sx, *xf;
     const xelem *x;
     if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
+#if CS_AMX
+    amx_gemm(8, x, sx, M, K, N, pack, half, has_min, y, out_bf16);
+#else
+    const int G = K / GROUP, T = N / TILE;
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = pack + (size_t)t * G * Q8_GROUP_BYTES(half, has_min);
@@ -432,6 +457,7 @@ int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
             rows_out(out, mb, m0, N, t, y, out_bf16);
         }
     }
+#endif
     free(sx);
     free(xf);
     return 0;
@@ -975,7 +1001,7 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
     const size_t tile_bytes = (size_t)G * (w->bits == 8 ? Q8_GROUP_BYTES(w->half, w->has_min)
                                                         : GROUP_BYTES(w->half));
 #if CS_AMX
-    if (w->bits == 4 && !xq) {  /* the 4-bit products on the tile unit (every thread alike) */
+    if (w->bits == 8 || !xq) {  /* the products on the tile unit (every thread alike) */
         int rows = 0;
         float out[AMX_ROWS * TILE];
         #pragma omp for schedule(static)
@@ -984,7 +1010,8 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
             for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
                 const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
                 amx_rows_for(mb, &rows);
-                amx_q4_rows(wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, mb, K, out);
+                amx_rows(w->bits, wp, w->half, w->has_min, xe + (size_t)m0 * K, sx + (size_t)m0 * G,
+                         mb, K, out);
                 lin_out(w, out, mb, m0, t, y);
             }
         }
