@@ -34,8 +34,10 @@
 #define GROUP 32
 /* bytes of one group of one tile: its 4-bit values, then its scales and mins */
 #define GROUP_BYTES(half) (GROUP * TILE / 2 + 2 * TILE * ((half) ? 2 : 4))
-/* the same for the q8 kernel: its int8 values, its scales, and its mins where it has them */
-#define Q8_GROUP_BYTES(half, has_min) (GROUP * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))
+/* the same for the q8 kernel, whose groups have GROUP or Q8_GROUP16 inputs (gs): their int8
+   values, their scales, and their mins where they have them (never with Q8_GROUP16) */
+#define Q8_GROUP16 16
+#define Q8_GROUP_BYTES(gs, half, has_min) ((gs) * TILE + TILE * ((has_min) ? 2 : 1) * ((half) ? 2 : 4))
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -236,15 +238,17 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
-/* This thread's tiles for `rows` rows: C 0 and 1 (rows x 16 float32), A 4 and 6 (rows x 32
-   bf16), B 5 and 7 (16 k pairs x 16 columns of bf16 pairs). */
-static void amx_config(int rows) {
+/* This thread's tiles for `rows` rows and groups of `gs` inputs: C 0 and 1 (rows x 16
+   float32), A 4 and 6 (rows x gs bf16), B 5 and 7 (gs / 2 k pairs x 16 columns of bf16
+   pairs). */
+static void amx_config(int rows, int gs) {
     amx_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     c.rows[0] = c.rows[1] = c.rows[4] = c.rows[6] = (uint8_t)rows;
-    c.rows[5] = c.rows[7] = GROUP / 2;
-    c.colsb[0] = c.colsb[1] = c.colsb[4] = c.colsb[6] = c.colsb[5] = c.colsb[7] = 64;
+    c.rows[5] = c.rows[7] = (uint8_t)(gs / 2);
+    c.colsb[0] = c.colsb[1] = c.colsb[5] = c.colsb[7] = 64;
+    c.colsb[4] = c.colsb[6] = (uint16_t)(2 * gs);
     _tile_loadconfig(&c);
 }
 
@@ -262,22 +266,23 @@ static inline void amx_b_q4(const uint8_t *gp, uint16_t *bs) {
     }
 }
 
-/* The B tile of one 8-bit group (its GROUP * TILE int8 at gp, k pairs per column as the
+/* The B tile of one 8-bit group of gs inputs (gs * TILE int8 at gp, k pairs per column as the
    AVX-512 q8 pack holds them): row s the pairs (q[2s], q[2s + 1]) of the 16 columns as bf16
    (exact). */
-static inline void amx_b_q8(const uint8_t *gp, uint16_t *bs) {
-    for (int s = 0; s < GROUP / 2; s++)
+static inline void amx_b_q8(const uint8_t *gp, int gs, uint16_t *bs) {
+    for (int s = 0; s < gs / 2; s++)
         _mm512_store_si512((__m512i *)(bs + 32 * s),
                            (__m512i)_mm512_cvtne2ps_pbh(Q8_LOAD(gp + s * 32 + 16), Q8_LOAD(gp + s * 32)));
 }
 
-/* out[M, TILE] = x[M, K] (bf16 rows, M <= AMX_ROWS, the tiles configured for M rows) times
-   one tile of a q4 (bits 4) or q8 (bits 8) pack at wp, two groups per step. */
-static void amx_rows(int bits, const uint8_t *wp, int half, int has_min, const uint16_t *x,
+/* out[M, TILE] = x[M, K] (bf16 rows, M <= AMX_ROWS, the tiles configured for M rows and gs)
+   times one tile of a q4 (bits 4) or q8 (bits 8, groups of gs) pack at wp, two groups per
+   step; sx: the rows' sums per group of GROUP (read only with mins, which gs = GROUP has). */
+static void amx_rows(int bits, int gs, const uint8_t *wp, int half, int has_min, const uint16_t *x,
                      const float *sx, int M, int K, float *out) {
-    const int G = K / GROUP;
-    const size_t gbytes = bits == 8 ? Q8_GROUP_BYTES(half, has_min) : GROUP_BYTES(half);
-    const size_t vbytes = bits == 8 ? GROUP * TILE : GROUP * TILE / 2;  /* values, then scales */
+    const int G = K / gs;
+    const size_t gbytes = bits == 8 ? Q8_GROUP_BYTES(gs, half, has_min) : GROUP_BYTES(half);
+    const size_t vbytes = bits == 8 ? (size_t)gs * TILE : GROUP * TILE / 2;  /* values, then scales */
     __attribute__((aligned(64))) uint16_t bs[2][GROUP * TILE];
     __attribute__((aligned(64))) float cb[2][AMX_ROWS * TILE];
     __m512 tot[AMX_ROWS];
@@ -286,16 +291,16 @@ static void amx_rows(int bits, const uint8_t *wp, int half, int has_min, const u
         const int two = g + 1 < G;
         const uint8_t *gp = wp + (size_t)g * gbytes;
         for (int j = 0; j <= two; j++) {
-            if (bits == 8) amx_b_q8(gp + j * gbytes, bs[j]);
+            if (bits == 8) amx_b_q8(gp + j * gbytes, gs, bs[j]);
             else amx_b_q4(gp + j * gbytes, bs[j]);
         }
         _tile_zero(0);
-        _tile_loadd(4, x + (size_t)g * GROUP, 2 * K);
+        _tile_loadd(4, x + (size_t)g * gs, 2 * K);
         _tile_loadd(5, bs[0], 64);
         _tile_dpbf16ps(0, 4, 5);
         if (two) {
             _tile_zero(1);
-            _tile_loadd(6, x + (size_t)(g + 1) * GROUP, 2 * K);
+            _tile_loadd(6, x + (size_t)(g + 1) * gs, 2 * K);
             _tile_loadd(7, bs[1], 64);
             _tile_dpbf16ps(1, 6, 7);
         }
@@ -309,20 +314,21 @@ static void amx_rows(int bits, const uint8_t *wp, int half, int has_min, const u
     for (int m = 0; m < M; m++) _mm512_storeu_ps(out + m * TILE, tot[m]);
 }
 
-/* Configure this thread's tiles for `mb` rows unless they are (`*rows`: their row count, 0
-   for none yet). */
-static inline void amx_rows_for(int mb, int *rows) {
-    if (mb != *rows) {
-        amx_config(mb);
-        *rows = mb;
+/* Configure this thread's tiles for `mb` rows and groups of gs unless they are (`*cfg`: rows
+   times 64 plus gs of their configuration, 0 for none yet). */
+static inline void amx_rows_for(int mb, int gs, int *cfg) {
+    if (mb * 64 + gs != *cfg) {
+        amx_config(mb, gs);
+        *cfg = mb * 64 + gs;
     }
 }
 /* cs_q4_gemm / cs_q8_gemm (bits 4 / 8) on the tile unit: x bf16 [M, K] and its group sums
    sx; the pack's tiles shared among the threads, each configuring its own tiles. */
-static void amx_gemm(int bits, const uint16_t *x, const float *sx, int M, int K, int N,
+static void amx_gemm(int bits, int gs, const uint16_t *x, const float *sx, int M, int K, int N,
                      const uint8_t *pack, int half, int has_min, void *y, int out_bf16) {
     const int G = K / GROUP, T = N / TILE;
-    const size_t tile_bytes = (size_t)G * (bits == 8 ? Q8_GROUP_BYTES(half, has_min) : GROUP_BYTES(half));
+    const size_t tile_bytes = (size_t)(K / gs) * (bits == 8 ? Q8_GROUP_BYTES(gs, half, has_min)
+                                                            : GROUP_BYTES(half));
     #pragma omp parallel
     {
         int rows = 0;
@@ -331,8 +337,8 @@ static void amx_gemm(int bits, const uint16_t *x, const float *sx, int M, int K,
         for (int t = 0; t < T; t++) {
             for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
                 const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                amx_rows_for(mb, &rows);
-                amx_rows(bits, pack + (size_t)t * tile_bytes, half, has_min, x + (size_t)m0 * K,
+                amx_rows_for(mb, gs, &rows);
+                amx_rows(bits, gs, pack + (size_t)t * tile_bytes, half, has_min, x + (size_t)m0 * K,
                          sx + (size_t)m0 * G, mb, K, out);
                 rows_out(out, mb, m0, N, t, y, out_bf16);
             }
@@ -352,7 +358,7 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
     const xelem *x;
     if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
 #if CS_AMX
-    amx_gemm(4, x, sx, M, K, N, pack, half, 1, y, out_bf16);
+    amx_gemm(4, GROUP, x, sx, M, K, N, pack, half, 1, y, out_bf16);
 #else
     const int G = K / GROUP, T = N / TILE;
     #pragma omp parallel for schedule(static)
@@ -381,17 +387,17 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
 #if defined(__AVX512BF16__)
 /* AVX-512-BF16: the int8 values go to bf16 (exact) and vdpbf16ps multiplies two k at a time, x
    as bf16; per 2 k, 32 bytes: byte 2c + p holds q[k + p] of column c. */
-#define DEF_Q8_BLOCK(MB)                                                                         \
-static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const uint16_t *x,  \
+#define DEF_Q8_BLOCK(MB, GS)                                                                       \
+static inline void q8_block_##GS##_##MB(const uint8_t *wp, int half, int has_min, const uint16_t *x,  \
                                  const float *sx, int K, float *out) {                           \
     VEC tot[MB];                                                                                 \
     for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
-    for (int g = 0; g < K / GROUP; g++) {                                                        \
-        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(half, has_min);                      \
+    for (int g = 0; g < K / (GS); g++) {                                                        \
+        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(GS, half, has_min);                  \
         VEC acc[MB];                                                                             \
         for (int m = 0; m < MB; m++) acc[m] = VZERO();                                           \
-        for (int s = 0; s < GROUP / 2; s++) {                                                    \
-            const int k = g * GROUP + s * 2;                                                     \
+        for (int s = 0; s < (GS) / 2; s++) {                                                    \
+            const int k = g * (GS) + s * 2;                                                     \
             const __m512bh w = _mm512_cvtne2ps_pbh(Q8_LOAD(gp + s * 32 + 16), Q8_LOAD(gp + s * 32)); \
             for (int m = 0; m < MB; m++) {                                                       \
                 uint32_t p0;                                                                     \
@@ -399,61 +405,79 @@ static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const
                 acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32((int)p0));      \
             }                                                                                    \
         }                                                                                        \
-        GROUP_EPILOGUE(MB, gp + GROUP * TILE, half, has_min, sx, K / GROUP, g);                 \
+        GROUP_EPILOGUE(MB, gp + (GS) * TILE, half, has_min, sx, K / GROUP, g);                 \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
 #else
-#define DEF_Q8_BLOCK(MB)                                                                         \
-static inline void q8_block_##MB(const uint8_t *wp, int half, int has_min, const float *x,     \
+#define DEF_Q8_BLOCK(MB, GS)                                                                       \
+static inline void q8_block_##GS##_##MB(const uint8_t *wp, int half, int has_min, const float *x,     \
                                  const float *sx, int K, float *out) {                           \
     VEC tot[MB];                                                                                 \
     for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
-    for (int g = 0; g < K / GROUP; g++) {                                                        \
-        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(half, has_min);                      \
+    for (int g = 0; g < K / (GS); g++) {                                                        \
+        const uint8_t *gp = wp + (size_t)g * Q8_GROUP_BYTES(GS, half, has_min);                  \
         VEC acc[MB];                                                                             \
         for (int m = 0; m < MB; m++) acc[m] = VZERO();                                           \
-        for (int j = 0; j < GROUP; j++) {                                                        \
+        for (int j = 0; j < (GS); j++) {                                                        \
             const VEC w = Q8_LOAD(gp + j * TILE);                                                \
             for (int m = 0; m < MB; m++)                                                         \
-                acc[m] = VFMA(w, VSET1(x[(size_t)m * K + g * GROUP + j]), acc[m]);               \
+                acc[m] = VFMA(w, VSET1(x[(size_t)m * K + g * (GS) + j]), acc[m]);               \
         }                                                                                        \
-        GROUP_EPILOGUE(MB, gp + GROUP * TILE, half, has_min, sx, K / GROUP, g);                 \
+        GROUP_EPILOGUE(MB, gp + (GS) * TILE, half, has_min, sx, K / GROUP, g);                 \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
 #endif
-DEF_Q8_BLOCK(1) DEF_Q8_BLOCK(2) DEF_Q8_BLOCK(3) DEF_Q8_BLOCK(4)
+/* (groups of 16 have no mins: their blocks' epilogue never reads sx, whose sums are per 32) */
+#define DEF_Q8_BLOCKS(GS) DEF_Q8_BLOCK(1, GS) DEF_Q8_BLOCK(2, GS) DEF_Q8_BLOCK(3, GS) DEF_Q8_BLOCK(4, GS)
+DEF_Q8_BLOCKS(32) DEF_Q8_BLOCKS(16)
 #if MAXB > 4
-DEF_Q8_BLOCK(5) DEF_Q8_BLOCK(6) DEF_Q8_BLOCK(7) DEF_Q8_BLOCK(8)
+#define DEF_Q8_BLOCKS_8(GS) DEF_Q8_BLOCK(5, GS) DEF_Q8_BLOCK(6, GS) DEF_Q8_BLOCK(7, GS) DEF_Q8_BLOCK(8, GS)
+DEF_Q8_BLOCKS_8(32) DEF_Q8_BLOCKS_8(16)
 #endif
 
 typedef void (*q8_block_fn)(const uint8_t *, int, int, const xelem *, const float *, int, float *);
-static const q8_block_fn Q8_BLOCKS[MAXB + 1] = {
-    0, q8_block_1, q8_block_2, q8_block_3, q8_block_4,
+/* [0]: groups of GROUP, [1]: of Q8_GROUP16 */
+static const q8_block_fn Q8_BLOCKS[2][MAXB + 1] = {
+    {0, q8_block_32_1, q8_block_32_2, q8_block_32_3, q8_block_32_4,
 #if MAXB > 4
-    q8_block_5, q8_block_6, q8_block_7, q8_block_8,
+     q8_block_32_5, q8_block_32_6, q8_block_32_7, q8_block_32_8,
 #endif
+    },
+    {0, q8_block_16_1, q8_block_16_2, q8_block_16_3, q8_block_16_4,
+#if MAXB > 4
+     q8_block_16_5, q8_block_16_6, q8_block_16_7, q8_block_16_8,
+#endif
+    },
 };
 
-/* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (Q8_GROUP_BYTES each); y: [M, N],
-   bf16 bits when out_bf16, else float32. Returns 0, or -1 when out of memory. */
+/* Whether the q8 kernel takes groups of gs inputs (with mins: has_min) over K inputs. */
+static int q8_takes(int gs, int has_min, int K) {
+    return (gs == GROUP || (gs == Q8_GROUP16 && !has_min)) && K % GROUP == 0;
+}
+
+/* x: bf16 bits [M, K]; pack: N / TILE tiles of K / gs groups (Q8_GROUP_BYTES each); y: [M, N],
+   bf16 bits when out_bf16, else float32. Returns 0, -1 when out of memory, -2 for groups it
+   does not take (q8_takes). */
 int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, int has_min,
-               void *y, int out_bf16) {
+               int gs, void *y, int out_bf16) {
     float *sx, *xf;
     const xelem *x;
+    if (!q8_takes(gs, has_min, K)) return -2;
     if (rows_in(xb, M, K, &sx, &xf, &x)) return -1;
 #if CS_AMX
-    amx_gemm(8, x, sx, M, K, N, pack, half, has_min, y, out_bf16);
+    amx_gemm(8, gs, x, sx, M, K, N, pack, half, has_min, y, out_bf16);
 #else
     const int G = K / GROUP, T = N / TILE;
+    const q8_block_fn *blocks = Q8_BLOCKS[gs == Q8_GROUP16];
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
-        const uint8_t *wp = pack + (size_t)t * G * Q8_GROUP_BYTES(half, has_min);
+        const uint8_t *wp = pack + (size_t)t * (K / gs) * Q8_GROUP_BYTES(gs, half, has_min);
         float out[MAXB * TILE];
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
-            Q8_BLOCKS[mb](wp, half, has_min, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+            blocks[mb](wp, half, has_min, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
             rows_out(out, mb, m0, N, t, y, out_bf16);
         }
     }
@@ -884,6 +908,7 @@ typedef struct {         /* one packed weight [n, k] (cpu_native.GroupPack) and 
     const uint8_t *pack;
     const uint16_t *bias;  /* bf16 [n], or NULL */
     int n, k, bits, half, has_min;
+    int group;             /* inputs per group: GROUP, or Q8_GROUP16 for an 8-bit one without mins */
 } cs_lin;
 
 typedef struct {         /* one decoder layer */
@@ -998,8 +1023,8 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
 #if !CS_VNNI
     (void)xq; (void)dx;
 #endif
-    const size_t tile_bytes = (size_t)G * (w->bits == 8 ? Q8_GROUP_BYTES(w->half, w->has_min)
-                                                        : GROUP_BYTES(w->half));
+    const size_t tile_bytes = (size_t)(K / w->group) * (w->bits == 8 ? Q8_GROUP_BYTES(w->group, w->half, w->has_min)
+                                                                     : GROUP_BYTES(w->half));
 #if CS_AMX
     if (w->bits == 8 || !xq) {  /* the products on the tile unit (every thread alike) */
         int rows = 0;
@@ -1009,9 +1034,9 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
             const uint8_t *wp = w->pack + (size_t)t * tile_bytes;
             for (int m0 = 0; m0 < M; m0 += AMX_ROWS) {
                 const int mb = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-                amx_rows_for(mb, &rows);
-                amx_rows(w->bits, wp, w->half, w->has_min, xe + (size_t)m0 * K, sx + (size_t)m0 * G,
-                         mb, K, out);
+                amx_rows_for(mb, w->group, &rows);
+                amx_rows(w->bits, w->group, wp, w->half, w->has_min, xe + (size_t)m0 * K,
+                         sx + (size_t)m0 * G, mb, K, out);
                 lin_out(w, out, mb, m0, t, y);
             }
         }
@@ -1026,7 +1051,8 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
             if (w->bits == 8)
-                Q8_BLOCKS[mb](wp, w->half, w->has_min, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
+                Q8_BLOCKS[w->group == Q8_GROUP16][mb](wp, w->half, w->has_min, xe + (size_t)m0 * K,
+                                                      sx + (size_t)m0 * G, K, out);
 #if CS_VNNI
             else if (xq)
                 I8_BLOCKS[mb](wp, w->half, xq + (size_t)m0 * K, dx + 2 * (size_t)m0 * G, K, out);
@@ -1174,7 +1200,7 @@ static int layer_rows(const cs_model *m, const cs_layer *ly, int R, uint16_t *x,
 
 static int lin_fits(const cs_lin *w, int n, int k) {
     return w->pack && w->n == n && w->k == k && n % TILE == 0 && k % GROUP == 0
-        && (w->bits == 4 || w->bits == 8);
+        && ((w->bits == 4 && w->group == GROUP) || (w->bits == 8 && q8_takes(w->group, w->has_min, k)));
 }
 
 /* x: bf16 [R, D], the embeddings in, the last layer's output out. write: int32 [2, R], each

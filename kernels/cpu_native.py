@@ -13,10 +13,11 @@ small C kernel built for this CPU at first use:
   bfloat16): ``y += scale * (x . q) + min * sum(x)``.
 
 ``q8`` is the same for int8 values (``y += scale * (x . q)``, plus ``min * sum(x)`` when the
-groups carry mins): the 8-bit and 5-bit GGUF types, whose values are exact in int8, and a
+groups carry mins): the 8-, 6- and 5-bit GGUF types, whose values are exact in int8, and a
 4-bit type's values beside them in one fused matrix. Which GGUF types reach which kernel is
 their row of ``constrained_spec.model.quant.TYPES``; the kernels themselves take groups of
-the sizes in `GROUPS` (`GROUP` inputs for both: `supports`). Both hold a weight as a
+the sizes in `GROUPS` (`GROUP` inputs for both, and `GROUP16` without mins for q8 -- Q6_K's
+16-wide sub-blocks: `supports`). Both hold a weight as a
 `GroupPack`.
 
 Speed against torch's kernels, per build: benchmarks/RESULTS.md, "Native CPU kernels against
@@ -66,8 +67,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per group: cpu_native.c's GROUP
+GROUP16 = 16  # cpu_native.c's Q8_GROUP16: the q8 kernel's groups of 16 (GGUF's Q6_K), no mins
 # the group sizes each kernel takes, by the bits of its values (q4: 4, q8: 8)
-GROUPS: dict[int, tuple[int, ...]] = {4: (GROUP,), 8: (GROUP,)}
+GROUPS: dict[int, tuple[int, ...]] = {4: (GROUP,), 8: (GROUP, GROUP16)}
 SOURCE = Path(__file__).with_name("cpu_native.c")
 # build -> (CPU flags it needs, compiler flags, columns per tile)
 # (amx: the avx512bf16 build with its 4-bit products on AMX tiles, `amx_permitted`)
@@ -348,7 +350,7 @@ def _bind(lib: ctypes.CDLL, build: str) -> tuple[ctypes.CDLL, int]:
         lib.cs_q4_tile.restype = i
         lib.cs_q4_gemm.argtypes = [vp, i, i, i, vp, i, vp, i]
         lib.cs_q4_gemm.restype = i
-        lib.cs_q8_gemm.argtypes = [vp, i, i, i, vp, i, i, vp, i]
+        lib.cs_q8_gemm.argtypes = [vp, i, i, i, vp, i, i, i, vp, i]
         lib.cs_q8_gemm.restype = i
         lib.cs_attention.argtypes = [vp, vp, vp, i, vp, vp, vp, i, i, i, i, f, f, vp]
         lib.cs_attention.restype = i
@@ -512,19 +514,22 @@ def tile(build: str | None = None) -> int:
     return _lib(build)[1]
 
 
-def supports(n: int, k: int, build: str | None = None, *, group: int = GROUP, bits: int = 4) -> bool:
-    """Whether an [n, k] weight in groups of ``group`` inputs can run here on the kernel for
-    ``bits``-bit values (4: q4, 8: q8)."""
-    return group in GROUPS[bits] and available(build) and n > 0 and k > 0 \
-        and n % tile(build) == 0 and k % group == 0
+def supports(n: int, k: int, build: str | None = None, *, group: int = GROUP, bits: int = 4,
+             has_min: bool = False) -> bool:
+    """Whether an [n, k] weight in groups of ``group`` inputs (with a min per group:
+    ``has_min``) can run here on the kernel for ``bits``-bit values (4: q4, 8: q8). The q8
+    kernel's groups of `GROUP16` carry no mins; every weight's k is whole groups of `GROUP`
+    (the products' input sums are per `GROUP`)."""
+    return group in GROUPS[bits] and not (group == GROUP16 and has_min) and available(build) \
+        and n > 0 and k > 0 and n % tile(build) == 0 and k % GROUP == 0
 
 
 @dataclass(eq=False)
 class GroupPack:
     """A weight in the kernels' form (`pack` for q4, `pack_q8` for q8): per tile of `tile`
-    output columns, per group of `GROUP` inputs, the values (4-bit, or int8 when ``bits`` is
-    8) then the group's scales (and mins: always for 4 bits, when ``has_min`` for 8), float16
-    when ``half``."""
+    output columns, per group of ``group`` inputs (`GROUP`; `GROUP16` for 8 bits without
+    mins), the values (4-bit, or int8 when ``bits`` is 8) then the group's scales (and mins:
+    always for 4 bits, when ``has_min`` for 8), float16 when ``half``."""
 
     data: torch.Tensor  # uint8, tiles x groups x group bytes
     n: int
@@ -533,11 +538,12 @@ class GroupPack:
     build: str
     bits: int = 4
     has_min: bool = True  # 8 bits: whether groups carry a min (a type that stores one: Q5_1)
+    group: int = GROUP  # inputs per group
 
 
-def _group_bytes(T: int, half: bool, bits: int = 4, has_min: bool = True) -> int:
+def _group_bytes(T: int, half: bool, bits: int = 4, has_min: bool = True, group: int = GROUP) -> int:
     per = 2 if half else 4
-    return GROUP * T // 2 + 2 * T * per if bits == 4 else GROUP * T + (2 if has_min else 1) * T * per
+    return GROUP * T // 2 + 2 * T * per if bits == 4 else group * T + (2 if has_min else 1) * T * per
 
 
 def _exact_in_half(t: torch.Tensor) -> bool:
@@ -545,15 +551,22 @@ def _exact_in_half(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(h).all()) and torch.equal(h.float(), t.float())
 
 
-def _check(N: int, K: int, scale: torch.Tensor, build: str | None, bits: int) -> tuple[str, int]:
+def _check(N: int, K: int, scale: torch.Tensor, build: str | None, bits: int,
+           has_min: bool = True) -> tuple[str, int, int]:
+    """(build, tile, group size) of an [N, K] weight with scales [N, K / group]; a ValueError
+    naming what does not fit the ``bits``-bit kernel here."""
     b = build_for_this_cpu() if build is None else build
     if b is None or not supports(N, K, b, bits=bits):
         raise ValueError(f"a {N} x {K} weight does not fit the q4 / q8 kernels here (available: "
                          f"{available(b)}; N a multiple of the tile, K of {GROUP})")
-    if tuple(scale.shape) != (N, K // GROUP):
-        raise ValueError(f"scales {tuple(scale.shape)} are not one per group of {GROUP} inputs "
-                         f"of a {N} x {K} weight (the group size the {bits}-bit kernel takes)")
-    return b, tile(b)
+    group = K // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else 0
+    if tuple(scale.shape) != (N, K // max(group, 1)) or group not in GROUPS[bits] \
+            or (group == GROUP16 and has_min):
+        takes = " or ".join(str(g) for g in GROUPS[bits])
+        raise ValueError(f"scales {tuple(scale.shape)} are not one per group of {takes} inputs "
+                         f"of a {N} x {K} weight (the group sizes the {bits}-bit kernel takes"
+                         f"{'; groups of 16 without mins' if bits == 8 else ''})")
+    return b, tile(b), group
 
 
 def _per_tile(t: torch.Tensor, T: int, dt: torch.dtype) -> torch.Tensor:
@@ -568,7 +581,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
     ``minimum`` [N, K / GROUP]. They are kept exactly: as float16 when every one of them is a
     float16 value (Q4_0's and Q4_1's are), else as float32."""
     N, K = q.shape
-    b, T = _check(N, K, scale, build, 4)
+    b, T, _ = _check(N, K, scale, build, 4)
     G = K // GROUP
     q = q.to(torch.uint8)
     if T == 16:  # [tile, k / 4, column, 2]: low nibble q[k + p], high nibble q[k + 2 + p]
@@ -587,40 +600,42 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None, *,
             build: str | None = None) -> GroupPack:
     """The q8 form of ``w = scale * q (+ min)``: ``q`` int8 [N, K], ``scale`` (and ``minimum``)
-    [N, K / GROUP] (GGUF's Q8_0 and Q5_0 without a min, Q5_1 with one), kept exactly (float16
-    when every one is a float16 value, as Q8_0's, Q5_0's and Q5_1's are)."""
+    [N, K / group] with groups of `GROUP` (GGUF's Q8_0, Q5_0 without a min, Q5_1 and Q5_K with
+    one) or of `GROUP16` without mins (Q6_K), kept exactly (float16 when every one is a float16
+    value, as Q8_0's, Q5_0's and Q5_1's are; Q5_K's and Q6_K's products of two scales stay
+    float32)."""
     N, K = q.shape
-    b, T = _check(N, K, scale, build, 8)
-    G = K // GROUP
-    vals = q.to(torch.int8).view(N // T, T, G, GROUP).permute(0, 2, 3, 1)  # [tile, G, k, column]
+    b, T, group = _check(N, K, scale, build, 8, has_min=minimum is not None)
+    G = K // group
+    vals = q.to(torch.int8).view(N // T, T, G, group).permute(0, 2, 3, 1)  # [tile, G, k, column]
     if T == 16:  # pairs of k per column: [tile, G, k / 2, column, 2] (bf16 dot products)
-        vals = vals.reshape(N // T, G, GROUP // 2, 2, T).transpose(3, 4)
+        vals = vals.reshape(N // T, G, group // 2, 2, T).transpose(3, 4)
     half = _exact_in_half(scale) and (minimum is None or _exact_in_half(minimum))
     dt = torch.float16 if half else torch.float32
-    parts = [vals.reshape(N // T, G, GROUP * T).view(torch.uint8), _per_tile(scale, T, dt)]
+    parts = [vals.reshape(N // T, G, group * T).view(torch.uint8), _per_tile(scale, T, dt)]
     if minimum is not None:
         parts.append(_per_tile(minimum, T, dt))
     return GroupPack(torch.cat(parts, -1).contiguous().view(-1), N, K, half, b, bits=8,
-                     has_min=minimum is not None)
+                     has_min=minimum is not None, group=group)
 
 
 def unpack_q8(packed: GroupPack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(q int8 [N, K], scale float32 [N, K / GROUP], min or None)`` back from a `pack_q8`."""
-    N, K, T = packed.n, packed.k, tile(packed.build)
-    G = K // GROUP
+    """``(q int8 [N, K], scale float32 [N, K / group], min or None)`` back from a `pack_q8`."""
+    N, K, T, group = packed.n, packed.k, tile(packed.build), packed.group
+    G = K // group
     per = 2 if packed.half else 4
-    g = packed.data.view(N // T, G, _group_bytes(T, packed.half, 8, packed.has_min))
-    v = g[..., : GROUP * T]
+    g = packed.data.view(N // T, G, _group_bytes(T, packed.half, 8, packed.has_min, group))
+    v = g[..., : group * T]
     if T == 16:
-        v = v.reshape(N // T, G, GROUP // 2, T, 2).transpose(3, 4)
-    q = v.reshape(N // T, G, GROUP, T).permute(0, 3, 1, 2).reshape(N, K)
+        v = v.reshape(N // T, G, group // 2, T, 2).transpose(3, 4)
+    q = v.reshape(N // T, G, group, T).permute(0, 3, 1, 2).reshape(N, K)
     dt = torch.float16 if packed.half else torch.float32
 
     def per_row(lo: int) -> torch.Tensor:  # bytes [N / T, G, T * per] -> float32 [N, G]
         v = g[..., lo: lo + T * per].contiguous().view(dt).float()  # [N / T, G, T]
         return v.permute(0, 2, 1).reshape(N, G)
 
-    base = GROUP * T
+    base = group * T
     return (q.contiguous().view(torch.int8), per_row(base),
             per_row(base + T * per) if packed.has_min else None)
 
@@ -668,11 +683,14 @@ def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch
                                         int(packed.half), y.data_ptr(), int(out_dtype == torch.bfloat16))
     elif packed.bits == 8:
         failed = M and lib.cs_q8_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
-                                      int(packed.half), int(packed.has_min), y.data_ptr(),
-                                      int(out_dtype == torch.bfloat16))
+                                      int(packed.half), int(packed.has_min), packed.group,
+                                      y.data_ptr(), int(out_dtype == torch.bfloat16))
     else:
         failed = M and lib.cs_q4_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
                                       int(packed.half), y.data_ptr(), int(out_dtype == torch.bfloat16))
+    if failed == -2:
+        raise ValueError(f"the q8 kernel does not take groups of {packed.group} "
+                         f"({'with' if packed.has_min else 'without'} mins) over {K} inputs")
     if failed:
         raise MemoryError("the q4 / q8 kernel could not allocate its row buffers")
     return y.view(*x.shape[:-1], N)

@@ -44,7 +44,7 @@ class _Lin(ctypes.Structure):
 
     _fields_ = [("pack", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int),
                 ("k", ctypes.c_int), ("bits", ctypes.c_int), ("half", ctypes.c_int),
-                ("has_min", ctypes.c_int)]
+                ("has_min", ctypes.c_int), ("group", ctypes.c_int)]
 
 
 class _Layer(ctypes.Structure):
@@ -151,7 +151,7 @@ class NativeForward:
         p = lin.pack
         self._held.append(p.data)
         return _Lin(pack=p.data.data_ptr(), bias=self._hold(lin.bias, torch.bfloat16), n=p.n, k=p.k,
-                    bits=p.bits, half=int(p.half), has_min=int(p.has_min))
+                    bits=p.bits, half=int(p.half), has_min=int(p.has_min), group=p.group)
 
     def _layer(self, L: NativeLayer) -> _Layer:
         f32 = torch.float32

@@ -498,8 +498,8 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
 # -- a GGUF converted once into the lean runner's form -------------------------------------
 # bumped whenever a converted folder's contents change, e.g. a type of `quant.TYPES` gains a
 # kernel (its matrices are then stored as groups): 3: 8-bit groups (the LM head's Q8_0,
-# Q8_0 / Q5_0 / Q5_1 linears)
-_LEAN_VERSION = 3
+# Q8_0 / Q5_0 / Q5_1 linears); 4: Q5_K and Q6_K linears as 8-bit groups too
+_LEAN_VERSION = 4
 _GROUP_PARTS = (".nibbles", ".scale", ".min")
 _Q8_PARTS = (".q8_values", ".q8_scale", ".q8_min")  # 8-bit groups (weights.Q8Groups), min optional
 

@@ -107,7 +107,7 @@ def _unpack_q4_k(blocks: np.ndarray) -> Groups:
     return q, d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
 
 
-# -- unpacking 8-bit and 5-bit blocks (to int8 groups) -------------------------------------------
+# -- unpacking 8-, 6- and 5-bit blocks (to int8 groups) ------------------------------------------
 
 def _unpack_q8_0(blocks: np.ndarray) -> Groups:
     """``q`` as stored, ``scale = d``, no min; a block: d f16, 32 int8."""
@@ -135,6 +135,41 @@ def _unpack_q5_1(blocks: np.ndarray) -> Groups:
             _half(blocks[:, 2:4])[:, 0])
 
 
+def _unpack_q5_k(blocks: np.ndarray) -> Groups:
+    """``q`` in 0..31 of each 32-wide sub-block, ``scale = d * sc``, ``min = -dmin * m`` (its
+    6-bit packed scale and min, as Q4_K's); a block: d f16, dmin f16, 12 bytes of scales and
+    mins, 32 bytes of high bits (byte j, bit i: element j of sub-block i), 128 bytes of
+    nibbles (run j: sub-block 2j low, 2j + 1 high, as Q4_K's)."""
+    from gguf.quants import Q4_K
+
+    n = blocks.shape[0]
+    d, dmin = _half(blocks[:, 0:2]), _half(blocks[:, 2:4])  # [n, 1]
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])  # [n, 8] each
+    qh = blocks[:, 16:48].reshape(n, 1, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # [n, sub-block, 32]
+    qs = blocks[:, 48:].reshape(n, 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
+    q = (low | (high << 4)).reshape(n, 256).astype(np.int8)
+    return q, d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _unpack_q6_k(blocks: np.ndarray) -> Groups:
+    """``q - 32`` (in -32..31) of each 16-wide sub-block, ``scale = d * sc`` (its int8 scale),
+    no min; a block: 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales,
+    d f16. Per half of 128 values: nibble run j (64 bytes, low then high nibbles) and 2-bit
+    field f of the half's 32 high bytes give elements in the order gguf-py's dequantization
+    reads them."""
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(n, 2, 4, 32)
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [n, 2, 4, 32]
+    q = (low | (high << 4)).reshape(n, 256).astype(np.int8) - np.int8(32)
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]
+    d = _half(blocks[:, 208:210])  # [n, 1]
+    return q, d * sc, None
+
+
 # -- the table ------------------------------------------------------------------------------------
 
 _ROWS = (
@@ -151,8 +186,8 @@ _ROWS = (
     QuantType("Q2_K",   256,  84,   16,  2, True),
     QuantType("Q3_K",   256, 110,   16,  3, False),
     QuantType("Q4_K",   256, 144,   32,  4, True,  "int4", _unpack_q4_k, "q4"),
-    QuantType("Q5_K",   256, 176,   32,  5, True),
-    QuantType("Q6_K",   256, 210,   16,  6, False),
+    QuantType("Q5_K",   256, 176,   32,  5, True,  "int8", _unpack_q5_k, "q8"),
+    QuantType("Q6_K",   256, 210,   16,  6, False, "int8", _unpack_q6_k, "q8"),
 )
 # Types this package reads (gguf-py dequantizes them and the tests check them; Q4_K_M / Q4_K_S
 # files mix Q4_K with Q5_K / Q6_K, Q2_K and Q3_K files carry Q4_K / Q5_K / Q6_K too), by name.

@@ -415,7 +415,8 @@ class Linear:
             return self.int4 is not None and cpu_native.supports(*self.shape, group=self.int4.group)
         if kernel == "q8":
             return "q8" in self._packs or (
-                self.q8 is not None and cpu_native.supports(*self.shape, group=self.q8.group, bits=8))
+                self.q8 is not None and cpu_native.supports(*self.shape, group=self.q8.group, bits=8,
+                                                            has_min=self.q8.min is not None))
         return kernel == "int8" and int8_kernel_available()
 
     def prepare(self, kernels: Iterable[str], *, resident: bool = False) -> None:

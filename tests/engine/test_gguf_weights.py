@@ -558,10 +558,12 @@ def test_embedded_gguf_linears_are_exact_int4_and_equal_transformers_load(embedd
         assert torch.equal(m.tensors[name].dequantize(), theirs[name]), name
 
 
-def test_q8_groups_reproduce_dequantize_bit_exactly_for_q8_0_q5_0_and_q5_1(model):
+def test_q8_groups_reproduce_dequantize_bit_exactly_for_the_8_6_and_5_bit_types(model):
     from constrained_spec.model.gguf import INT8_TYPES
+    from constrained_spec.model.quant import TYPES
     from constrained_spec.model.weights import Q8Groups
 
+    lowest = {"Q8_0": -128, "Q5_0": -16, "Q6_K": -32, "Q5_1": 0, "Q5_K": 0}
     seen = set()
     for name, t in model.tensors.items():
         groups = t.q8_groups()
@@ -569,9 +571,10 @@ def test_q8_groups_reproduce_dequantize_bit_exactly_for_q8_0_q5_0_and_q5_1(model
             assert groups is None, name
             continue
         q, scale, mn = groups
-        assert q.dtype == torch.int8 and scale.shape == (t.shape[0], t.shape[1] // 32)
-        assert (mn is not None) == (t.ggml_type == "Q5_1")
-        assert int(q.min()) >= (-128 if t.ggml_type == "Q8_0" else -16 if t.ggml_type == "Q5_0" else 0)
+        group = TYPES[t.ggml_type].group  # 16 for Q6_K's sub-blocks, else 32
+        assert q.dtype == torch.int8 and scale.shape == (t.shape[0], t.shape[1] // group)
+        assert (mn is not None) == (t.ggml_type in ("Q5_1", "Q5_K"))
+        assert int(q.min()) >= lowest[t.ggml_type]
         assert torch.equal(Q8Groups(q, scale, mn).dequantize(), t.dequantize()), name
         seen.add(t.ggml_type)
     assert seen == set(INT8_TYPES)

@@ -66,16 +66,53 @@ def test_a_pack_carries_its_group_and_dequantizes_by_it():
 
 def test_a_group_no_kernel_takes_stays_on_the_dense_kernels():
     q, scale = _groups_of_16(32, 64, bits=8)
-    lin = Linear(q8=Q8Groups(q.to(torch.int8), scale))
-    assert not lin.supports("q8")  # the native kernels' groups are 32 inputs
+    # 8-bit groups of 16 with mins: no kernel takes them (Q6_K's carry none)
+    lin = Linear(q8=Q8Groups(q.to(torch.int8), scale, -scale))
+    assert not lin.supports("q8")
     assert lin.supports("fp32") and lin.supports("bf16")
     x = torch.randn(3, 64)
-    want = scale.repeat_interleave(16, dim=1) * q.float()
+    want = scale.repeat_interleave(16, dim=1) * q.float() - scale.repeat_interleave(16, dim=1)
     assert torch.equal(lin(x, "fp32"), F.linear(x, want))
     q4, scale4 = _groups_of_16(32, 64, bits=4)
     lin4 = Linear(int4=Int4Groups.from_values(q4, scale4, torch.zeros_like(scale4)))
     assert 16 not in INT4_KERNEL_GROUPS
     assert not lin4.supports("int4") and not lin4.supports("q4")
     if cpu_native.available():
+        with pytest.raises(ValueError, match="groups of 16 without mins"):
+            cpu_native.pack_q8(q.to(torch.int8), scale, -scale)
         with pytest.raises(ValueError, match="group"):
-            cpu_native.pack_q8(q.to(torch.int8), scale)
+            cpu_native.pack(q4.to(torch.uint8), scale4, torch.zeros_like(scale4))
+
+
+def test_q6_k_groups_of_16_run_on_the_q8_kernel():
+    q, scale = _groups_of_16(32, 64, bits=8)
+    lin = Linear(q8=Q8Groups(q.to(torch.int8), scale))
+    if not cpu_native.available():
+        pytest.skip("the native kernels do not build here")
+    assert lin.supports("q8")
+    x = torch.randn(3, 64).bfloat16()
+    want = x.float() @ (scale.repeat_interleave(16, dim=1) * q.float()).T
+    got = lin(x, "q8")
+    assert (got.float() - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K"])
+def test_k_quant_blocks_unpack_to_gguf_pys_values_exactly(name):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    t = TYPES[name]
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, (48, t.block_bytes), dtype=np.uint8)
+    scales = np.array(rng.uniform(-0.02, 0.02, 48 * 2), dtype=np.float16).view(np.uint8)
+    if name == "Q5_K":  # finite d and dmin (random bytes may be NaN / inf)
+        blocks[:, 0:4] = scales.reshape(48, 4)
+    else:  # finite d, at the end of the block
+        blocks[:, 208:210] = scales.reshape(48, 4)[:, :2]
+    want = getattr(gguf.quants, name).dequantize_blocks(blocks)
+    q, scale, minimum = t.unpack(blocks)
+    assert q.dtype == np.int8 and scale.shape[1] == 256 // t.group
+    assert (minimum is not None) == t.has_min
+    got = Q8Groups(torch.from_numpy(q), torch.from_numpy(scale),
+                   None if minimum is None else torch.from_numpy(minimum)).dequantize()
+    assert torch.equal(got, torch.from_numpy(want).float())  # the file's values, bit for bit

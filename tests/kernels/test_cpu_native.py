@@ -107,6 +107,24 @@ def test_4_bit_groups_read_back_from_the_q4_pack_once_their_nibbles_are_dropped(
 
 
 @pytest.mark.parametrize("build", BUILDS)
+def test_q8_in_groups_of_16_equals_the_float32_product_row_invariant(build):
+    g = torch.Generator().manual_seed(21)
+    q = torch.randint(-32, 32, (64, 160), generator=g).to(torch.int8)  # Q6_K-like values
+    scale = torch.rand(64, 10, generator=g) * 0.01 + 1e-4  # d * sc: not float16 values
+    p = cpu_native.pack_q8(q, scale, build=build)
+    assert p.group == 16 and not p.has_min and not p.half
+    back = cpu_native.unpack_q8(p)
+    assert torch.equal(back[0], q) and torch.equal(back[1], scale) and back[2] is None
+    w = Q8Groups(q, scale).dequantize()
+    x = torch.randn(max(ROWS), 160, generator=g).bfloat16()
+    y = cpu_native.matmul(x, p, out_dtype=torch.float32)
+    assert rel_err(y, x.float() @ w.T) < 1e-5
+    alone = torch.cat([cpu_native.matmul(x[i: i + 1], p, out_dtype=torch.float32) for i in range(len(x))])
+    for rows in ROWS:
+        assert torch.equal(cpu_native.matmul(x[:rows], p, out_dtype=torch.float32), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("build", BUILDS)
 def test_q8_with_mins_equals_the_float32_product_and_its_pack_reads_back(build):
     g = torch.Generator().manual_seed(16)
     q = torch.randint(0, 32, (96, 128), generator=g).to(torch.int8)  # Q5_1 / Q5_K-like values

@@ -31,6 +31,7 @@ from test_runner_int4 import q4_1  # noqa: E402
 from constrained_spec.kernels import native_forward  # noqa: E402
 from constrained_spec.model.plan import KernelPlan  # noqa: E402
 from constrained_spec.model.runner import LeanRunner, exact_4bit_groups  # noqa: E402
+from constrained_spec.model.weights import Q8Groups  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_forward.available(),
                                 reason="the native kernels do not build on this machine")
@@ -149,6 +150,41 @@ def test_native_kept_features_equal_the_torch_paths(name, native_calls):
         got.append(r.features(s, 12, 16, layers))
     assert native_calls == [4]
     assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2"])
+def test_a_linear_in_8_bit_groups_of_16_runs_in_the_native_call(name, native_calls):
+    """A Q6_K matrix (int8 values in -32..31, a float32 scale per 16 inputs, no min) beside the
+    4-bit ones, as a Q4_K_M file's ffn_down: the native call takes it, equal to the torch
+    path and row-invariant."""
+    import copy
+
+    model = copy.deepcopy(model_of(name))
+    down = model.model.layers[0].mlp.down_proj.weight
+    g = torch.Generator().manual_seed(9)
+    q8 = Q8Groups(torch.randint(-32, 32, tuple(down.shape), generator=g).to(torch.int8),
+                  torch.rand(down.shape[0], down.shape[1] // 16, generator=g) * 0.02 + 1e-3)
+    with torch.no_grad():
+        down.copy_(q8.dequantize())
+
+    def make(native: bool) -> LeanRunner:
+        groups = exact_4bit_groups(model)
+        if groups is None:
+            pytest.skip("no CPU int4 kernel in this torch build")
+        r = LeanRunner(model, dtype=torch.bfloat16, device=CPU, groups={**groups, "0.down": q8})
+        r.set_plan(KernelPlan(prefill="q4", decode=[(1 << 30, "q4")], lm_head="bf16"))
+        r.native_forward = native
+        return r
+
+    V = model.config.vocab_size
+    prompt, drafts = tokens(V, 20, 5), tokens(V, 6, 6)
+    want, _ = decode_and_verify(make(False), prompt, drafts)
+    r = make(True)
+    got, verify = decode_and_verify(r, prompt, drafts)
+    assert native_calls == [1] * 6 + [6]
+    assert r.layers[0].down._pack("q8").group == 16
+    assert (got - want).abs().max() <= TOLERANCE * want.abs().max()
+    assert torch.equal(verify, got)
 
 
 def test_a_runner_with_dense_linears_runs_the_torch_layers(native_calls):
