@@ -99,13 +99,20 @@ class LoadedModel:
                               "(load it with engine='native' for that)", option="engine")
         if self._runner is None:
             from constrained_spec.model.runner import make_runner
-            from constrained_spec.model.skeleton import SkeletonForCausalLM, release_copied_weights
+            from constrained_spec.model.skeleton import (
+                SkeletonForCausalLM,
+                release_copied_weights,
+                release_lm_head,
+            )
 
             runner = make_runner(self.model, dtype=self.dtype, device=self.device, groups=self.weight_groups)
-            if isinstance(self.model, SkeletonForCausalLM):  # nothing else reads its layers
+            skeleton = isinstance(self.model, SkeletonForCausalLM)
+            if skeleton:  # nothing else reads its layers
                 release_copied_weights(self.model, _tensors_held(runner))  # before the packs
             if hasattr(runner, "set_plan"):
                 runner.set_plan(self._plan(runner))
+                if skeleton:  # an untied LM head the plan runs packed
+                    release_lm_head(self.model, _tensors_held(runner))
                 release_free_memory()
             self._runner = runner
         return self._runner

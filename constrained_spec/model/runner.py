@@ -326,10 +326,10 @@ class LeanRunner(RunnerBase):
 
     @property
     def lm_head(self) -> torch.Tensor:
-        """The LM head weight [V, D] (model dtype, on the device): drafters share its rows."""
+        """The LM head weight [V, D] (model dtype, on the device): drafters share its rows.
+        Built from the q8 pack when the plan dropped the dense copy (`set_plan`)."""
         dense = self.head.dense
-        assert dense is not None  # the head is built dense (its q8 groups come beside it)
-        return dense
+        return self.head.dequantized(self.dtype) if dense is None else dense
 
     @property
     def lm_head_weight(self) -> Linear:
@@ -392,7 +392,11 @@ class LeanRunner(RunnerBase):
         for lin in self.linears():
             lin.prepare({self._kernel(lin, k) for k in plan.kernels()},
                         resident=any(self._kernel(lin, d) in ("fp32", "bf16") for d in resident_for))
-        self.lm_head_weight.prepare({self._kernel(self.lm_head_weight, plan.lm_head)}, resident=True)
+        head = self._kernel(self.lm_head_weight, plan.lm_head)
+        self.lm_head_weight.prepare({head}, resident=True)
+        dense = self.head.dense
+        if head == "q8" and dense is not None and dense.data_ptr() != self.embed.data_ptr():
+            self.head.drop_dense()  # an untied head run packed: the pack is its one copy
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -411,7 +415,8 @@ class LeanRunner(RunnerBase):
     def resident_bytes(self) -> int:
         """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
         total = sum(lin.nbytes() for lin in self.linears() + [self.lm_head_weight])
-        if self.embed.data_ptr() != self.lm_head.data_ptr():
+        head = self.head.dense
+        if head is None or self.embed.data_ptr() != head.data_ptr():
             total += self.embed.numel() * self.embed.element_size()
         return total
 

@@ -251,6 +251,20 @@ def release_copied_weights(model: SkeletonForCausalLM, kept: Iterable[torch.Tens
     return released
 
 
+def release_lm_head(model: SkeletonForCausalLM, kept: Iterable[torch.Tensor]) -> int:
+    """Turn ``model``'s LM head weight into a meta tensor when none of ``kept`` (the runner's
+    tensors) shares its storage and it is not the embedding (an untied head the runner holds
+    only as its q8 pack: `runner.LeanRunner.set_plan`); the bytes released."""
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    ptrs = {t.untyped_storage().data_ptr() for t in kept if not t.is_meta}
+    if head.is_meta or head.untyped_storage().data_ptr() in ptrs \
+            or head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr():
+        return 0
+    model.lm_head.weight = nn.Parameter(torch.empty(head.shape, dtype=head.dtype, device="meta"),
+                                        requires_grad=False)
+    return head.numel() * head.element_size()
+
+
 def _generation_config(config: Any) -> Any:
     """What transformers' model init sets: ``GenerationConfig.from_model_config(config)``."""
     from transformers import GenerationConfig

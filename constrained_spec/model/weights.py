@@ -460,6 +460,15 @@ class Linear:
                 self._groups.keep_packed_only(pack[0])
         return pack
 
+    def drop_dense(self) -> bool:
+        """Let go of the dense weight once the q8 pack holds the same values (an untied LM head
+        whose plan runs it packed: the bf16 copy of a 151,936 x 896 head is 272 MB). Dense
+        forms are dequantized from the pack when asked afterwards. Whether it was dropped."""
+        if self.dense is None or "q8" not in self._packs:
+            return False
+        self.dense = None
+        return True
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight in ``dtype`` (resident when prepared so, else built now)."""
         if dtype in self._dense:

@@ -14,8 +14,11 @@ gguf = pytest.importorskip("gguf")
 from test_gguf_weights import T, finish, llama_cpp_permute, llama_writer, quantize  # noqa: E402
 
 from constrained_spec.cache import cache_complete  # noqa: E402
+from constrained_spec.kernels import cpu_native  # noqa: E402
 from constrained_spec.model import loading as models  # noqa: E402
+from constrained_spec.model.gguf import read_gguf  # noqa: E402
 from constrained_spec.model.loading import load_model  # noqa: E402
+from constrained_spec.model.plan import KernelPlan  # noqa: E402
 from constrained_spec.model.runner import LeanRunner  # noqa: E402
 
 HIDDEN, FFN, HEADS, KV = 256, 512, 4, 2
@@ -26,10 +29,13 @@ TYPES = [{"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "
           "ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_K"}]
 
 
-def write_tiny_llama(path):
-    """A two-layer llama GGUF with a byte-level BPE tokenizer in its metadata."""
+def write_tiny_llama(path, *, vocab_multiple: int = 1):
+    """A two-layer llama GGUF with a byte-level BPE tokenizer in its metadata (its vocabulary
+    padded with unused tokens to a multiple of ``vocab_multiple``: the q8 kernel's LM head
+    takes whole tiles of 16 rows)."""
     tok = byte_level_bpe()
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    vocab += [(f"<unused{i}>", len(vocab) + i) for i in range(-len(vocab) % vocab_multiple)]
     rng = np.random.default_rng(0)
     w = llama_writer(path, layers=len(TYPES), context=256, hidden=HIDDEN, ffn=FFN, heads=HEADS,
                      kv_heads=KV, vocab=len(vocab))
@@ -160,3 +166,27 @@ def test_the_embedded_model_keeps_its_own_numbers_no_int8():
     from constrained_spec.model.loading import int8_worth_it
 
     assert not int8_worth_it(fetch_default_gguf(quiet=True))
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the native kernels do not build here")
+def test_an_untied_lm_head_run_packed_keeps_no_dense_copy(tmp_path, monkeypatch, cs_env):
+    cs_env(CONSTRAINED_SPEC_CACHE=str(tmp_path / "cache"),
+           CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=q8")
+    monkeypatch.setattr(models, "_LOADED", {})
+    tiny_gguf = tmp_path / "tiny.Q4_K_M.gguf"
+    write_tiny_llama(tiny_gguf, vocab_multiple=16)
+    lean = load_model(tiny_gguf, quiet=True)
+    runner = lean.runner
+    assert runner._kernel(runner.lm_head_weight, "q8") == "q8"
+    # the file's Q8_0 values live in the q8 pack only: no bf16 copy in the runner or the model
+    assert runner.lm_head_weight.dense is None and lean.model.lm_head.weight.is_meta
+    head = read_gguf(tiny_gguf).tensors["lm_head.weight"].dequantize(torch.float32)
+    assert torch.equal(runner.lm_head.float(), head.bfloat16().float())  # rebuilt from the pack
+    ids = byte_level_bpe()("Ada Lovelace, 36")["input_ids"]
+    slot = runner.new_slot()
+    runner.forward([slot], [ids[:-3]], [0], phase="prefill")
+    got = runner.forward([slot], [ids[-3:]], [3], phase="decode")
+    runner.set_plan(KernelPlan.parse("prefill=bf16,decode=q4,lm_head=bf16"))  # dense again, from the pack
+    runner.forward([slot], [ids[:-3]], [0], phase="prefill")
+    dense = runner.forward([slot], [ids[-3:]], [3], phase="decode")
+    assert (got - dense).abs().max() <= 0.01 * dense.abs().max()
