@@ -369,6 +369,17 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     finally:
         runner.free_slot(slot)
         runner.set_plan(saved)
+    return _plan_from_times(runner, times, resident, rows=rows, prefill_rows=prefill_rows,
+                            repeats=repeats, memory=memory, exact=exact, activations=activations)
+
+
+def _plan_from_times(runner: Any, times: dict[str, dict[str, float]],
+                     resident: dict[str, dict[str, float]], *, rows: Sequence[int],
+                     prefill_rows: Sequence[int], repeats: int, memory: str, exact: bool,
+                     activations: str) -> KernelPlan:
+    """`measure`'s choice from its timings (seconds per phase and kernel): decode buckets,
+    the prompt's kernels and memory mode, the LM head, and (``activations`` "auto") int8
+    activations timed again on the chosen decode kernel."""
     decode = _decode_buckets({r: times[f"decode@{r}"] for r in rows},
                              dense_margin=None if memory == "fast" else DENSE_DECODE_GAIN, exact=exact)
     prefill = {r: times[f"prefill@{r}"] for r in prefill_rows}
