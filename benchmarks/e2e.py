@@ -37,6 +37,10 @@ machine drift spreads evenly. Each request first compiles its grammar (cached pe
 worker: the ``compile`` column), then generates; the clock for tokens/s and time to first token
 starts after the compile. Definitions, per system:
 
+* **valid objects / min**: the requests that finished valid ("completed valid" below) per
+  minute of the system's summed request wall time (prefill included, the grammar compile not,
+  every retry included): what a user of the system gets. The ratio is to llama.cpp's (the peer every run
+  has), on the tasks both ran; the headline number of a run is ``ours defaults``' ratio.
 * **tokens**: output tokens, the end-of-sequence token not counted. Peers get
   ``max_tokens + 1`` new tokens so the closing EOS fits (ours stops on the grammar's end
   without one); one that has not emitted EOS within ``max_tokens`` content tokens did not finish.
@@ -119,6 +123,7 @@ RESULTS_HEADING = "## End-to-end against peers"
 PEERS = ("transformers+xgrammar", "transformers+outlines", "llama.cpp", "vLLM", "vLLM ngram")
 #: Systems that run on vLLM's engine (in a worker under ``--vllm-python``): name -> n-gram on
 VLLM_SYSTEMS = {"vLLM": False, "vLLM ngram": True, "ours on vLLM": False, "ours on vLLM ngram": True}
+HEADLINE_PEER = "llama.cpp"  # valid objects per minute are compared with this peer's
 BASELINE = "ours off"  # system (d): our engine without speculation
 #: Our rows: name -> ``constrained_spec.Generator`` keyword arguments, as JSON values
 #: (``speculative`` takes what ``--speculative-config`` takes, or false). The modes of
@@ -282,6 +287,27 @@ def _all_tok_s(rs: list[dict]) -> float:
     return sum(r["tokens"] for r in rs) / wall if wall > 0 else 0.0
 
 
+def _valid_per_min(rs: list[dict]) -> float:
+    wall = sum(r["wall_s"] for r in rs)
+    return 60 * sum(bool(r["completed_valid"]) for r in rs) / wall if wall > 0 else 0.0
+
+
+def _paired(by_sys: dict[str, list[dict]], s: str, ref: str) -> tuple[list[dict], list[dict]]:
+    """``s``'s and ``ref``'s records on the (task, repeat) pairs both ran."""
+    keys = {(r["task"], r["rep"]) for r in by_sys[s]} & {(r["task"], r["rep"]) for r in by_sys[ref]}
+    return ([r for r in by_sys[s] if (r["task"], r["rep"]) in keys],
+            [r for r in by_sys[ref] if (r["task"], r["rep"]) in keys])
+
+
+def _valid_min_ratio(by_sys: dict[str, list[dict]], s: str, ref: str) -> float | None:
+    """valid objects per minute of ``s`` over ``ref``'s, on the pairs both ran."""
+    if not by_sys.get(ref) or not by_sys.get(s):
+        return None
+    mine, theirs = _paired(by_sys, s, ref)
+    base = _valid_per_min(theirs) if theirs else 0.0
+    return _valid_per_min(mine) / base if mine and base else None
+
+
 def summarize(records: list[dict], systems: list[str]) -> dict[str, dict]:
     """Per system: the table's figures over its finished requests (records with ``text``).
 
@@ -312,6 +338,8 @@ def summarize(records: list[dict], systems: list[str]) -> dict[str, dict]:
                              if sum(t for _, t in verb) else None),
                    verbatim_n=sum(t for _, t in verb),
                    compile_ms=1000 * statistics.median(r["compile_s"] for r in rs))
+        row["valid_min"] = _valid_per_min(rs)
+        row["valid_min_vs"] = _valid_min_ratio(by_sys, s, HEADLINE_PEER)
         row["vs_baseline"] = _ratio(by_sys, s, BASELINE)
         best = max(peers, key=lambda p: _all_tok_s(by_sys[p]), default=None)
         row["vs_best_peer"] = _ratio(by_sys, s, best) if best else None
@@ -328,9 +356,7 @@ def _ratio(by_sys: dict[str, list[dict]], s: str, ref: str | None) -> float | No
     """tokens/s of ``s`` over ``ref``'s, on the (task, repeat) pairs both ran."""
     if not ref or not by_sys.get(ref) or not by_sys.get(s):
         return None
-    keys = {(r["task"], r["rep"]) for r in by_sys[s]} & {(r["task"], r["rep"]) for r in by_sys[ref]}
-    mine = [r for r in by_sys[s] if (r["task"], r["rep"]) in keys]
-    theirs = [r for r in by_sys[ref] if (r["task"], r["rep"]) in keys]
+    mine, theirs = _paired(by_sys, s, ref)
     base = _all_tok_s(theirs)
     return _all_tok_s(mine) / base if mine and base else None
 
@@ -343,7 +369,8 @@ def render_table(summary: dict[str, dict], peak_rss_mb: dict[str, float | None])
     def num(x: float | None, fmt: str, suffix: str = "") -> str:
         return "—" if x is None else f"{x:{fmt}}{suffix}"
 
-    head = ["system", "tokens/s median [q1, q3]", "tokens/s (all)", "tokens/s (completed valid)",
+    head = ["system", "valid objects / min", f"vs {HEADLINE_PEER} (valid / min)",
+            "tokens/s median [q1, q3]", "tokens/s (all)", "tokens/s (completed valid)",
             f"vs {BASELINE}",
             "vs best peer", "TTFT median ms", "acceptance length", "valid", "completed valid",
             "attempts per request", "loop", "verbatim fields (extraction)", "peak RSS MB", "compile median ms",
@@ -353,7 +380,8 @@ def render_table(summary: dict[str, dict], peak_rss_mb: dict[str, float | None])
         q1, med, q3 = r["tok_s_q"]
         verbatim = "—" if r["verbatim"] is None else f"{pct(r['verbatim'])} of {r['verbatim_n']}"
         lines.append("| " + " | ".join([
-            s, f"{med:.1f} [{q1:.1f}, {q3:.1f}]", f"{r['tok_s']:.1f}", num(r["tok_s_ok"], ".1f"),
+            s, f"{r['valid_min']:.1f}", num(r["valid_min_vs"], ".2f", "x"),
+            f"{med:.1f} [{q1:.1f}, {q3:.1f}]", f"{r['tok_s']:.1f}", num(r["tok_s_ok"], ".1f"),
             num(r["vs_baseline"], ".2f", "x"), num(r["vs_best_peer"], ".2f", "x"),
             num(r["ttft_ms"], ".0f"), num(r["acc_len"], ".2f"), pct(r["valid"]),
             pct(r["completed_valid"]), f"{r['attempts']:.2f}", pct(r["loop"]), verbatim,
@@ -440,7 +468,8 @@ def render_long_table(summary: dict[str, dict]) -> str:
 
 
 def plot(summary: dict[str, dict], path: Path, title: str) -> None:
-    """Tokens/s per system (median, [q1, q3] bars, all-requests dot) and completion rates."""
+    """Valid objects per minute per system, tokens/s (median, [q1, q3] bars, all-requests
+    dot) and completion rates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -448,21 +477,29 @@ def plot(summary: dict[str, dict], path: Path, title: str) -> None:
 
     names = list(summary)
     ys = range(len(names))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.5 * len(names) + 1.8), sharey=True)
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 0.5 * len(names) + 1.8), sharey=True)
     med = [summary[s]["tok_s_q"][1] for s in names]
     err = [[m - summary[s]["tok_s_q"][0] for s, m in zip(names, med)],
            [summary[s]["tok_s_q"][2] - m for s, m in zip(names, med)]]
     colors = ["tab:gray" if s in PEERS else "tab:blue" for s in names]
+    per_min = [summary[s]["valid_min"] for s in names]
+    ax0.barh(ys, per_min, color=colors)
+    for y, v, s in zip(ys, per_min, names):
+        ratio = summary[s].get("valid_min_vs")
+        ax0.annotate(f"{v:.1f}" + (f" ({ratio:.2f}x)" if ratio else ""), (v, y), xytext=(3, 0),
+                     textcoords="offset points", va="center", fontsize=8)
+    ax0.set_xlim(0, 1.3 * max(per_min, default=1) or 1)
+    ax0.set_xlabel(f"valid objects / min (ratio: to {HEADLINE_PEER})")
+    ax0.set_yticks(list(ys), names)
+    ax0.invert_yaxis()
     ax1.barh(ys, med, xerr=err, color=colors, capsize=3)
     ax1.plot([summary[s]["tok_s"] for s in names], ys, "D", color="tab:orange", markersize=5,
              label="all requests (total tokens / total time)")
     for y, m in zip(ys, med):
         ax1.annotate(f"{m:.1f}", (0, y), xytext=(3, 0), textcoords="offset points", va="center",
                      fontsize=8, color="white")
-    ax1.set_yticks(list(ys), names)
-    ax1.invert_yaxis()
     ax1.set_xlabel("tokens/s (bar: median, whiskers: q1-q3)")
-    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=8, frameon=False)
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, frameon=False)
     cv = [100 * summary[s]["completed_valid"] for s in names]
     lp = [100 * summary[s]["loop"] for s in names]
     ax2.barh(ys, cv, color="tab:green", label="completed valid")
@@ -471,7 +508,7 @@ def plot(summary: dict[str, dict], path: Path, title: str) -> None:
              color="lightgray", label="other (invalid, or incomplete without a loop)")
     ax2.set_xlim(0, 100)
     ax2.set_xlabel("% of requests")
-    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), fontsize=8, frameon=False)
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -118,7 +118,23 @@ def test_render_table_has_one_row_per_system_and_dashes_for_missing(e2e):
     llama, ours = lines[2].split(" | "), lines[3].split(" | ")
     assert llama[0] == "| llama.cpp" and ours[0] == "| ours off"
     assert "812" in lines[3] and "—" in lines[2]  # no RSS, no TTFT for llama.cpp here
-    assert ours[4] == "1.00x" and llama[4] == "2.00x"
+    assert ours[6] == "1.00x" and llama[6] == "2.00x"  # tokens/s to ours off
+    assert ours[1] == "12.0" and llama[1] == "24.0"  # valid objects per minute
+    assert ours[2] == "0.50x" and llama[2] == "1.00x"  # ... to llama.cpp's
+
+
+def test_valid_objects_per_minute_count_completed_valid_requests_over_all_wall_time(e2e):
+    recs = [_record("ours defaults", "a", 100, 20.0, attempts=3),
+            _record("ours defaults", "b", 100, 10.0, completed_valid=False),
+            _record("ours defaults", "c", 100, 30.0),
+            _record("llama.cpp", "a", 100, 30.0), _record("llama.cpp", "b", 100, 30.0),
+            dict(system="llama.cpp", task="c", rep=0, error="failed", skipped=False)]
+    s = e2e.summarize(recs, ["llama.cpp", "ours defaults"])
+    assert s["ours defaults"]["valid_min"] == pytest.approx(60 * 2 / 60.0)
+    # to llama.cpp on tasks a and b only: 1 valid in 30 s against 2 in 60 s
+    assert s["ours defaults"]["valid_min_vs"] == pytest.approx(1.0)
+    assert s["llama.cpp"]["valid_min"] == pytest.approx(2.0)
+    assert e2e.summarize(recs, ["ours defaults"])["ours defaults"]["valid_min_vs"] is None
 
 
 def test_parse_variant(e2e):
