@@ -66,7 +66,9 @@ starts after the compile. Definitions, per system:
 * **verbatim fields** (extraction tasks only, ``speculation.EXTRACTION``): of the leaf string
   and number values of every output that parses as JSON, the share found verbatim in the task's
   prompt (strings: non-empty substrings; numbers: equal to a number written in the prompt).
-* **peak RSS**: the worker process's ``ru_maxrss`` at the end (model load included).
+* **peak RSS**: the worker process's peak resident memory at the end (model load included):
+  Linux's ``VmHWM``, which starts afresh at the worker's exec (``ru_maxrss`` does not: it keeps
+  the parent's peak at the fork, which for a GGUF run is the parent's reading of the file).
 
 **Long prompt** (its own table): one extraction request of about ``--long-tokens`` prompt tokens
 (default 1,000; the exact count is printed), a document of numbered notes made of the tasks'
@@ -1024,6 +1026,17 @@ def _check_torch_isa(spec: dict) -> dict:
     return info
 
 
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: VmHWM (this exec's own), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def worker_main(spec: dict) -> None:
     """Serve one system over stdin/stdout JSON lines (stdout proper goes to stderr)."""
     import faulthandler
@@ -1054,7 +1067,7 @@ def worker_main(spec: dict) -> None:
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "exit":
-            send({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+            send({"peak_rss_mb": _peak_rss_mb()})
             return
         try:
             send(_request(system, cache, msg))

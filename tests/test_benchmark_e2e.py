@@ -5,6 +5,7 @@ and its table, and the shared RESULTS.md section writer. No model runs here."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +264,21 @@ def test_the_defaults_row_runs_the_library_default_retries_and_counts_attempts(e
     assert s["ours defaults"]["attempts"] == pytest.approx(2.0)
     assert s["ours off"]["attempts"] == 1
     assert "| 2.00 |" in e2e.render_table(s, {})
+
+
+def test_a_workers_peak_rss_is_its_own_not_its_parents(e2e):
+    # ru_maxrss survives fork + exec on Linux: a worker started by a parent holding a large
+    # file reported the parent's peak. VmHWM starts afresh at exec.
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("VmHWM is Linux's")
+    ballast = bytearray(400 * 1024 * 1024)  # the parent's peak: >= 400 MiB, touched
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    code = "from benchmarks.e2e import _peak_rss_mb; print(_peak_rss_mb())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(e2e.__file__).parent.parent)
+    del ballast
+    assert 0 < float(out.stdout) < 300
