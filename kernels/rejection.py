@@ -158,7 +158,7 @@ def rejection_sample_reference(
             elif greedy[i]:
                 accept = bool(logits.max() > _NEG_INF) and x == int(logits.argmax())
             else:
-                p_x = float(_softmax_or_zero(logits)[x])                     # p~(x)
+                p_x = _prob_of(logits, x)                                    # p~(x)
                 q_x = 1.0 if draft_probs is None else float(draft_probs[j, x])
                 accept = q_x > 0 and float(uniform[j]) < p_x / q_x
             if not accept:
@@ -433,8 +433,18 @@ def _softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:
     row_max = logits.max()
     if row_max == _NEG_INF:
         return torch.zeros_like(logits)
-    e = torch.exp(logits - row_max)
-    return e / e.sum()
+    e = torch.sub(logits, row_max).exp_()
+    return e.div_(e.sum())
+
+
+def _prob_of(logits: torch.Tensor, x: int) -> float:
+    """``_softmax_or_zero(logits)[x]`` to the bit (the same float32 e[x] / sum(e)) without
+    dividing the other V - 1 entries: a sampled draft's acceptance reads one probability."""
+    row_max = logits.max()
+    if row_max == _NEG_INF:
+        return 0.0
+    e = torch.sub(logits, row_max).exp_()
+    return float(e[x] / e.sum())
 
 
 def _sample_by_exp_race(dist: torch.Tensor, noise: torch.Tensor) -> int:

@@ -595,19 +595,20 @@ class Engine:
 
     def _random_draws(self, batch: StepBatch,
                       greedy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The acceptance draws [N] and the Exp(1) noise [N + B, V] of the sampled tokens, from
+        """The acceptance draws [N] and the Exp(1) noise [B, V] of the sampled tokens, from
         each request's own generator (a seeded request is reproducible whatever its batch);
-        (None, None) when every request is greedy."""
+        (None, None) when every request is greedy. One noise row per request: a step samples
+        one token per request (the recovered or the bonus one), whatever its number of drafts."""
         if bool(greedy.all()):
             return None, None
         uniform, noise = [], []
-        for r, s, n in zip(batch.reqs, batch.states, batch.num_rows):
+        for r, s in zip(batch.reqs, batch.states):
             g = r.generator
             uniform.append(torch.rand(len(s.tokens), generator=g))
             if r.params.greedy:
-                noise.append(torch.ones(n, self.vocab_size))
+                noise.append(torch.ones(1, self.vocab_size))
             else:
-                noise.append(torch.empty(n, self.vocab_size).exponential_(generator=g))
+                noise.append(torch.empty(1, self.vocab_size).exponential_(generator=g))
         return torch.cat(uniform), torch.cat(noise)
 
     # -- 4. commit ------------------------------------------------------------------------
