@@ -104,7 +104,6 @@ import json
 import os
 import platform
 import re
-import resource
 import select
 import shlex
 import statistics
@@ -118,6 +117,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, cast
 
+from benchmarks._memory import own_peak_rss_mib
 from benchmarks._results import write_section
 from benchmarks._workers import module_env
 
@@ -301,15 +301,6 @@ def _paired(by_sys: dict[str, list[dict]], s: str, ref: str) -> tuple[list[dict]
             [r for r in by_sys[ref] if (r["task"], r["rep"]) in keys])
 
 
-def _valid_min_ratio(by_sys: dict[str, list[dict]], s: str, ref: str) -> float | None:
-    """valid objects per minute of ``s`` over ``ref``'s, on the pairs both ran."""
-    if not by_sys.get(ref) or not by_sys.get(s):
-        return None
-    mine, theirs = _paired(by_sys, s, ref)
-    base = _valid_per_min(theirs) if theirs else 0.0
-    return _valid_per_min(mine) / base if mine and base else None
-
-
 def summarize(records: list[dict], systems: list[str]) -> dict[str, dict]:
     """Per system: the table's figures over its finished requests (records with ``text``).
 
@@ -341,7 +332,7 @@ def summarize(records: list[dict], systems: list[str]) -> dict[str, dict]:
                    verbatim_n=sum(t for _, t in verb),
                    compile_ms=1000 * statistics.median(r["compile_s"] for r in rs))
         row["valid_min"] = _valid_per_min(rs)
-        row["valid_min_vs"] = _valid_min_ratio(by_sys, s, HEADLINE_PEER)
+        row["valid_min_vs"] = _ratio(by_sys, s, HEADLINE_PEER, _valid_per_min)
         row["vs_baseline"] = _ratio(by_sys, s, BASELINE)
         best = max(peers, key=lambda p: _all_tok_s(by_sys[p]), default=None)
         row["vs_best_peer"] = _ratio(by_sys, s, best) if best else None
@@ -354,13 +345,15 @@ def _share(rs: list[dict], key: str) -> float:
     return sum(bool(r[key]) for r in rs) / len(rs)
 
 
-def _ratio(by_sys: dict[str, list[dict]], s: str, ref: str | None) -> float | None:
-    """tokens/s of ``s`` over ``ref``'s, on the (task, repeat) pairs both ran."""
+def _ratio(by_sys: dict[str, list[dict]], s: str, ref: str | None,
+           rate: Callable[[list[dict]], float] = _all_tok_s) -> float | None:
+    """``rate`` (tokens/s, or valid objects per minute) of ``s`` over ``ref``'s, on the
+    (task, repeat) pairs both ran."""
     if not ref or not by_sys.get(ref) or not by_sys.get(s):
         return None
     mine, theirs = _paired(by_sys, s, ref)
-    base = _all_tok_s(theirs)
-    return _all_tok_s(mine) / base if mine and base else None
+    base = rate(theirs)
+    return rate(mine) / base if mine and base else None
 
 
 def render_table(summary: dict[str, dict], peak_rss_mb: dict[str, float | None]) -> str:
@@ -1026,17 +1019,6 @@ def _check_torch_isa(spec: dict) -> dict:
     return info
 
 
-def _peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB: VmHWM (this exec's own), else ru_maxrss."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def worker_main(spec: dict) -> None:
     """Serve one system over stdin/stdout JSON lines (stdout proper goes to stderr)."""
     import faulthandler
@@ -1067,7 +1049,7 @@ def worker_main(spec: dict) -> None:
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "exit":
-            send({"peak_rss_mb": _peak_rss_mb()})
+            send({"peak_rss_mb": own_peak_rss_mib()})
             return
         try:
             send(_request(system, cache, msg))

@@ -3,7 +3,7 @@
     python -m benchmarks.gguf_load                 # the embedded model's GGUF
     python -m benchmarks.gguf_load --gguf path/to/model.gguf
 
-Each row runs in a fresh Python process (peak RSS is per process, ``ru_maxrss``), one after
+Each row runs in a fresh Python process (peak RSS is per process, ``VmHWM``), one after
 the other, and prints one markdown table row:
 
 - ``imports``: torch, transformers, gguf and transformers' llama modeling code imported
@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks._memory import own_peak_rss_mib
 from benchmarks._workers import module_env
 
 MODES = ("imports", "int4", "int4+rest", "transformers")
@@ -36,8 +37,6 @@ LABELS = {"imports": "imports only", "int4": "gguf_weights int4",
 
 
 def run_mode(mode: str, gguf: Path) -> dict:
-    import resource
-
     import gguf as _gguf  # noqa: F401
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401  (both paths build a llama)
@@ -63,7 +62,7 @@ def run_mode(mode: str, gguf: Path) -> dict:
                                                          dtype=torch.float32))
     seconds = time.perf_counter() - t0
     return {"mode": mode, "seconds": seconds, "read_seconds": read_seconds,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": own_peak_rss_mib()}
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks._memory import rss_mib
 from benchmarks._results import write_section
 from benchmarks.load import RESULTS, scrape, start_server, stop_server
 
@@ -91,22 +92,6 @@ class Soak:
     peak_rss_mib: float = 0.0
     wall_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of process ``pid`` in MiB (Linux /proc; psutil elsewhere, peak = rss)."""
-    status = Path(f"/proc/{pid}/status")
-    if status.exists():
-        values = {}
-        for line in status.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) / 1024  # kB
-        return values["VmRSS"], values["VmHWM"]
-    import psutil
-
-    rss = psutil.Process(pid).memory_info().rss / 2**20
-    return rss, rss
 
 
 def one(client: httpx.Client, i: int, model: str, max_tokens: int) -> str:

@@ -277,7 +277,7 @@ def test_a_workers_peak_rss_is_its_own_not_its_parents(e2e):
     ballast = bytearray(400 * 1024 * 1024)  # the parent's peak: >= 400 MiB, touched
     for i in range(0, len(ballast), 4096):
         ballast[i] = 1
-    code = "from benchmarks.e2e import _peak_rss_mb; print(_peak_rss_mb())"
+    code = "from benchmarks._memory import own_peak_rss_mib; print(own_peak_rss_mib())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(e2e.__file__).parent.parent)
     del ballast
