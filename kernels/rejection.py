@@ -428,23 +428,25 @@ def _exp_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e, torch.where(total > 0, total, 1.0)
 
 
-def _softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:
-    """softmax of a [V] float32 row, as exp(l - max) / sum; all zeros if the row is all -inf."""
+def _shifted_exp(logits: torch.Tensor) -> torch.Tensor | None:
+    """exp(l - max) of a [V] float32 row; None if the row is all -inf."""
     row_max = logits.max()
     if row_max == _NEG_INF:
-        return torch.zeros_like(logits)
-    e = torch.sub(logits, row_max).exp_()
-    return e.div_(e.sum())
+        return None
+    return torch.sub(logits, row_max).exp_()
+
+
+def _softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:
+    """softmax of a [V] float32 row, as exp(l - max) / sum; all zeros if the row is all -inf."""
+    e = _shifted_exp(logits)
+    return torch.zeros_like(logits) if e is None else e.div_(e.sum())
 
 
 def _prob_of(logits: torch.Tensor, x: int) -> float:
     """``_softmax_or_zero(logits)[x]`` to the bit (the same float32 e[x] / sum(e)) without
     dividing the other V - 1 entries: a sampled draft's acceptance reads one probability."""
-    row_max = logits.max()
-    if row_max == _NEG_INF:
-        return 0.0
-    e = torch.sub(logits, row_max).exp_()
-    return float(e[x] / e.sum())
+    e = _shifted_exp(logits)
+    return 0.0 if e is None else float(e[x] / e.sum())
 
 
 def _sample_by_exp_race(dist: torch.Tensor, noise: torch.Tensor) -> int:
