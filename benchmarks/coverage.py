@@ -62,7 +62,7 @@ What counts
       share and the share with a rejection neither explains ("undeclared"; their instance
       numbers are in the records, ``valid_rejected_ids``).
     * an instance labelled invalid for which the validator finds no error ("validator-blind":
-      a format neither jsonschema nor schemas/formats.py checks, or a label the validator
+      a format neither jsonschema nor constrained_spec/schemas/formats.py checks, or a label the validator
       disagrees with) cannot be attributed: when a system accepts it, it is counted as silently
       wrong (and listed in the records as "blind").
 
@@ -152,7 +152,7 @@ def sample_rows(rows: list[dict], limit: int | None, seed: int) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 def make_validator(schema: Any) -> Any:
-    """The library's final validator for `schema` (schemas/validate.py): its draft, formats."""
+    """The library's final validator for `schema` (constrained_spec/schemas/validate.py): its draft, formats."""
     from constrained_spec.schemas.validate import json_validator
 
     return json_validator(schema)

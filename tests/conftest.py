@@ -6,8 +6,11 @@ instance of the embedded default model (fetched and converted once, then cached)
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +21,24 @@ os.environ.pop("CONSTRAINED_SPEC_EXACT", None)
 from cs_testlib import CHARS, tiny_llama
 
 from constrained_spec.settings import reload_settings
+
+
+def _load_benchmarks() -> None:
+    """The benchmark scripts as the package ``benchmarks``, loaded from their folder by path.
+
+    The repository root is deliberately not on ``sys.path``: there every folder would be
+    importable by its bare name, and a bare name of ours must never shadow a distribution a
+    dependency imports (tests/test_no_shadowing.py)."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks", folder / "__init__.py", submodule_search_locations=[str(folder)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = module
+    spec.loader.exec_module(module)
+
+
+_load_benchmarks()
 
 
 @pytest.fixture

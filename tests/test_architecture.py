@@ -30,11 +30,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def modules(root: Path, package: str) -> dict[str, Path]:
-    """Module name -> file, for every ``.py`` under ``root`` (symlinked folders followed: the
-    top-level grammar/, kernels/ and schemas/ are linked into the package)."""
+    """Module name -> file, for every ``.py`` under ``root``."""
     out = {}
-    for path in sorted(root.rglob("*.py")) + sorted(p for d in root.iterdir() if d.is_symlink()
-                                                    for p in d.rglob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         if "__pycache__" in parts:
             continue

@@ -1,5 +1,5 @@
 """Structural tags: free text with tagged segments, each validated against its own schema
-(schemas/structural.py). The grammar and the reading of outputs on strings; generation on the
+(constrained_spec/schemas/structural.py). The grammar and the reading of outputs on strings; generation on the
 embedded model (greedy identity with speculation on and off, the constant tags drafted)."""
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ TYPE_KEYWORDS = {
 
 
 # --------------------------------------------------------------------------------------------
-# regex constructs (patterns.REGEX_FEATURES), measured by grammar/regex_probe.py
+# regex constructs (patterns.REGEX_FEATURES), measured by constrained_spec/grammar/regex_probe.py
 # --------------------------------------------------------------------------------------------
 
 #: "enforced": judged as Python's re judges it; "ignored": strings Python rejects get through;
@@ -225,7 +225,7 @@ REGEX_CONTEXTS: dict[str, tuple[str, ...]] = {
 }
 
 # Measured with xgrammar 0.2.9 and outlines-core 0.2.14 through this library's rewrites
-# (grammar/regex_probe.py; tests/schemas/test_regex_support.py measures again). Python's re is
+# (constrained_spec/grammar/regex_probe.py; tests/schemas/test_regex_support.py measures again). Python's re is
 # the reference. Notes: xgrammar's \d / \w are ASCII (so \D / \W let Unicode digits / letters
 # through); its "narrowed" \s and (?s) in JSON strings come from its string patterns never
 # matching an escaped character (\t, \n); inline flags other than s (applied by the rewrite)
