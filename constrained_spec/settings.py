@@ -83,10 +83,11 @@ class Settings:
     a prompt's per call (least memory)."""
 
     plan: str | None = None
-    """``CONSTRAINED_SPEC_PLAN``: ``measure`` measures the kernel plan again instead of reading
-    the cached one; a fixed plan such as ``prefill=fp32,decode=int4,lm_head=bf16``
-    (``decode=int4:12/bf16`` for row buckets; see ``plan.KernelPlan.parse``) is used as
-    written. Default: unset, the plan measured once per machine and cached."""
+    """``CONSTRAINED_SPEC_PLAN``: ``measure`` measures the kernel plan now (cached unless the
+    machine disturbed the measurement); a fixed plan such as
+    ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for row buckets; see
+    ``plan.KernelPlan.parse``) is used as written. Default: unset, a measured plan cached for
+    this machine, else the plan from the CPU's flags (``plan.flag_plan``)."""
 
     exact: bool | None = None
     """``CONSTRAINED_SPEC_EXACT``: on computes every decode / verify row as a 1-row decode of it

@@ -103,12 +103,29 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
         lines += [f"model: {d['name']} ({d['runner']}, {d['device']})",
                   f"weights: {d['weights']}",
                   f"resident weight bytes: {d['resident_bytes'] / 2**20:.1f} MiB",
-                  f"kernel plan ({d['plan_source']}): {d['plan']}"]
+                  f"kernel plan: {d['plan']}", "  " + _plan_origin(d)]
         for phase, times in d.get("times_ms", {}).items():
             lines.append(f"  {phase:>10}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in
                                                           sorted(times.items(), key=lambda kv: kv[1])))
     print("\n".join(lines), file=out)
     return EXIT_OK
+
+
+def _plan_origin(d: dict[str, Any]) -> str:
+    """Where the kernel plan that runs came from, in words (`run_info`)."""
+    from constrained_spec.model.plan import Conditions
+
+    source = d["plan_source"]
+    if source == "flags":
+        return ("chosen from the CPU's flags and the weights' formats, not measured "
+                "(`constrained-spec info --measure` times the kernels on a quiet machine)")
+    if source == "measured" and d.get("plan_conditions"):
+        return Conditions(**d["plan_conditions"]).describe() + ", cached for this machine"
+    if source == "measured":
+        return "measured (when, and under what load, was not recorded)"
+    if source == "env":
+        return "fixed by CONSTRAINED_SPEC_PLAN"
+    return "fixed by the model's dtype or device"
 
 
 def run_schema_check(args: argparse.Namespace, out: TextIO) -> int:

@@ -311,13 +311,14 @@ def _add_info_parser(sub: Any) -> None:
     info = sub.add_parser(
         "info", help="this machine's CPU features, torch's kernels and a model's kernel plan",
         description="Print the CPU's features (from the OS), torch's capability, and the kernel "
-                    "plan for a model on this machine with the times it was chosen by (measured at "
-                    "the model's first load on a machine, then cached).")
+                    "plan for a model on this machine: chosen from the CPU's flags, or measured "
+                    "(--measure) and cached with when and under what load it was measured.")
     info.add_argument("--model", metavar="PATH", help="a checkpoint folder or .gguf file "
                       "(default: the embedded model)")
     info.add_argument("--no-model", action="store_true", help="only the machine; load no model")
     info.add_argument("--measure", action="store_true",
-                      help="measure the plan again instead of reading the cached one")
+                      help="measure the plan now (kept for this machine unless other load "
+                           "disturbed the measurement)")
     info.add_argument("--json", action="store_true", dest="as_json", help="one JSON object")
     info.add_argument("--quiet", action="store_true", help="no progress bars")
     # how a model's first load measures its plan in a child process (models._measure_plan_apart)

@@ -153,7 +153,7 @@ class LoadedModel:
         out.update(weights=f"{four} of {len(linears)} linears exact 4-bit groups, {eight} exact "
                            f"8-bit groups, the rest dense {str(self.dtype).removeprefix('torch.')}",
                    plan=plan.describe(), plan_source=plan.source, times_ms=plan.times_ms,
-                   resident_bytes=runner.resident_bytes())
+                   plan_conditions=plan.conditions, resident_bytes=runner.resident_bytes())
         return out
 
     @property

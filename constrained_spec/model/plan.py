@@ -11,17 +11,22 @@ emulated (several times slower than float32 for a large product: benchmarks/RESU
   ``(up to rows, kernel)`` buckets,
 - ``lm_head``: the logits rows of a decode forward,
 
-each timed at a model's first load on a machine over the kernels the machine and the weights
-offer (`constrained_spec.model.weights`: fp32, bf16, int4 from the file's own 4-bit groups on torch's
-kernel, q4 from the same groups on this package's C kernel where it builds, q8 for the file's
-8-bit groups, the LM head's among them; int8, a re-quantization, only when asked for), and
-cached beside the converted checkpoint keyed by the machine (CPU flags, torch's capability,
-threads) and the memory mode (``CONSTRAINED_SPEC_MEMORY``: ``auto``, the default, keeps a
+chosen at a model's load from the CPU's flags and the weights' formats (`flag_plan`: what the
+measured plans on each CPU class chose; nothing is timed, so the first object comes in seconds).
+Measured when asked (``CONSTRAINED_SPEC_PLAN=measure``, ``constrained-spec info --measure``): each
+phase timed over the kernels the machine and the weights offer (`constrained_spec.model.weights`:
+fp32, bf16, int4 from the file's own 4-bit groups on torch's kernel, q4 from the same groups on
+this package's C kernel where it builds, q8 for the file's 8-bit groups, the LM head's among
+them; int8, a re-quantization, only when asked for), and cached beside the converted checkpoint
+keyed by the machine (CPU flags, torch's capability, threads) and the memory mode. A measurement
+the machine disturbed (`Conditions.disturbed`: other load, steal time, a reference loop or
+repeated timings that disagree) is never cached: the flag plan stays, and a later measurement
+tries again. The memory mode (``CONSTRAINED_SPEC_MEMORY``): ``auto``, the default, keeps a
 dense copy of the 4-bit weights only where it is measured faster by a margin, ``fast`` keeps
 the dense copies the fastest kernels need, ``lean`` keeps 4-bit weights 4-bit and dequantizes
-a prompt's per call). ``CONSTRAINED_SPEC_PLAN`` overrides it:
-``measure`` (measure again) or a fixed plan such as
-``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for buckets).
+a prompt's per call. ``CONSTRAINED_SPEC_PLAN`` overrides the plan: ``measure`` (measure now) or
+a fixed plan such as ``prefill=fp32,decode=int4,lm_head=bf16`` (``decode=int4:12/bf16`` for
+buckets).
 
 Exactness (on by default on a CPU; ``CONSTRAINED_SPEC_EXACT=0`` turns it off, see `exact_mode`): for speculation
 and batching never to change a greedy output, every decode / verify row must be computed as
@@ -95,7 +100,9 @@ def exact_mode(device: torch.device | None = None) -> bool:
 
 _CONTEXT = 128  # context the decode rows attend to while timed
 HEAD_ONLY_KERNELS = ("q8",)  # kernels for the LM head alone (its 8-bit groups), timed there only
-_PLAN_VERSION = 5  # 4: "auto" memory, dequantization 2x faster; 5: the q4 and q8 kernels
+# 4: "auto" memory, dequantization 2x faster; 5: the q4 and q8 kernels; 6: the conditions of
+# each measurement kept, and none kept that the machine disturbed (a version-5 plan may have been)
+_PLAN_VERSION = 6
 _CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve")
 
@@ -108,7 +115,8 @@ class KernelPlan:
     decode: list[tuple[int, str]]  # the same, for decode / verify forwards
     lm_head: str
     kv: str = "bf16"  # the KV cache's dtype
-    source: str = "fixed"  # "measured", "env" or "fixed"
+    # "measured", "flags" (`flag_plan`, nothing timed), "env" (CONSTRAINED_SPEC_PLAN) or "fixed"
+    source: str = "fixed"
     # "fast": every dense form the plan uses stays resident; "lean": a prompt dequantizes
     # 4-bit weights per call and a dense decode bucket must win by DENSE_DECODE_GAIN
     memory: str = "fast"
@@ -116,12 +124,15 @@ class KernelPlan:
     # the activations of the native decode stack's 4-bit products: "bf16" (the model's), or
     # "int8" (each row's groups quantized; CONSTRAINED_SPEC_ACTIVATIONS, `_choose_act`)
     act: str = "bf16"
+    # a measured plan's `Conditions` (when, under what load), as `Conditions.to_json`
+    conditions: dict[str, Any] = field(default_factory=dict)
 
     # written out (the dataclass keeps it) because ``prefill`` also takes one kernel for every
     # prompt length, which the field, always buckets once built, does not
     def __init__(self, prefill: list[tuple[int, str]] | str, decode: list[tuple[int, str]],
                  lm_head: str, kv: str = "bf16", source: str = "fixed", memory: str = "fast",
-                 times_ms: dict[str, dict[str, float]] | None = None, act: str = "bf16") -> None:
+                 times_ms: dict[str, dict[str, float]] | None = None, act: str = "bf16",
+                 conditions: dict[str, Any] | None = None) -> None:
         self.prefill = [(ALL_ROWS, prefill)] if isinstance(prefill, str) else prefill
         self.decode = decode
         self.lm_head = lm_head
@@ -130,6 +141,7 @@ class KernelPlan:
         self.memory = memory
         self.times_ms = {} if times_ms is None else times_ms
         self.act = act
+        self.conditions = {} if conditions is None else conditions
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -180,7 +192,8 @@ class KernelPlan:
         return cls(prefill=[tuple(x) for x in d["prefill"]], decode=[tuple(x) for x in d["decode"]],
                    lm_head=d["lm_head"], memory=d.get("memory", "fast"),
                    kv=d.get("kv", "bf16"), source=d.get("source", "fixed"),
-                   times_ms=d.get("times_ms", {}), act=d.get("act", "bf16"))
+                   times_ms=d.get("times_ms", {}), act=d.get("act", "bf16"),
+                   conditions=d.get("conditions", {}))
 
     @classmethod
     def parse(cls, text: str, *, memory: str = "fast") -> KernelPlan:
@@ -293,6 +306,162 @@ def machine_key(device: torch.device) -> str:
                        sorted(m["isa_env"].items())])
 
 
+# -- the plan from the CPU's flags ----------------------------------------------------------
+# a prompt of more rows than this runs on float32 where the CPU has no bf16 units: on the AVX2
+# class the 4-bit products of a long prompt are float32 FMAs, slower than one dense product
+FLAG_PREFILL_ROWS = 320
+
+
+def bf16_units() -> bool:
+    """Whether torch's CPU kernels run bf16 natively here (oneDNN's check: AVX-512-BF16 or AMX;
+    ``ONEDNN_MAX_CPU_ISA`` below them turns it off)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+def flag_plan(runner: Any, *, memory: str) -> KernelPlan:
+    """The plan for ``runner`` from the CPU's flags and the weights' formats, timing nothing:
+    what the measured plans of every CPU class chose (benchmarks/RESULTS.md, "Kernel plan from
+    the CPU's flags"). Decode and the LM head on one row-invariant kernel (exact as a measured
+    plan is): the native kernels on the file's own groups where they build (4-bit on q4, 8-bit
+    on q8), else torch's int4 on 4-bit groups, else bf16. A prompt on the same packed kernel
+    where the CPU has bf16 units; without them (AVX2) a long prompt on float32. ``memory``
+    "auto" is "lean": no measured plan on either class kept a resident dense copy."""
+    bf16 = bf16_units()
+    if runner.supports_kernel("q4"):
+        decode = "q4"
+    elif runner.supports_kernel("int4"):
+        decode = "int4"
+    else:
+        decode = "bf16"
+    dense = "bf16" if bf16 else "fp32"
+    if decode == "bf16":
+        prefill = [(ALL_ROWS, dense)]
+    elif bf16 and decode == "q4":
+        prefill = [(ALL_ROWS, "q4")]
+    else:
+        prefill = [(FLAG_PREFILL_ROWS, decode), (ALL_ROWS, dense)]
+    head = runner.lm_head_weight
+    lm_head = next((k for k in ("q8", "q4") if decode == "q4" and head.supports(k)), "bf16")
+    return KernelPlan(prefill=prefill, decode=[(ALL_ROWS, decode)], lm_head=lm_head, kv="bf16",
+                      source="flags", memory="lean" if memory == "auto" else memory)
+
+
+# -- what the machine was doing while a plan was measured ----------------------------------
+# a measurement is disturbed, and not kept, when any of these is passed (`Conditions.disturbed`)
+MAX_TIMING_SPREAD = 1.3  # median over (phase, kernel) of slowest / fastest round
+MAX_REFERENCE_SPREAD = 1.3  # slowest / fastest run of the reference loop (before, between, after)
+MAX_STEAL = 0.1  # share of the CPU time the hypervisor took during the measurement
+MAX_OTHER_LOAD = 1.0  # runnable processes besides our threads, per core (1-minute load average)
+
+
+def _clock() -> float:
+    """The clock every timing of a measurement reads (a test replaces it)."""
+    return time.perf_counter()
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # not on every OS
+        return 0.0
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs since boot (Linux ``/proc/stat``), None elsewhere."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _reference_ms() -> float:
+    """A fixed float32 product timed (best of 5 runs of about a millisecond each): before,
+    between and after the rounds of a measurement it should take the same time; when it does
+    not, something else ran on the cores meanwhile."""
+    a = torch.ones(256, 256)
+    torch.mm(a, a)  # warm: the thread pool awake
+    best = float("inf")
+    for _ in range(5):
+        start = _clock()
+        for _ in range(4):
+            torch.mm(a, a)
+        best = min(best, _clock() - start)
+    return best * 1e3
+
+
+@dataclass
+class Conditions:
+    """What the machine was doing while a plan was measured (kept with a measured plan, and
+    printed by ``constrained-spec info``)."""
+
+    at: str  # when (UTC, ISO 8601)
+    load_before: float  # 1-minute load averages
+    load_after: float
+    steal: float  # share of CPU time stolen by the hypervisor meanwhile
+    reference_spread: float  # slowest / fastest run of the reference loop
+    timing_spread: float  # median over (phase, kernel) of slowest / fastest round
+    threads: int
+    cores: int
+
+    def disturbed(self) -> str | None:
+        """Why the measurement cannot be trusted, or None."""
+        other = (max(self.load_before, self.load_after) - self.threads) / max(1, self.cores)
+        if other >= MAX_OTHER_LOAD:
+            return (f"other processes kept the CPUs busy (load average {self.load_before:.1f} "
+                    f"before, {self.load_after:.1f} after, on {self.cores} cores)")
+        if self.steal > MAX_STEAL:
+            return f"the hypervisor took {self.steal:.0%} of the CPU time"
+        if self.reference_spread > MAX_REFERENCE_SPREAD:
+            return (f"a fixed reference loop ran {self.reference_spread:.2f}x slower at one point "
+                    "than at another")
+        if self.timing_spread > MAX_TIMING_SPREAD:
+            return (f"repeated timings of the same kernel disagreed by {self.timing_spread:.2f}x "
+                    "(median)")
+        return None
+
+    def describe(self) -> str:
+        return (f"measured {self.at} at load average {self.load_before:.1f}/{self.load_after:.1f} "
+                f"(before/after, {self.cores} cores), steal {self.steal:.0%}, repeated timings "
+                f"within {self.timing_spread:.2f}x")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Watch:
+    """Collects a measurement's `Conditions`: load and steal at its ends, the reference loop at
+    every `mark`, and each timing of a (phase, kernel) across rounds."""
+
+    def __init__(self) -> None:
+        self.load_before, self.cpu_before = _load_average(), _cpu_times()
+        self.reference = [_reference_ms()]
+        self.samples: dict[tuple[str, str], list[float]] = {}
+
+    def mark(self) -> None:
+        self.reference.append(_reference_ms())
+
+    def sample(self, phase: str, kernel: str, seconds: float) -> None:
+        self.samples.setdefault((phase, kernel), []).append(seconds)
+
+    def conditions(self) -> Conditions:
+        after = _cpu_times()
+        steal = 0.0
+        if self.cpu_before is not None and after is not None and after[1] > self.cpu_before[1]:
+            steal = (after[0] - self.cpu_before[0]) / (after[1] - self.cpu_before[1])
+        ratios = sorted(max(v) / max(min(v), 1e-9) for v in self.samples.values() if len(v) > 1)
+        from datetime import datetime, timezone
+
+        return Conditions(
+            at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            load_before=round(self.load_before, 2), load_after=round(_load_average(), 2),
+            steal=round(max(0.0, steal), 3),
+            reference_spread=round(max(self.reference) / max(min(self.reference), 1e-9), 3),
+            timing_spread=round(ratios[len(ratios) // 2] if ratios else 1.0, 3),
+            threads=torch.get_num_threads(), cores=os.cpu_count() or 1)
+
+
 def _fixed_memory(mode: str) -> str:
     """The memory mode of a plan written by hand: "auto" keeps what its kernels need."""
     return "fast" if mode == "auto" else mode
@@ -322,8 +491,11 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
     # "auto" times a prompt's dense kernels both ways: dequantized per call and resident
     prefill_modes = ("lean", "fast") if memory == "auto" else (memory,)
     resident: dict[str, dict[str, float]] = {f"prefill@{r}": {} for r in prefill_rows}
+    watch = _Watch()
+
     def keep(into: dict[str, dict[str, float]], phase: str, kernel: str, seconds: float) -> None:
         into[phase][kernel] = min(seconds, into[phase].get(kernel, float("inf")))
+        watch.sample(phase + (" resident" if into is resident else ""), kernel, seconds)
 
     def prefill_call(r: int) -> Callable[[], None]:
         def call() -> None:  # a prompt of r tokens into the emptied slot
@@ -366,11 +538,14 @@ def measure(runner: Any, candidates: Sequence[str], *, rows: Sequence[int] = DEC
                 if progress:
                     progress(f"{kernel} (round {rnd + 1})")
                 one_round(kernel, warm=rnd == 0)
+            watch.mark()
     finally:
         runner.free_slot(slot)
         runner.set_plan(saved)
-    return _plan_from_times(runner, times, resident, rows=rows, prefill_rows=prefill_rows,
+    plan = _plan_from_times(runner, times, resident, rows=rows, prefill_rows=prefill_rows,
                             repeats=repeats, memory=memory, exact=exact, activations=activations)
+    plan.conditions = watch.conditions().to_json()
+    return plan
 
 
 def _plan_from_times(runner: Any, times: dict[str, dict[str, float]],
@@ -474,9 +649,9 @@ def _timed(repeats: int, fn: Callable[[], Any], *, warm: bool = True) -> float:
         fn()  # warm-up: packs built, caches allocated
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _clock() - t0)
     return best
 
 
@@ -516,14 +691,12 @@ def _cached(path: Path | None, key: str) -> KernelPlan | None:
 
 
 def plan_to_measure(runner: Any, *, dtype: str, cache: Path | None, int8: bool = False) -> bool:
-    """Whether `choose_plan` would measure a plan now: on a CPU, no dtype or plan fixed, and
-    none cached for this machine (or ``CONSTRAINED_SPEC_PLAN=measure``)."""
-    env = settings().plan or ""
-    if dtype in ("float32", "bfloat16", "float16") or runner.device.type != "cpu" \
-            or (env and env != "measure"):
-        return False
-    return env == "measure" or _cached(None if cache is None else cache / PLAN_FILE,
-                                       plan_key(runner, int8=int8)) is None
+    """Whether `choose_plan` would measure a plan now: only when asked
+    (``CONSTRAINED_SPEC_PLAN=measure``), on a CPU, with no dtype fixed. Without a measured
+    plan cached for this machine a load takes `flag_plan` and times nothing."""
+    del cache, int8  # a cached plan no longer decides: measuring is asked for, never implied
+    return settings().plan == "measure" and runner.device.type == "cpu" \
+        and dtype not in ("float32", "bfloat16", "float16")
 
 
 def plan_candidates(runner: Any, *, int8: bool = False) -> list[str]:
@@ -562,8 +735,9 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
                 quiet: bool = False) -> KernelPlan:
     """The plan for ``runner``: fixed by an explicit ``dtype`` ("float32" / "bfloat16" /
     "float16"), by ``CONSTRAINED_SPEC_PLAN``, read from ``cache / plan.json`` for this machine,
-    or measured now (and written there)."""
-    env = settings().plan or ""  # "measure", a fixed plan, or "" (read or measure)
+    or `flag_plan`; with ``CONSTRAINED_SPEC_PLAN=measure``, measured now and written there
+    unless the machine disturbed the measurement (then `flag_plan`, with a warning)."""
+    env = settings().plan or ""  # "measure", a fixed plan, or "" (cached, else from the flags)
     if dtype == "float32":
         return KernelPlan.uniform("fp32")
     if runner.device.type != "cpu":
@@ -581,24 +755,34 @@ def choose_plan(runner: Any, *, dtype: str, cache: Path | None, int8: bool = Fal
     path = None if cache is None else cache / PLAN_FILE
     if env != "measure":
         cached = _cached(path, key)
-        if cached is not None:
-            return _with_act(runner, cached)
+        return _with_act(runner, cached if cached is not None else flag_plan(runner, memory=memory))
+    plan = _measure_now(runner, int8=int8, memory=memory, exact=exact, quiet=quiet)
+    disturbed = Conditions(**plan.conditions).disturbed()
+    if disturbed is not None:
+        logger.warning("the kernel plan measured here is not kept: %s. The plan from the CPU's "
+                       "flags runs instead; measure again on a quiet machine with "
+                       "`constrained-spec info --measure`", disturbed)
+        return _with_act(runner, flag_plan(runner, memory=memory))
+    logger.info("kernel plan: %s", plan.describe())
+    if path is not None:
+        _store(path, key, plan)
+    return _with_act(runner, plan)
+
+
+def _measure_now(runner: Any, *, int8: bool, memory: str, exact: bool, quiet: bool) -> KernelPlan:
+    """`measure` over `plan_candidates`, two rounds, with a progress bar unless ``quiet``."""
     candidates = plan_candidates(runner, int8=int8)
     from tqdm.auto import tqdm
 
     rounds = 2
-    with tqdm(total=rounds * len(candidates), desc="measure the kernel plan (once per machine)",
+    with tqdm(total=rounds * len(candidates), desc="measure the kernel plan",
               disable=quiet, file=sys.stderr) as bar:
         def advance(kernel: str) -> None:
             bar.set_postfix_str(kernel)
             bar.update(1)
 
-        plan = measure(runner, candidates, memory=memory, repeats=rounds, exact=exact,
+        return measure(runner, candidates, memory=memory, repeats=rounds, exact=exact,
                        progress=advance, activations=settings().activations)
-    logger.info("kernel plan: %s", plan.describe())
-    if path is not None:
-        _store(path, key, plan)
-    return _with_act(runner, plan)
 
 
 def _with_act(runner: Any, plan: KernelPlan, *, fixed: bool = False) -> KernelPlan:

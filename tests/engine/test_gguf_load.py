@@ -121,23 +121,43 @@ def test_info_describes_the_plan_and_weights_of_a_gguf(tiny_gguf, capsys):
     assert d["weights"].startswith("5 of 8 linears exact 4-bit groups")
 
 
-def test_a_first_load_measures_its_plan_in_a_child_process(tiny_gguf, cs_env, monkeypatch):
+def test_a_first_load_takes_the_flag_plan_and_measures_nothing(tiny_gguf, cs_env, monkeypatch):
+    from constrained_spec.model import loading, plan
+    cs_env(CONSTRAINED_SPEC_PLAN=None)
+    monkeypatch.setattr(plan, "measure", lambda *a, **k: pytest.fail("measured at a first load"))
+    monkeypatch.setattr(loading, "_measure_plan_apart", lambda *a, **k: pytest.fail("child started"))
+    loaded = load_model(tiny_gguf, quiet=True)
+    d = loaded.describe_kernels()
+    assert d["plan_source"] == "flags" and d["times_ms"] == {} and d["plan_conditions"] == {}
+    assert not (loaded.plan_cache / plan.PLAN_FILE).exists()
+
+
+def test_an_asked_measurement_runs_in_a_child_process(tiny_gguf, cs_env, monkeypatch):
     # measuring builds dense copies of the weights for the candidates: in the serving process
     # their peak would stay in its peak RSS; a child measures and stores, the parent reads
     from constrained_spec.model import plan
-    cs_env(CONSTRAINED_SPEC_PLAN=None)
+    cs_env(CONSTRAINED_SPEC_PLAN="measure")
     monkeypatch.setattr(plan, "measure", lambda *a, **k: pytest.fail("measured in this process"))
     loaded = load_model(tiny_gguf, quiet=True)
     d = loaded.describe_kernels()
-    assert d["plan_source"] == "measured" and d["times_ms"]
-    assert (loaded.plan_cache / plan.PLAN_FILE).is_file()
+    # the child keeps the plan unless this machine disturbed its timings (then the flag plan)
+    if (loaded.plan_cache / plan.PLAN_FILE).is_file():
+        assert d["plan_source"] == "measured" and d["times_ms"] and d["plan_conditions"]["at"]
+    else:
+        assert d["plan_source"] == "flags"
 
 
 def test_a_plan_the_child_could_not_measure_is_measured_here(tiny_gguf, cs_env, monkeypatch, caplog):
     import os
     import sys
 
-    cs_env(CONSTRAINED_SPEC_PLAN=None)
+    from constrained_spec.model import plan
+
+    ticks = iter(range(10**9))  # a quiet machine, as the measurement here sees it
+    monkeypatch.setattr(plan, "_clock", lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(plan, "_load_average", lambda: 0.0)
+    monkeypatch.setattr(plan, "_cpu_times", lambda: None)
+    cs_env(CONSTRAINED_SPEC_PLAN="measure")
     monkeypatch.setattr(models, "plan_child_command", lambda spec, *, threads: (
         [sys.executable, "-c", "import sys; sys.exit('boom')"], dict(os.environ)))
     with caplog.at_level("WARNING"):

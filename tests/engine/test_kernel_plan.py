@@ -7,16 +7,31 @@ speed, not the model (within each kernel's stated rounding).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import logging
+import random
 
 import pytest
 import torch
 from test_runner_int4 import quantized_tiny_llama
 
 from constrained_spec.errors import ConfigError
-from constrained_spec.model.plan import PLAN_FILE, KernelPlan, _merge, choose_plan, machine_info, measure
+from constrained_spec.model import plan as plan_module
+from constrained_spec.model.plan import (
+    PLAN_FILE,
+    Conditions,
+    KernelPlan,
+    _merge,
+    choose_plan,
+    flag_plan,
+    machine_info,
+    measure,
+    plan_to_measure,
+)
 from constrained_spec.model.runner import LeanRunner, exact_4bit_groups
-from constrained_spec.model.weights import Int4Groups, Linear
+from constrained_spec.model.weights import ROW_INVARIANT_KERNELS, Int4Groups, Linear
+from constrained_spec.plan_syntax import ALL_ROWS
 
 CPU = torch.device("cpu")
 
@@ -121,14 +136,66 @@ def test_measured_plan_picks_the_fastest_measured_kernel_per_phase():
     assert plan.source == "measured" and runner.slots_in_use == 0
 
 
-def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, cs_env):
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """A machine nothing else runs on, as the measurement sees it: a steady clock (every timed
+    call takes 1 ms), no other load, no steal."""
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(plan_module, "_clock", lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(plan_module, "_load_average", lambda: 0.0)
+    monkeypatch.setattr(plan_module, "_cpu_times", lambda: None)
+
+
+def test_a_first_load_takes_the_flag_plan_and_times_nothing(tmp_path, cs_env, monkeypatch):
     cs_env(CONSTRAINED_SPEC_PLAN=None, CONSTRAINED_SPEC_MEMORY=None)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a first load must not time the kernels")
+
+    monkeypatch.setattr(plan_module, "measure", no_timing)
     runner = _runner()
+    plan = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    assert plan.source == "flags" and plan.times_ms == {} and plan.memory == "lean"
+    assert not (tmp_path / PLAN_FILE).exists()
+    assert plan_to_measure(runner, dtype="auto", cache=tmp_path) is False
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16 units", "avx2 only"])
+def test_the_flag_plan_follows_the_cpu_class_and_the_weights(bf16, monkeypatch):
+    monkeypatch.setattr(plan_module, "bf16_units", lambda: bf16)
+    runner = _runner()
+    plan = flag_plan(runner, memory="auto")
+    decode = "q4" if runner.supports_kernel("q4") else "int4"
+    # decode and the LM head on one row-invariant kernel: exact, as a measured plan is
+    assert plan.decode == [(ALL_ROWS, decode)] and plan.kernels() <= ROW_INVARIANT_KERNELS | {"fp32"}
+    assert plan.lm_head in ROW_INVARIANT_KERNELS and plan.kv == "bf16"
+    if bf16 and decode == "q4":
+        assert plan.prefill == [(ALL_ROWS, "q4")]
+    else:  # a long prompt on a dense product: float32 where bf16 is emulated
+        assert plan.prefill_kernel(16) == decode
+        assert plan.prefill_kernel(1000) == ("bf16" if bf16 else "fp32")
+    # the plan runs: the runner takes it and gives logits
+    runner.set_plan(plan)
+    slot = runner.new_slot()
+    assert torch.isfinite(runner.forward([slot], [[3, 9, 4]], [0], phase="prefill")).all()
+    # weights with no 4-bit groups decode on bf16
+    dense = LeanRunner(quantized_tiny_llama().to(torch.bfloat16), dtype=torch.bfloat16, device=CPU)
+    assert flag_plan(dense, memory="fast").decode == [(ALL_ROWS, "bf16")]
+
+
+def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, cs_env,
+                                                                     quiet_machine):
+    cs_env(CONSTRAINED_SPEC_PLAN="measure", CONSTRAINED_SPEC_MEMORY=None)
+    runner = _runner()
+    assert plan_to_measure(runner, dtype="auto", cache=tmp_path)
     first = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     stored = json.loads((tmp_path / PLAN_FILE).read_text())
     assert len(stored["plans"]) == 1 and first.source == "measured"
-    assert choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True).times_ms == first.times_ms
-    cs_env(CONSTRAINED_SPEC_MEMORY="lean")  # a plan of its own, measured and kept
+    cs_env(CONSTRAINED_SPEC_PLAN=None)  # read from the cache from now on
+    again = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    assert again.source == "measured" and again.times_ms == first.times_ms
+    assert again.conditions == first.conditions and again.conditions["timing_spread"] == 1.0
+    cs_env(CONSTRAINED_SPEC_PLAN="measure", CONSTRAINED_SPEC_MEMORY="lean")  # a plan of its own
     lean = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
     assert lean.memory == "lean" and len(json.loads((tmp_path / PLAN_FILE).read_text())["plans"]) == 2
     with pytest.raises(ConfigError):
@@ -138,6 +205,42 @@ def test_plan_is_cached_per_machine_and_the_environment_overrides_it(tmp_path, c
     assert fixed.source == "env" and fixed.prefill_kernel(1000) == "fp32"
     # an explicit dtype is a fixed plan: float32 everywhere is exact
     assert choose_plan(runner, dtype="float32", cache=tmp_path, quiet=True).kernels() == {"fp32"}
+
+
+def test_a_measurement_the_machine_disturbed_is_not_cached(tmp_path, cs_env, monkeypatch, caplog):
+    # a clock under which the same call takes 1 to 3 ms: what another process on the cores does
+    rng = random.Random(0)
+    now = [0.0]
+
+    def jittery() -> float:
+        now[0] += rng.uniform(1e-3, 3e-3)
+        return now[0]
+
+    monkeypatch.setattr(plan_module, "_clock", jittery)
+    monkeypatch.setattr(plan_module, "_load_average", lambda: 0.0)
+    monkeypatch.setattr(plan_module, "_cpu_times", lambda: None)
+    cs_env(CONSTRAINED_SPEC_PLAN="measure", CONSTRAINED_SPEC_MEMORY=None)
+    runner = _runner()
+    with caplog.at_level(logging.WARNING, logger="constrained_spec.model.plan"):
+        plan = choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True)
+    assert plan.source == "flags" and not (tmp_path / PLAN_FILE).exists()
+    assert "not kept" in caplog.text and ("disagreed" in caplog.text or "reference" in caplog.text)
+    # measured plans the rest of the time: the next, steady, measurement is kept
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(plan_module, "_clock", lambda: next(ticks) * 1e-3)
+    assert choose_plan(runner, dtype="auto", cache=tmp_path, quiet=True).source == "measured"
+    assert (tmp_path / PLAN_FILE).exists()
+
+
+def test_conditions_name_what_disturbed_a_measurement():
+    quiet = Conditions(at="t", load_before=0.3, load_after=2.1, steal=0.0, reference_spread=1.05,
+                       timing_spread=1.04, threads=2, cores=2)
+    assert quiet.disturbed() is None and "load average 0.3/2.1" in quiet.describe()
+    busy = dataclasses.replace(quiet, load_before=6.5)  # 4.5 runnable besides our 2 threads
+    assert "busy" in (busy.disturbed() or "")
+    assert "hypervisor" in (dataclasses.replace(quiet, steal=0.25).disturbed() or "")
+    assert "reference" in (dataclasses.replace(quiet, reference_spread=1.6).disturbed() or "")
+    assert "disagreed" in (dataclasses.replace(quiet, timing_spread=1.5).disturbed() or "")
 
 
 def test_machine_info_names_the_cpu_flags_and_torch_capability(monkeypatch):
