@@ -58,7 +58,7 @@ def time_first_object(model: str | None) -> dict[str, float | str]:
         _, err = child.communicate()
         if child.returncode != 0 or not line.strip():
             raise RuntimeError(f"first-use run failed ({child.returncode}): {err[-800:]}")
-        return {"seconds": round(seconds, 1), "load_start": round(load_start, 1),
+        return {"seconds": seconds, "load_start": round(load_start, 1),
                 "load_end": round(os.getloadavg()[0], 1), "object": line.strip()}
 
 
@@ -91,7 +91,7 @@ def table(rows: list[dict], model: str | None) -> str:
              "| condition | run | seconds to the first object | load average at start / end |",
              "| --- | ---: | ---: | --- |"]
     for r in rows:
-        lines.append(f"| {r['condition']} | {r['run']} | {r['seconds']} | "
+        lines.append(f"| {r['condition']} | {r['run']} | {float(r['seconds']):.1f} | "
                      f"{r['load_start']} / {r['load_end']} |")
     return "\n".join(lines)
 

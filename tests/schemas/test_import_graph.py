@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# package name -> source folder (pyproject's package-dir)
-PACKAGES = {"constrained_spec.schemas": ROOT / "schemas", "constrained_spec.grammar": ROOT / "grammar"}
+# package name -> source folder
+PACKAGES = {"constrained_spec.schemas": ROOT / "constrained_spec" / "schemas",
+            "constrained_spec.grammar": ROOT / "constrained_spec" / "grammar"}
 
 
 def modules() -> dict[str, Path]:
     out = {}
     for package, folder in PACKAGES.items():
-        for path in sorted(folder.glob("*.py")):
+        paths = sorted(folder.glob("*.py"))
+        # an empty folder (a moved package) would make every check below pass on nothing
+        assert paths, f"{package}: no modules in {folder}"
+        for path in paths:
             out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return out
 
