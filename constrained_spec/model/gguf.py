@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from constrained_spec.errors import ModelLoadError
+from constrained_spec.model.gguf_layout import Layout, LayoutError, read_layout, tensor_data, write_metadata_copy
 from constrained_spec.model.quant import TYPES, GroupKind
 
 logger = logging.getLogger(__name__)
@@ -250,32 +251,24 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     try:
-        from gguf import GGUFReader
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
-            load_gguf_checkpoint,
         )
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     except ImportError as e:  # an old transformers without the GGUF tensor processors
         raise ModelLoadError(f"reading GGUF weights needs gguf and a transformers with GGUF "
                              f"tensor processors: {e}") from e
 
-    # transformers' config translation first: it parses the metadata with a GGUFReader of its
-    # own, and a parsed tokenizer is big (~160 MB of Python objects for a 49k-token
-    # vocabulary), so one reader at a time
+    # one walk over the file's metadata and tensor table (gguf_layout: milliseconds where
+    # gguf-py's reader takes seconds per parse of a large vocabulary)
     try:
-        config_dict = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-        config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(dict(config_dict))
-    except Exception as e:  # not a GGUF, a truncated one, an architecture transformers lacks
-        raise ModelLoadError(f"{path.name}: could not read its config (transformers' GGUF "
-                             f"metadata translation): {type(e).__name__}: {e}") from e
-    try:
-        reader = GGUFReader(path)
-    except Exception as e:
+        layout = read_layout(path)
+        arch = layout.architecture
+        file_tensors = tensor_data(layout)
+    except (LayoutError, OSError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {type(e).__name__}: {e}") from e
-    arch = str(reader.fields["general.architecture"].contents())
+    config_dict, config = gguf_config(layout)
     _check_legacy_path(arch, path)
     processor_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     if processor_cls not in _per_tensor_processors():
@@ -290,11 +283,11 @@ def read_gguf(path: str | Path) -> GGUFModel:
         raise ModelLoadError(f"{path.name}: transformers has no causal LM for architecture "
                              f"{arch!r}: {type(e).__name__}: {e}") from e
     processor = processor_cls(config=config_dict)
-    names = _hf_names(meta, processor, {t.name for t in reader.tensors})
+    names = _hf_names(meta, processor, {t.name for t in file_tensors})
 
     tensors: dict[str, QuantTensor] = {}
     skipped = []
-    for t in reader.tensors:
+    for t in file_tensors:
         hf_name = names.get(t.name)
         if hf_name is None:
             skipped.append(t.name)
@@ -314,9 +307,65 @@ def read_gguf(path: str | Path) -> GGUFModel:
                                        row_perm, fixup)
     if skipped:
         logger.info("%s: tensors transformers does not load either: %s", path.name, skipped)
-    # the tensors are views of the reader's memory map, which they keep open; the reader's
-    # parsed metadata is dropped with it
+    # the tensors are views of one memory map of the file, which they keep open
     return GGUFModel(path, arch, config, tensors, tuple(skipped))
+
+
+def gguf_config(layout: Layout) -> tuple[dict[str, Any], Any]:
+    """``transformers``' config of the file: its own translation (``load_gguf_checkpoint``) of
+    a copy of the metadata without the long string arrays (`gguf_layout.write_metadata_copy`:
+    the same entries, the same config, without parsing the vocabulary), as its dict and as a
+    config object. Raises `ModelLoadError` when transformers cannot translate it."""
+    import tempfile
+
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = layout.path
+    try:
+        with tempfile.TemporaryDirectory(prefix="cs-gguf-meta-") as tmp:
+            copy = write_metadata_copy(layout, Path(tmp) / path.name)
+            config_dict = load_gguf_checkpoint(str(copy), return_tensors=False)["config"]
+        config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(dict(config_dict))
+    except Exception as e:  # an architecture transformers lacks, a malformed entry
+        raise ModelLoadError(f"{path.name}: could not read its config (transformers' GGUF "
+                             f"metadata translation): {type(e).__name__}: {e}") from e
+    return config_dict, config
+
+
+def gguf_tokenizer(path: Path, config: Any) -> Any:
+    """``transformers``' tokenizer of the GGUF file ``path`` (``config``: its `gguf_config`):
+    the class ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` picks, built from the
+    file by that class, without AutoTokenizer's own parse of the whole file for the config
+    (``load_gguf_checkpoint``: 13 s for a 262k-token vocabulary). Where the class is not
+    certain (`_tokenizer_class`), AutoTokenizer itself."""
+    from transformers import AutoTokenizer
+
+    cls = _tokenizer_class(path, config)
+    if cls is None:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return cls.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _tokenizer_class(path: Path, config: Any) -> Any:
+    """The class AutoTokenizer picks for a GGUF whose folder holds no ``tokenizer_config.json``
+    and whose config names no ``tokenizer_class``: the one registered for the config's class
+    (``TOKENIZER_MAPPING``), ``TokenizersBackend`` where none is (transformers 5's rule; the
+    tests compare it with AutoTokenizer on each family's files). None where AutoTokenizer may
+    decide otherwise: a ``tokenizer_config.json`` beside the file, a config naming a class,
+    a Mistral backend, a transformers without its GGUF tokenizer reader."""
+    try:
+        from transformers.integrations.gguf import get_gguf_tokenizer  # noqa: F401
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if (path.parent / "tokenizer_config.json").exists() or getattr(config, "tokenizer_class", None):
+        return None
+    cls = TOKENIZER_MAPPING.get(type(config), TokenizersBackend)
+    if not isinstance(cls, type) or cls.__name__ == "MistralCommonBackend":
+        return None
+    return cls
 
 
 def _check_legacy_path(arch: str, path: Path) -> None:

@@ -677,24 +677,24 @@ def _convert_gguf(gguf: Path, tmp: Path, quiet: bool) -> None:
     config.dtype = "bfloat16"
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    _gguf_tokenizer(gguf).save_pretrained(tmp)
+    _gguf_tokenizer(gguf, g.config).save_pretrained(tmp)
 
 
-def _gguf_tokenizer(gguf: Path) -> Any:
-    """The tokenizer in ``gguf``'s metadata (transformers' GGUF conversion); a `ModelLoadError`
+def _gguf_tokenizer(gguf: Path, config: Any) -> Any:
+    """The tokenizer in ``gguf``'s metadata (transformers' GGUF conversion, `gguf.gguf_tokenizer`;
+    ``config``: the file's transformers config); a `ModelLoadError`
     naming the file when it has none (no ``tokenizer.ggml.*`` entries: transformers says
     ``ValueError: Cannot build a tokenizer ... stating tokenizer None``) or transformers cannot
     build it."""
-    from transformers import AutoTokenizer
+    from constrained_spec.model.gguf import gguf_tokenizer
+    from constrained_spec.model.gguf_layout import LayoutError, read_layout
 
     try:
-        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        return gguf_tokenizer(gguf, config)
     except Exception as e:  # transformers raises many kinds; say which file failed and why
         try:
-            from gguf import GGUFReader
-
-            keys: set[str] | None = set(GGUFReader(gguf).fields)
-        except Exception:
+            keys: set[str] | None = set(read_layout(gguf).entries)
+        except (LayoutError, OSError):
             keys = None
         wanted = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
         missing = [k for k in wanted if keys is not None and k not in keys]

@@ -521,7 +521,7 @@ def test_missing_or_malformed_file_raises_model_load_error(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         read_gguf(tmp_path / "nope.gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(ModelLoadError, match="junk.gguf: could not read its config"):
+    with pytest.raises(ModelLoadError, match="junk.gguf is not a readable GGUF file"):
         read_gguf(tmp_path / "junk.gguf")
 
 
