@@ -3,8 +3,9 @@
 ``transformers`` loads a GGUF by dequantizing every tensor to float32 (about 3.6x the peak
 memory of llama.cpp on the same file), and only a Q4_1 file reaches a packed kernel afterwards
 (``runner.exact_4bit_groups`` finds the exact 4-bit groups again in the float weights). Here the
-file is memory-mapped (gguf-py's ``GGUFReader``) and each tensor is unpacked only when asked
-for, straight from its blocks. What each GGML type unpacks to is its row of `quant.TYPES`:
+file is memory-mapped (its layout read by `gguf_layout`: one walk over the metadata, where
+gguf-py's ``GGUFReader`` takes seconds for a large vocabulary) and each tensor is unpacked only
+when asked for, straight from its blocks. What each GGML type unpacks to is its row of `quant.TYPES`:
 
 - `QuantTensor.dequantize` -- the file's own dequantization (gguf-py's ``dequantize``, the one
   ``transformers`` runs), equal to ``transformers``' load of the same file;
@@ -21,7 +22,9 @@ None of them holds a dense float32 copy of more than one tensor; ``int8_rows`` a
 ``dequantize`` work through the rows in chunks of about 4 MB of float32.
 
 Everything model-specific is ``transformers``' own, so the result equals its GGUF loading:
-the config (``load_gguf_checkpoint(path, return_tensors=False)``), the tensor names (its
+the config (``load_gguf_checkpoint(..., return_tensors=False)``, on a copy of the metadata
+without the tokenizer's arrays: `gguf_config`), the tokenizer (the class AutoTokenizer picks:
+`gguf_tokenizer`), the tensor names (its
 ``get_gguf_hf_weights_map`` over the model's state-dict keys, built on the meta device, which
 uses gguf-py's ``TensorNameMap``) and the per-architecture fix-ups (its ``TENSOR_PROCESSORS``).
 A fix-up that only reorders rows -- the q/k un-permutation of llama-arch files, which
