@@ -269,7 +269,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         layout = read_layout(path)
         arch = layout.architecture
         file_tensors = tensor_data(layout)
-    except (LayoutError, OSError, UnicodeDecodeError) as e:
+    except (LayoutError, OSError) as e:  # strings decode with replacement, never raise
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {type(e).__name__}: {e}") from e
     config_dict, config = gguf_config(layout)
     _check_legacy_path(arch, path)
@@ -316,7 +316,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
 def gguf_config(layout: Layout) -> tuple[dict[str, Any], Any]:
     """``transformers``' config of the file: its own translation (``load_gguf_checkpoint``) of
-    a copy of the metadata without the long string arrays (`gguf_layout.write_metadata_copy`:
+    a copy of the metadata without the tokenizer's arrays (`gguf_layout.write_metadata_copy`:
     the same entries, the same config, without parsing the vocabulary), as its dict and as a
     config object. Raises `ModelLoadError` when transformers cannot translate it."""
     import tempfile

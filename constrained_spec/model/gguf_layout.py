@@ -6,7 +6,9 @@ gguf-py's ``GGUFReader`` builds a numpy view for every part of every metadata va
 machine, and ``transformers`` parses the file with it again for the config
 (``load_gguf_checkpoint``) and once more for the tokenizer's config. This module walks the
 same bytes with ``struct`` and keeps only offsets (the layout is the GGUF specification's:
-little-endian, versions 2 and 3):
+little-endian, versions 2 and 3). transformers 5.25's own fast reader (``GgufHeader``) gives
+the tensor table but not the entries' byte spans the copy below needs, and older releases (the
+vLLM environment's) do not have it:
 
 - `read_layout` -- every metadata entry (its key, type, byte span and, but for arrays of
   strings, its value), every tensor's name, dimensions, GGML type and offset, the alignment and
@@ -97,13 +99,18 @@ class _Cursor:
     def __init__(self, buf: Any, size: int) -> None:
         self.buf, self.size, self.pos = buf, size, 0
 
-    def take(self, fmt: str) -> Any:
-        width = struct.calcsize(fmt)
+    def many(self, fmt: str, count: int) -> tuple[Any, ...]:
+        """``count`` values of the one-letter struct format ``fmt``, little-endian."""
+        width = struct.calcsize(f"<{fmt}") * count
         if self.pos + width > self.size:
             raise LayoutError("the file ends inside its metadata")
-        value = struct.unpack_from(fmt, self.buf, self.pos)
+        values = struct.unpack_from(f"<{count}{fmt}", self.buf, self.pos)
         self.pos += width
-        return value if len(value) > 1 else value[0]
+        return values
+
+    def take(self, fmt: str) -> Any:
+        """One value of the struct format ``fmt`` (``"<Q"``)."""
+        return self.many(fmt.removeprefix("<"), 1)[0]
 
     def string(self) -> str:
         n = self.take("<Q")
@@ -180,7 +187,7 @@ def _parse(path: Path, buf: Any, size: int) -> Layout:
     for _ in range(n_tensors):
         name = c.string()
         n_dims = c.take("<I")
-        dims = tuple(int(d) for d in (c.take(f"<{n_dims}Q") if n_dims > 1 else (c.take("<Q"),)))
+        dims = tuple(int(d) for d in c.many("Q", n_dims))
         ggml_type, offset = c.take("<I"), c.take("<Q")
         tensors.append(TensorEntry(name, dims, ggml_type, offset))
     align_entry = entries.get("general.alignment")
