@@ -753,16 +753,34 @@ class LeanRunner(RunnerBase):
         """Every decoder layer on x [B, T, D] in one native call; each kept layer's input into
         ``kept`` (as the torch layers keep them)."""
         B, T, D = x.shape
-        R = B * T
-        keep = [torch.empty(B, T, D, dtype=x.dtype) if i in self.feature_layers else None
+        # only the real rows run: a batch of requests with different draft lengths is padded
+        # to its longest, and a padded row would cost what a real one does (each row is
+        # computed alone, so leaving the padding out changes no real row's bits)
+        real = None if all(n == T for n in fb.lengths) else torch.tensor(
+            [b * T + j for b, n in enumerate(fb.lengths) for j in range(n)], dtype=torch.long)
+
+        def rows(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            return t if real is None else t.index_select(dim, real)
+
+        R = B * T if real is None else len(real)
+        keep = [torch.empty(R, D, dtype=x.dtype) if i in self.feature_layers else None
                 for i in range(self.n_layers)]
         ropes, windows = self._native_tables()
-        rope = [(fb.rope[key][0].reshape(R, -1), fb.rope[key][1].reshape(R, -1)) for key in ropes]
-        write = torch.stack([t.reshape(R) for t in fb.write_idx])
-        out = stack(x.reshape(R, D).contiguous(), write, self.k_cache, self.v_cache, rope,
-                    [fb.native[w] for w in windows], keep)
-        kept.update({i: t for i, t in enumerate(keep) if t is not None})
-        return out.view(B, T, D)
+        rope = [(rows(fb.rope[key][0].reshape(B * T, -1)).contiguous(),
+                 rows(fb.rope[key][1].reshape(B * T, -1)).contiguous()) for key in ropes]
+        write = rows(torch.stack([t.reshape(B * T) for t in fb.write_idx]), 1).contiguous()
+        out = stack(rows(x.reshape(B * T, D)).contiguous(), write, self.k_cache, self.v_cache, rope,
+                    [rows(fb.native[w], 1).contiguous() for w in windows], keep)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [R, D] -> [B, T, D], zeros in the padding
+            if real is None:
+                return t.view(B, T, D)
+            full = torch.zeros(B * T, D, dtype=t.dtype)
+            full[real] = t
+            return full.view(B, T, D)
+
+        kept.update({i: padded(t) for i, t in enumerate(keep) if t is not None})
+        return padded(out)
 
     def _layer(self, i: int, L: LayerWeights, x: torch.Tensor, fb: _ForwardBatch) -> torch.Tensor:
         """Decoder layer ``i`` on x [B, T, D]: attention (its k / v written to the cache), MLP."""

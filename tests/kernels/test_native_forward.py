@@ -132,7 +132,24 @@ def test_native_verify_and_batched_rows_equal_one_row_decodes(name, native_calls
     r.forward([short, mine, long_], [prompt[:9], prompt, prompt + tokens(V, 40, 5)], [0, 0, 0])
     logits = r.forward([short, mine, long_], [drafts[:1], drafts, drafts[:3]], [1, 7, 3])
     assert torch.equal(logits[1:8], decodes)
-    assert native_calls[-1] == 3 * 7  # padded to 7 rows each, in one call
+    assert native_calls[-1] == 1 + 7 + 3  # the real rows only (no padding), in one call
+
+
+def test_a_request_batched_with_shorter_ones_keeps_the_features_it_keeps_alone(native_calls):
+    model = model_of("llama3")
+    V = model.config.vocab_size
+    layers = feature_layers(model.config)
+    r = runner(model, native=True)
+    r.enable_features(layers)
+    prompt, drafts = tokens(V, 12, 6), tokens(V, 5, 7)
+    alone = r.new_slot()
+    r.forward([alone], [prompt], [0])
+    r.forward([alone], [drafts], [5])
+    other, mine = r.new_slot(), r.new_slot()
+    r.forward([other, mine], [prompt[:3], prompt], [0, 0])
+    r.forward([other, mine], [drafts[:1], drafts], [1, 5])
+    assert native_calls[-1] == 1 + 5
+    assert torch.equal(r.features(mine, 12, 17, layers), r.features(alone, 12, 17, layers))
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma2", "qwen3"])
