@@ -47,7 +47,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,7 +89,7 @@ def with_messages(tasks: list[dict]) -> list[dict]:
 def workload(tasks: list[dict], repeats: int, mode: str) -> list[dict]:
     """The requests of one level: every task ``repeats`` times, interleaved (task 0, 1, ...,
     then again); in ``cold`` mode each request's schema carries a description of its own."""
-    out = []
+    out: list[dict] = []
     for r in range(repeats):
         for t in tasks:
             schema = t["schema"]

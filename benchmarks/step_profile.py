@@ -61,7 +61,7 @@ def profile(generator: Any, tasks: list[dict], batch: int) -> dict[str, Any]:
     timing.StepTimer.charge = charge  # type: ignore[method-assign]
     runner.forward = forward
     engine._prefill = prefill
-    done = []
+    done: list[Any] = []
     t0 = time.perf_counter()
     try:
         while waiting or engine.running:
@@ -107,7 +107,8 @@ def render(rows: list[dict]) -> str:
     out = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
     for r in rows:
         per_row = r["forward_ms"] / r["rows_per_forward"] if r["rows_per_forward"] else 0.0
-        out.append(f"| {r['batch']} | {r['steps']} ({r['full_steps']}) | {r['rows_per_forward']:.1f} ({r['padded_per_forward']:.0f}) | "
+        out.append(f"| {r['batch']} | {r['steps']} ({r['full_steps']}) | "
+                   f"{r['rows_per_forward']:.1f} ({r['padded_per_forward']:.0f}) | "
                    f"{r['drafting_ms']:.1f} | {r['grammar_ms']:.1f} | {r['forward_ms']:.1f} | "
                    f"{r['verify_ms']:.1f} | {r['step_ms']:.1f} | {per_row:.2f} | "
                    f"{r['prefill_s']:.2f} ({r['prefills']}) | {r['tokens_per_forward']:.2f} | "
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from constrained_spec import Generator
 
     spec = None if args.speculative is None else json.loads(args.speculative)
-    generator = Generator(speculative=spec)
+    generator: Any = Generator(speculative=spec)
     tasks = with_messages(load_tasks(args.tasks)) * args.repeats
     profile(generator, tasks[:2], 1)  # warm: compiles, kernels
     rows = [profile(generator, tasks, int(b)) for b in args.batch.split(",")]
