@@ -28,6 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* inputs per group (one scale, one min): the one group size of both kernels (cpu_native.py's
    GROUP checks it before a weight is packed) */
@@ -175,6 +178,117 @@ static const block_fn BLOCKS[MAXB + 1] = {
 };
 
 int cs_q4_tile(void) { return TILE; }
+
+/* Several tiles at once (the AVX2 build). A row's group sum over a tile is one chain of 32
+   dependent FMAs (k in order: that order is the row's bits), so one tile of one row keeps a
+   single chain in flight and the FMA unit waits on its latency most of the time. NT tiles of MB
+   rows give MB * NT independent chains, each computed exactly as the one-tile block computes
+   it (same operations, same order): the same bits, for any number of rows or tiles. Tiles are
+   `stride` bytes apart in the pack; tile j's results go to out + j * MAXB * TILE. */
+#if !defined(__AVX512BF16__)
+#define DEF_BLOCKN(MB, NT)                                                                        \
+static void blockn_##MB##_##NT(const uint8_t *wp, size_t stride, int half, const float *x,      \
+                               const float *sx, int K, float *out) {                             \
+    const __m256i low4 = _mm256_set1_epi32(0xF);                                                 \
+    const int G = K / GROUP;                                                                     \
+    __m256 tot[MB][NT];                                                                          \
+    for (int m = 0; m < MB; m++)                                                                 \
+        for (int j = 0; j < NT; j++) tot[m][j] = _mm256_setzero_ps();                            \
+    for (int g = 0; g < G; g++) {                                                                \
+        __m256 acc[MB][NT];                                                                      \
+        for (int m = 0; m < MB; m++)                                                             \
+            for (int j = 0; j < NT; j++) acc[m][j] = _mm256_setzero_ps();                        \
+        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);                                  \
+        for (int s = 0; s < GROUP / 2; s++) {                                                    \
+            const int k = g * GROUP + s * 2;                                                     \
+            __m256 lo[NT], hi[NT];                                                               \
+            for (int j = 0; j < NT; j++) {                                                       \
+                __m256i w = _mm256_cvtepu8_epi32(                                                \
+                    _mm_loadl_epi64((const __m128i *)(gp + j * stride + s * 8)));                \
+                lo[j] = _mm256_cvtepi32_ps(_mm256_and_si256(w, low4));                           \
+                hi[j] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));                             \
+            }                                                                                    \
+            for (int m = 0; m < MB; m++) {                                                       \
+                const __m256 xa = _mm256_broadcast_ss(x + (size_t)m * K + k);                    \
+                const __m256 xb = _mm256_broadcast_ss(x + (size_t)m * K + k + 1);                \
+                for (int j = 0; j < NT; j++) {                                                   \
+                    acc[m][j] = _mm256_fmadd_ps(lo[j], xa, acc[m][j]);                           \
+                    acc[m][j] = _mm256_fmadd_ps(hi[j], xb, acc[m][j]);                           \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+        for (int j = 0; j < NT; j++) {                                                           \
+            const uint8_t *sp = gp + j * stride + GROUP * TILE / 2;                               \
+            const __m256 sc = VLOAD_SCALES(sp, half);                                            \
+            const __m256 mn = VLOAD_SCALES(sp + TILE * (half ? 2 : 4), half);                    \
+            for (int m = 0; m < MB; m++) {                                                       \
+                tot[m][j] = _mm256_fmadd_ps(acc[m][j], sc, tot[m][j]);                           \
+                tot[m][j] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[(size_t)m * G + g]), tot[m][j]); \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++)                                                                 \
+        for (int j = 0; j < NT; j++) _mm256_storeu_ps(out + j * MAXB * TILE + m * TILE, tot[m][j]); \
+}
+DEF_BLOCKN(1, 8) DEF_BLOCKN(1, 4) DEF_BLOCKN(1, 2) DEF_BLOCKN(2, 4) DEF_BLOCKN(2, 2)
+DEF_BLOCKN(3, 2) DEF_BLOCKN(4, 2)
+
+typedef void (*blockn_fn)(const uint8_t *, size_t, int, const float *, const float *, int, float *);
+/* [MB][log2 NT]: the multi-tile blocks (0 where MB * NT would pass 8 chains: registers) */
+static const blockn_fn BLOCKN[MAXB + 1][4] = {
+    {0, 0, 0, 0},
+    {0, blockn_1_2, blockn_1_4, blockn_1_8},
+    {0, blockn_2_2, blockn_2_4, 0},
+    {0, blockn_3_2, 0, 0},
+    {0, blockn_4_2, 0, 0},
+};
+#define UNIT_MAX 8
+#else
+#define UNIT_MAX 1
+#endif
+
+/* mb rows (x, sx as the blocks take them) times nt tiles from wp (stride bytes apart) into
+   out + j * MAXB * TILE for tile j: the widest multi-tile blocks first, one tile at a time for
+   the rest. */
+static void q4_tiles(const uint8_t *wp, size_t stride, int nt, int half, const xelem *x,
+                     const float *sx, int K, int mb, float *out) {
+    int j = 0;
+#if !defined(__AVX512BF16__)
+    for (int l = 3; l >= 1; l--)
+        while (BLOCKN[mb][l] && nt - j >= (1 << l)) {
+            BLOCKN[mb][l](wp + (size_t)j * stride, stride, half, x, sx, K, out + (size_t)j * MAXB * TILE);
+            j += 1 << l;
+        }
+#endif
+    for (; j < nt; j++)
+        BLOCKS[mb](wp + (size_t)j * stride, half, x, sx, K, out + (size_t)j * MAXB * TILE);
+}
+
+/* Tiles per unit of work that the threads share (q4_tiles' nt): the widest of 8, 4, 2 whose
+   unit count splits evenly over `threads` or gives each thread at least 8 units. */
+static int q4_unit(int T, int threads) {
+    for (int u = UNIT_MAX; u > 1; u /= 2) {
+        const int units = (T + u - 1) / u;
+        if (units % threads == 0 || units >= 8 * threads) return u;
+    }
+    return 1;
+}
+
+static int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
 
 /* x: bf16 bits [M, K]; pack: N / TILE tiles of K / 32 groups (GROUP_BYTES each); y: [M, N], bf16
    bits when out_bf16, else fp32. Returns 0, or -1 when out of memory. */
@@ -361,14 +475,16 @@ int cs_q4_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
     amx_gemm(4, GROUP, x, sx, M, K, N, pack, half, 1, y, out_bf16);
 #else
     const int G = K / GROUP, T = N / TILE;
+    const size_t stride = (size_t)G * GROUP_BYTES(half);
+    const int unit = q4_unit(T, max_threads());
     #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) {
-        const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
-        float out[MAXB * TILE];
+    for (int u = 0; u < (T + unit - 1) / unit; u++) {
+        const int t0 = u * unit, nt = T - t0 < unit ? T - t0 : unit;
+        float out[UNIT_MAX * MAXB * TILE];
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
-            BLOCKS[mb](wp, half, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
-            rows_out(out, mb, m0, N, t, y, out_bf16);
+            q4_tiles(pack + t0 * stride, stride, nt, half, x + (size_t)m0 * K, sx + (size_t)m0 * G, K, mb, out);
+            for (int j = 0; j < nt; j++) rows_out(out + j * MAXB * TILE, mb, m0, N, t0 + j, y, out_bf16);
         }
     }
 #endif
@@ -1044,6 +1160,21 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
         return;
     }
 #endif
+    if (w->bits == 4 && !xq) {  /* several tiles a unit (q4_tiles) */
+        const int unit = q4_unit(T, team_size());
+        #pragma omp for schedule(static)
+        for (int u = 0; u < (T + unit - 1) / unit; u++) {
+            const int t0 = u * unit, nt = T - t0 < unit ? T - t0 : unit;
+            float out[UNIT_MAX * MAXB * TILE];
+            for (int m0 = 0; m0 < M; m0 += MAXB) {
+                const int mb = M - m0 < MAXB ? M - m0 : MAXB;
+                q4_tiles(w->pack + (size_t)t0 * tile_bytes, tile_bytes, nt, w->half, xe + (size_t)m0 * K,
+                         sx + (size_t)m0 * G, K, mb, out);
+                for (int j = 0; j < nt; j++) lin_out(w, out + j * MAXB * TILE, mb, m0, t0 + j, y);
+            }
+        }
+        return;
+    }
     #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = w->pack + (size_t)t * tile_bytes;

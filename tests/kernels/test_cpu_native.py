@@ -77,6 +77,26 @@ def test_a_row_has_the_same_bits_among_any_number_of_rows(build, bits):
 
 
 @pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("tiles", [1, 3, 13, 24, 37])
+def test_a_row_has_the_same_bits_whatever_tiles_share_its_work(build, tiles):
+    # the AVX2 build runs 1..8 tiles at once by the row count, the tile count and the threads
+    # (q4_tiles / q4_unit): every split gives each row the one-tile block's bits
+    n = tiles * cpu_native.tile(build)
+    p = cpu_native.pack(*groups(n, 64, seed=7, half=False), build=build)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    alone = torch.cat([cpu_native.matmul(x[i: i + 1], p, out_dtype=torch.float32) for i in range(9)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):  # (torch's OpenMP threads are the kernels')
+            torch.set_num_threads(threads)
+            for rows in range(1, 10):
+                got = cpu_native.matmul(x[:rows], p, out_dtype=torch.float32)
+                assert torch.equal(got, alone[:rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("build", BUILDS)
 def test_pack_gives_back_q_and_rejects_what_does_not_fit(build):
     q, scale, minimum = groups(32, 64, seed=7, half=False)
     assert torch.equal(cpu_native.unpack_q(cpu_native.pack(q, scale, minimum, build=build)), q)
