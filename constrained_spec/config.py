@@ -56,6 +56,11 @@ class SpeculativeConfig:
         Cap on forced drafts per step, 0..64 (they are nearly free to verify, but not entirely).
     prompt_lookup_max, prompt_lookup_min:
         The longest and shortest n-gram the ``ngram`` drafter matches (1..32).
+    adaptive:
+        Size each request's drafts to the load (`generation.budget`): verify a draft only
+        while its expected accepted tokens pay for its row at this batch's measured cost;
+        forced tokens are always verified. On by default, where the runner is row-invariant
+        (the exact CPU runner): there outputs are the same either way.
     """
 
     method: SpeculativeMethod | None = "ngram"
@@ -65,6 +70,7 @@ class SpeculativeConfig:
     max_forced_tokens: int = 16
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -91,6 +97,9 @@ class SpeculativeConfig:
             raise ConfigError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max <= "
                               f"{MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_min!r:.20} and "
                               f"{self.prompt_lookup_max!r:.20}", option="speculative.prompt_lookup_min")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"must be true or false, got {self.adaptive!r:.40}",
+                              option="speculative.adaptive")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SpeculativeConfig":

@@ -114,6 +114,11 @@ class Settings:
     build instead of ``amx``) on a CPU and OS that offer them; their 4-bit products then round
     as on any AVX-512-BF16 CPU. Default: on (AMX where granted)."""
 
+    prefix_cache_mb: int = 256
+    """``CONSTRAINED_SPEC_PREFIX_CACHE_MB``: the bound, in MiB, of the exact runner's cache of
+    prompt prefixes (the keys and values of prompt blocks shared by requests: a schema's
+    system message; ``model/prefix_cache.py``); 0 turns it off. Default: 256."""
+
     debug: bool = False
     """``CONSTRAINED_SPEC_DEBUG``: on makes the command line print the traceback of an
     unexpected internal error. Default: off."""
@@ -157,7 +162,17 @@ class Settings:
             int4=parse_bool(PREFIX + "INT4", raw("INT4"), default=True),
             amx=parse_bool(PREFIX + "AMX", raw("AMX"), default=True),
             debug=parse_bool(PREFIX + "DEBUG", raw("DEBUG"), default=False),
+            prefix_cache_mb=_megabytes(PREFIX + "PREFIX_CACHE_MB", raw("PREFIX_CACHE_MB"), default=256),
         )
+
+
+def _megabytes(name: str, value: str | None, *, default: int) -> int:
+    """A whole number of MiB, 0 or more; ``None`` -> ``default``."""
+    if value is None:
+        return default
+    if not value.isdigit():
+        raise ConfigError(f"{value!r} is not a whole number of MiB (0 or more)", option=name)
+    return int(value)
 
 
 def parse_bool(name: str, value: str | None, *, default: bool) -> bool:

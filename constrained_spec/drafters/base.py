@@ -136,6 +136,20 @@ class DraftState:
         self.q.append(q)
         return True
 
+    def forced_flags(self) -> list[bool]:
+        """Per draft, whether it is a forced token."""
+        forced = set(self.forced_at)
+        return [j in forced for j in range(len(self.tokens))]
+
+    def cut(self, keep: int) -> int:
+        """Keep only the first ``keep`` drafts (their mask rows stay as recorded); returns the
+        drafts kept."""
+        if keep < len(self.tokens):
+            del self.tokens[keep:], self.q[keep:]
+            self.forced_at = [j for j in self.forced_at if j < keep]
+            self.num_forced = len(self.forced_at)
+        return len(self.tokens)
+
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """What a SAMPLING drafter draws its next draft from: its raw logits (float [V]) masked
         by the grammar at this position, then the repetition guard and temperature / top-k /

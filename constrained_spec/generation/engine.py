@@ -44,6 +44,7 @@ from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters.base import Drafter, DraftState, GrammarCursor
 from constrained_spec.drafters.forced import ForcedDrafter
 from constrained_spec.errors import ConfigError, GenerationError
+from constrained_spec.generation.budget import Acceptance, DraftBudget
 from constrained_spec.generation.logprobs import TokenLogprob, request_rows, row_logprobs
 from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
@@ -93,6 +94,8 @@ class Request:
     resumed: bool = False  # continues a failed attempt's output (generation/retry.py)
     #: per committed token, when ``params.logprobs`` is set (`generation.logprobs`)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: its model drafts' acceptance, for the draft budget (`generation.budget`)
+    draft_acceptance: Acceptance = field(default_factory=Acceptance)
 
     @property
     def finished(self) -> bool:
@@ -325,6 +328,11 @@ class Engine:
             speculative is not None and speculative.forced and speculative.max_forced_tokens > 0) else None
         self.drafter = drafter
         self.k = speculative.num_speculative_tokens if (speculative and drafter) else 0
+        #: sizes each request's drafts to the load; None: every draft is verified. Only on a
+        #: row-invariant runner: the cuts follow measured times, and where a row's bits depend
+        #: on the rows beside it they would make an output depend on the machine's timing
+        self.budget = DraftBudget() if (speculative is not None and speculative.adaptive
+                                        and getattr(runner, "row_invariant", False)) else None
         self.max_batch_size = max_batch_size
         self.vocab_size = runner.vocab_size
         self.words = (self.vocab_size + 31) // 32
@@ -395,10 +403,16 @@ class Engine:
     def _prefill(self, reqs: Sequence[Request]) -> None:
         t0 = time.perf_counter()
         batch = [r for r in reqs if len(r.prompt_ids) > 1]
-        if batch:
+        computed = [len(r.prompt_ids) - 1 for r in batch]
+        prefill = getattr(self.runner, "prefill", None)  # a runner of ours (RunnerBase) has it
+        if batch and prefill is not None:  # prompt prefixes may come from the runner's cache
+            computed = prefill([r.slot for r in batch], [r.prompt_ids[:-1] for r in batch])
+        elif batch:
             self.runner.forward([r.slot for r in batch], [r.prompt_ids[:-1] for r in batch],
                                 [0] * len(batch))
         dt = time.perf_counter() - t0
+        for r, n in zip(batch, computed):
+            r.stats.cached_prompt_tokens = len(r.prompt_ids) - 1 - n
         for r in reqs:
             r.stats.prefill_s += dt / len(reqs)
             r.stats.prompt_tokens = len(r.prompt_ids)
@@ -467,6 +481,8 @@ class Engine:
         with timer.measure("commit"):
             self._commit_all(batch, result)
         timer.charge([r.stats for r in batch.reqs])
+        if self.budget is not None:
+            self.budget.observe_step(sum(batch.num_rows), timer.elapsed())
 
     def _live(self) -> list[Request]:
         """The requests this step works on; cancelled ones finish here."""
@@ -509,8 +525,13 @@ class Engine:
             return None
         if len(kept) < len(reqs):
             bitmask = bitmask[[index[id(r)] for r in kept]]
-        return StepBatch.build(kept, [drafted[id(r)][0] for r in kept],
-                               [drafted[id(r)][1] for r in kept], bitmask, self.vocab_size)
+        states = [drafted[id(r)][0] for r in kept]
+        rows = [drafted[id(r)][1] for r in kept]
+        if self.budget is not None and any(s.tokens for s in states):
+            cuts = self.budget.cuts([(r.draft_acceptance, s.forced_flags()) for r, s in zip(kept, states)])
+            if cuts is not None:
+                rows = [min(n, s.cut(keep) + 1) for s, n, keep in zip(states, rows, cuts)]
+        return StepBatch.build(kept, states, rows, bitmask, self.vocab_size)
 
     def _new_state(self, r: Request, rows: torch.Tensor, timer: StepTimer) -> DraftState:
         """A fresh proposal for ``r`` over its mask rows (int32 [R, W]), with a fresh fork."""
@@ -632,6 +653,8 @@ class Engine:
         """The emitted tokens to ``r``'s real matcher and output (up to a stop or max_tokens),
         its cache cut to the accepted positions, its stats and its ``on_tokens`` callback."""
         st = r.stats
+        if self.budget is not None:
+            self.budget.record(r.draft_acceptance, s.forced_flags(), n_acc)
         st.drafted_tokens += len(s.tokens)
         st.forced_tokens += sum(1 for i in s.forced_at if i < n_acc)
         st.forced_drafted += s.num_forced

@@ -17,6 +17,7 @@ from typing import Any
 @dataclass
 class SpecStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, read from the runner's prefix cache, not computed
     emitted_tokens: int = 0
     target_forwards: int = 0
     drafted_tokens: int = 0
@@ -72,7 +73,7 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> "SpecStats":
         out = SpecStats()
-        for name in ("prompt_tokens", "emitted_tokens", "target_forwards", "drafted_tokens",
+        for name in ("prompt_tokens", "cached_prompt_tokens", "emitted_tokens", "target_forwards", "drafted_tokens",
                      "accepted_tokens", "forced_drafted", "forced_tokens", "prefill_s", "drafting_s",
                      "grammar_s", "target_forward_s", "verification_s", "step_s", "attempts",
                      "loops_detected", "loop_tokens_saved"):

@@ -41,6 +41,10 @@ class StepTimer:
         yield
         setattr(self, stage, getattr(self, stage) + time.perf_counter() - t0)
 
+    def elapsed(self) -> float:
+        """Seconds since the step started."""
+        return time.perf_counter() - self.started
+
     def charge(self, stats: Sequence[SpecStats]) -> None:
         """One target forward and an equal share of every stage to each request's stats."""
         n = len(stats)

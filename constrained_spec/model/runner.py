@@ -72,10 +72,12 @@ from constrained_spec.kernels import cpu_native, native_forward
 from constrained_spec.model.attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
 from constrained_spec.model.families import Family, FamilySpec, UnsupportedModel, layer_linears
 from constrained_spec.model.plan import KernelPlan, exact_mode
+from constrained_spec.model.prefix_cache import Prefiller, prefix_cache_bytes
 from constrained_spec.model.protocols import feature_source
 from constrained_spec.model.slots import SlotAllocator
 from constrained_spec.model.weights import (
     ACT_DTYPE,
+    ROW_INVARIANT_KERNELS,
     Int4Groups,
     Linear,
     Q8Groups,
@@ -210,6 +212,13 @@ class RunnerBase(SlotAllocator):
                 num_logits: Sequence[int]) -> torch.Tensor:
         raise NotImplementedError
 
+    def prefill(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[int]:
+        """Append prompt ``tokens[i]`` to empty slot ``slots[i]`` (no logits); per slot, the
+        tokens computed (`LeanRunner` reads cached prefixes: `prefix_cache`)."""
+        if slots:
+            self.forward(slots, tokens, [0] * len(slots))
+        return [len(t) for t in tokens]
+
     def enable_features(self, layers: Sequence[int]) -> None:
         feature_source(self)  # raises the ConfigError: this runner keeps no hidden states
 
@@ -283,6 +292,8 @@ class LeanRunner(RunnerBase):
         # True here, or a plan with act="int8" (CONSTRAINED_SPEC_ACTIVATIONS), turns it on
         self.int8_activations = False
         self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
+        # prompts on the row-invariant path after their longest cached prefix
+        self.prefiller = Prefiller(self, prefix_cache_bytes())
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
@@ -399,8 +410,20 @@ class LeanRunner(RunnerBase):
             self.head.drop_dense()  # an untied head run packed: the pack is its one copy
         self.reset_cache()
 
+    def prefill(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[int]:
+        return self.prefiller.prefill(slots, tokens)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a decode / verify row's bits are its own whatever else the forward holds:
+        exact, on a row-invariant decode kernel (not float32's GEMM). Where they are, what
+        runs beside a row (other requests, drafts, a prompt) cannot change it."""
+        return bool(self.exact) and self.plan.decode_kernel(1) in ROW_INVARIANT_KERNELS
+
     def reset_cache(self) -> None:
-        """Drop every slot's cache (lengths too) and reallocate it in the plan's KV dtype."""
+        """Drop every slot's cache (lengths too) and the prefix cache, and reallocate it in the
+        plan's KV dtype."""
+        self.prefiller.cache.clear()
         for s in list(self._lengths):
             self._lengths[s] = 0
         self.kv_dtype = torch.float32 if self.plan.kv == "fp32" else torch.bfloat16
@@ -434,6 +457,7 @@ class LeanRunner(RunnerBase):
         if union != self.feature_layers:
             self.feature_layers = union
             self.f_cache = None
+            self.prefiller.cache.clear()  # its blocks hold no hidden states of these layers
             if self._cap_slots:
                 self._alloc_features()
 

@@ -88,12 +88,15 @@ async def run_choices(choices: Sequence[Choice],
             await on_text(choice, delta)
 
 
-def usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> dict[str, int]:
-    """OpenAI's ``usage``: the prompt once, the completion tokens of every choice's outcome."""
+def usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """OpenAI's ``usage``: the prompt once, the completion tokens of every choice's outcome,
+    and in ``prompt_tokens_details.cached_tokens`` the prompt tokens the runner read from its
+    prefix cache instead of computing (model/prefix_cache.py)."""
     prompt = len(choices[0].request.prompt_ids)
     completion = sum(o.completion_tokens for o in outcomes)
+    cached = choices[0].request.stats.cached_prompt_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _delta(choice: Choice, content: dict[str, Any], finish_reason: str | None = None,
@@ -129,10 +132,10 @@ class _ChunkProducer:
         return [self.chunk([_delta(c, {"role": "assistant", "content": ""}) for c in self.choices],
                            warnings=warned.get("warnings"))]
 
-    def totals(self, outcomes: Sequence[Outcome]) -> dict[str, int]:
+    def totals(self, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         return usage(self.choices, outcomes)
 
-    def chunk(self, items: list[dict[str, Any]], totals: dict[str, int] | None = None,
+    def chunk(self, items: list[dict[str, Any]], totals: dict[str, Any] | None = None,
               warnings: list[dict[str, Any]] | None = None) -> str:
         """The SSE event of one chunk (``object``) with ``items`` (``_delta``s) and,
         when the client asked for usage, ``totals`` (None on all but the usage chunk);
@@ -234,7 +237,7 @@ class TextChunkProducer(_ChunkProducer):
             return []
         return [self.chunk(items[:1], warnings=warned)] + [self.chunk([i]) for i in items[1:]]
 
-    def totals(self, outcomes: Sequence[Outcome]) -> dict[str, int]:
+    def totals(self, outcomes: Sequence[Outcome]) -> dict[str, Any]:
         from constrained_spec.server.completions import completion_usage
 
         return completion_usage(self.choices, outcomes)

@@ -128,6 +128,17 @@ def test_a_pydantic_model_through_parse(client, model):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_a_repeated_schema_prompt_is_read_from_the_prefix_cache_with_the_same_answer(client, model):
+    messages = [{"role": "user", "content": "Lyon is a city in France. Extract the city."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    first, second = (client.chat.completions.create(model=model, messages=messages, max_tokens=40,
+                                                    temperature=0, response_format=fmt) for _ in range(2))
+    assert second.choices[0].message.content == first.choices[0].message.content
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # the schema's system message and the question: every whole 16-token block of the prompt
+    assert cached >= (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+
+
 def test_streaming_json_schema_with_the_openai_client(client, model):
     stream = client.chat.completions.create(
         model=model, stream=True, stream_options={"include_usage": True}, max_tokens=40,

@@ -53,10 +53,13 @@ def small_draft():
     return tiny_llama(seed=1, layers=1)
 
 
-def draft_spec(k: int = 4, forced: bool = True, model: object = "draft") -> SpeculativeConfig:
-    # the engine reads k and the forced options; the model is only loaded by make_drafter
+def draft_spec(k: int = 4, forced: bool = True, model: object = "draft",
+               adaptive: bool = False) -> SpeculativeConfig:
+    # the engine reads k and the forced options; the model is only loaded by make_drafter.
+    # adaptive off: the cache checks below count every fed draft as verified, and the load
+    # budget (generation/budget.py) drops fed drafts from a proposal
     return SpeculativeConfig(method="draft_model", model=model, num_speculative_tokens=k,
-                             forced=forced)
+                             forced=forced, adaptive=adaptive)
 
 
 def drafter_for(model) -> DraftModelDrafter:
@@ -91,7 +94,7 @@ def test_greedy_draft_model_is_token_identical(tiny_model, tiny_tok, small_draft
     draft = tiny_model if mode.startswith("self") else small_draft
     base = baseline(tiny_model, tiny_tok, name, params)
     spec = run(tiny_model, tiny_tok, SCHEMAS[name], PROMPTS, params,
-               draft_spec(forced="forced" in mode), drafter_for(draft))
+               draft_spec(forced="forced" in mode, adaptive=True), drafter_for(draft))
     for a, b in zip(base, spec):
         assert (b.output_ids, b.finish_reason) == (a.output_ids, a.finish_reason)
     assert sum(r.stats.drafted_tokens - r.stats.forced_drafted for r in spec) > 0
