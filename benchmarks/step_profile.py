@@ -32,8 +32,12 @@ def profile(generator: Any, tasks: list[dict], batch: int) -> dict[str, Any]:
 
     engine = generator.new_engine()
     engine.max_batch_size = batch
+    prefix = getattr(engine.runner, "prefiller", None)
+    if prefix is not None:  # each batch size starts with no prompt cached
+        prefix.cache.clear()
     timers: list[tuple[int, timing.StepTimer]] = []
     rows: list[int] = []
+    prompt_rows: list[int] = []  # rows of prompts read in the step's forward (generation/prefill.py)
     padded: list[int] = []
     prefills: list[float] = []
     real_charge = timing.StepTimer.charge
@@ -47,7 +51,8 @@ def profile(generator: Any, tasks: list[dict], batch: int) -> dict[str, Any]:
 
     def forward(slots: Any, tokens: Any, num_logits: Any, **kw: Any) -> Any:
         if any(num_logits):
-            rows.append(sum(len(t) for t in tokens))
+            rows.append(sum(len(t) for t, n in zip(tokens, num_logits) if n))
+            prompt_rows.append(sum(len(t) for t, n in zip(tokens, num_logits) if not n))
             padded.append(len(tokens) * max(len(t) for t in tokens))
         return real_forward(slots, tokens, num_logits, **kw)
 
@@ -86,13 +91,16 @@ def profile(generator: Any, tasks: list[dict], batch: int) -> dict[str, Any]:
     return {
         "batch": batch, "steps": len(timers), "full_steps": len(full),
         "rows_per_forward": statistics.fmean(rows) if rows else 0.0,
+        "prompt_rows_per_forward": statistics.fmean(prompt_rows) if prompt_rows else 0.0,
+        "cached_prompt_tokens": sum(r.stats.cached_prompt_tokens for r in done),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in done),
         "padded_per_forward": statistics.fmean(padded) if padded else 0.0,
         "drafting_ms": ms([t.drafting - t.grammar for _, t in full]),
         "grammar_ms": ms([t.grammar + t.commit for _, t in full]),
         "forward_ms": ms([t.forward for _, t in full]),
         "verify_ms": ms([t.verify for _, t in full]),
         "step_ms": ms(totals),
-        "prefill_s": sum(prefills), "prefills": len(prefills),
+        "prefill_s": sum(r.stats.prefill_s for r in done), "prefills": len(prefills),
         "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
         "tokens_per_forward": sum(r.stats.emitted_tokens for r in done)
         / max(sum(r.stats.target_forwards for r in done), 1),
@@ -101,17 +109,20 @@ def profile(generator: Any, tasks: list[dict], batch: int) -> dict[str, Any]:
 
 
 def render(rows: list[dict]) -> str:
-    head = ("| batch | steps (all slots busy) | rows / forward (padded) | drafting ms | grammar ms | forward ms | "
-            "verify ms | step ms | forward ms / row | prefill s (forwards) | tokens / forward | "
-            "tokens/s | wall s |")
+    head = ("| batch | steps (all slots busy) | rows / forward (padded) | prompt rows / forward | "
+            "drafting ms | grammar ms | forward ms | verify ms | step ms | forward ms / row | "
+            "prefill s (forwards at admission) | prompt tokens cached | tokens / forward | tokens/s | wall s |")
     out = [head, "| " + " | ".join(["---"] * (head.count("|") - 1)) + " |"]
     for r in rows:
-        per_row = r["forward_ms"] / r["rows_per_forward"] if r["rows_per_forward"] else 0.0
+        all_rows = r["rows_per_forward"] + r["prompt_rows_per_forward"]
+        per_row = r["forward_ms"] / all_rows if all_rows else 0.0
         out.append(f"| {r['batch']} | {r['steps']} ({r['full_steps']}) | "
                    f"{r['rows_per_forward']:.1f} ({r['padded_per_forward']:.0f}) | "
+                   f"{r['prompt_rows_per_forward']:.1f} | "
                    f"{r['drafting_ms']:.1f} | {r['grammar_ms']:.1f} | {r['forward_ms']:.1f} | "
                    f"{r['verify_ms']:.1f} | {r['step_ms']:.1f} | {per_row:.2f} | "
-                   f"{r['prefill_s']:.2f} ({r['prefills']}) | {r['tokens_per_forward']:.2f} | "
+                   f"{r['prefill_s']:.2f} ({r['prefills']}) | "
+                   f"{r['cached_prompt_tokens']} of {r['prompt_tokens']} | {r['tokens_per_forward']:.2f} | "
                    f"{r['tok_per_s']:.1f} | {r['wall_s']:.1f} |")
     return "\n".join(out)
 

@@ -47,6 +47,7 @@ from constrained_spec.errors import ConfigError, GenerationError
 from constrained_spec.generation.budget import Acceptance, DraftBudget
 from constrained_spec.generation.logprobs import TokenLogprob, request_rows, row_logprobs
 from constrained_spec.generation.loops import LoopDetector
+from constrained_spec.generation.prefill import PrefillQueue
 from constrained_spec.generation.sampling import apply_repetition_guard, process_logits
 from constrained_spec.generation.stats import SpecStats
 from constrained_spec.generation.timing import StepTimer
@@ -274,6 +275,9 @@ class StepBatch:
     #: their logits before the grammar mask ("raw") and after it ("masked"), set by `_verify`
     logprob_rows: list[int] = field(default_factory=list)
     logprob_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: prompt rows the step's forward carries for requests still reading their prompt
+    #: (generation/prefill.py): (request, rows); no logits
+    prompts: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @classmethod
     def build(cls, reqs: list[Request], states: list[DraftState], num_rows: list[int],
@@ -333,6 +337,10 @@ class Engine:
         #: on the rows beside it they would make an output depend on the machine's timing
         self.budget = DraftBudget() if (speculative is not None and speculative.adaptive
                                         and getattr(runner, "row_invariant", False)) else None
+        #: prompts read a chunk per step beside the decode rows (generation/prefill.py), on a
+        #: row-invariant runner with a prefix cache; None: a prompt is prefilled at admission
+        self.prefills = PrefillQueue(runner) if (getattr(runner, "row_invariant", False)
+                                                 and hasattr(runner, "prefiller")) else None
         self.max_batch_size = max_batch_size
         self.vocab_size = runner.vocab_size
         self.words = (self.vocab_size + 31) // 32
@@ -377,6 +385,9 @@ class Engine:
             else:
                 req.slot = self.runner.new_slot()
         try:
+            if self.prefills is not None:  # read a chunk per step from the next step on
+                self.prefills.admit(fresh)
+                fresh = []
             # prefill in chunks of similar size: padding a short prompt to a long one wastes compute
             order = sorted(fresh, key=lambda r: len(r.prompt_ids))
             chunk: list[Request] = []
@@ -450,6 +461,8 @@ class Engine:
         cache slot) and drop them from the running set."""
         for r in self.running:
             if r.finished:
+                if self.prefills is not None:
+                    self.prefills.drop(r)
                 if not (r.keep_slot and r.finish_reason in RESUMABLE):
                     self.runner.free_slot(r.slot)
                     r.keep_slot = False  # nothing kept: a retry cannot resume from it
@@ -466,14 +479,24 @@ class Engine:
         if not reqs:
             return
         timer = StepTimer()
+        prompts: list[tuple[Request, list[int]]] = []  # (request, its prompt rows this step)
+        if self.prefills is not None and len(self.prefills):
+            prompts = self.prefills.take()
+            reqs = [r for r in reqs if not self.prefills.holds(r)]  # those decode from next step
+        if not reqs:
+            self._read_prompts(prompts, timer)
+            return
         with timer.measure("drafting"):
             batch = self._propose(reqs, timer)  # forced + drafter, masked per position
         if batch is None:
+            self._read_prompts(prompts, timer)
             return  # every request's drafting failed
+        batch.prompts = prompts
         with self._shared("forward", batch) as fault, timer.measure("forward"):
             logits = self._score(batch)  # [N + B, V]
         if fault.failed:
             return
+        self._prompts_read(prompts, timer, sum(batch.num_rows))
         with self._shared("verify", batch) as fault, timer.measure("verify"):
             result = self._verify(batch, logits)  # accepted prefix + recovered / bonus token
         if fault.failed:
@@ -482,8 +505,29 @@ class Engine:
             self._commit_all(batch, result)
         timer.charge([r.stats for r in batch.reqs])
         if self.budget is not None:
-            self.budget.observe_step(sum(batch.num_rows), timer.elapsed())
+            self.budget.observe_step(sum(batch.num_rows) + sum(len(t) for _, t in prompts), timer.elapsed())
 
+    def _read_prompts(self, prompts: list[tuple[Request, list[int]]], timer: StepTimer) -> None:
+        """A step with no request to decode: a forward of the prompt rows alone."""
+        if not prompts:
+            return
+        with contain("forward", [r for r, _ in prompts]) as fault, timer.measure("forward"):
+            self.runner.forward([r.slot for r, _ in prompts], [t for _, t in prompts], [0] * len(prompts),
+                                phase="decode")  # type: ignore[call-arg]  # a LeanRunner (prefills)
+        self.failed_steps += fault.failed
+        if not fault.failed:
+            self._prompts_read(prompts, timer)
+
+    def _prompts_read(self, prompts: list[tuple[Request, list[int]]], timer: StepTimer,
+                      other_rows: int = 0) -> None:
+        """``prompts``' rows are in the cache: the queue advances; each request is charged its
+        rows' share of the step's forward (beside ``other_rows`` decode rows) as prefill time."""
+        if not prompts or self.prefills is None:
+            return
+        self.prefills.advance(prompts)
+        rows = sum(len(t) for _, t in prompts) + other_rows
+        for r, t in prompts:
+            r.stats.prefill_s += timer.forward * len(t) / rows
     def _live(self) -> list[Request]:
         """The requests this step works on; cancelled ones finish here."""
         for r in self.running:
@@ -493,10 +537,10 @@ class Engine:
 
     @contextmanager
     def _shared(self, stage: str, batch: StepBatch) -> Iterator[Fault]:
-        """A stage every request of the step shares: if it raises, none can go on (their slots
-        are freed at the next reap; the runner's lengths only matter for requests that go on)
-        and the step counts in ``failed_steps``."""
-        with contain(stage, batch.reqs) as fault:
+        """A stage every request of the step shares (and those whose prompt rows it carries):
+        if it raises, none can go on (their slots are freed at the next reap; the runner's
+        lengths only matter for requests that go on) and the step counts in ``failed_steps``."""
+        with contain(stage, [*batch.reqs, *(r for r, _ in batch.prompts)]) as fault:
             yield fault
         self.failed_steps += fault.failed
 
@@ -565,11 +609,14 @@ class Engine:
 
     # -- 2. score -------------------------------------------------------------------------
     def _score(self, batch: StepBatch) -> torch.Tensor:
-        """One target forward over ``[pending, drafts...]`` of every request: the logits of
-        its K_b + 1 verified positions, [N + B, V]."""
-        return self.runner.forward([r.slot for r in batch.reqs],
-                                   [[r.pending] + s.tokens for r, s in zip(batch.reqs, batch.states)],
-                                   batch.num_rows)
+        """One target forward over ``[pending, drafts...]`` of every request, and the prompt
+        rows of those still reading theirs (``batch.prompts``, no logits): the logits of each
+        request's K_b + 1 verified positions, [N + B, V]."""
+        prompts = batch.prompts
+        return self.runner.forward([r.slot for r in batch.reqs] + [r.slot for r, _ in prompts],
+                                   [[r.pending] + s.tokens for r, s in zip(batch.reqs, batch.states)]
+                                   + [t for _, t in prompts],
+                                   list(batch.num_rows) + [0] * len(prompts))
 
     # -- 3. verify ------------------------------------------------------------------------
     def _verify(self, batch: StepBatch, logits: torch.Tensor) -> RejectionOutput:

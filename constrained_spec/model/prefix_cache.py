@@ -134,6 +134,7 @@ class Prefiller:
             out.append(r.f_cache)
         return out
 
+    @torch.inference_mode()
     def prefill(self, slots: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[int]:
         """Append ``tokens[i]`` to empty slot ``slots[i]`` (no logits); returns, per slot, the
         tokens computed (the rest came from the cache)."""
@@ -155,6 +156,7 @@ class Prefiller:
             self.finish(slots[i], t)
         return computed
 
+    @torch.inference_mode()
     def start(self, slot: int, tokens: Sequence[int]) -> int:
         """Restore the longest cached prefix of prompt ``tokens`` into empty ``slot``; returns
         its length (0 for a prompt off the row-invariant path: the caller computes the rest
@@ -166,6 +168,7 @@ class Prefiller:
             self._restore(slot, found)
         return len(found) * BLOCK
 
+    @torch.inference_mode()
     def finish(self, slot: int, tokens: Sequence[int]) -> None:
         """``slot`` holds all of prompt ``tokens``: keep its whole blocks."""
         if tokens and self.invariant(len(tokens)):
