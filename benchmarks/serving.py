@@ -17,7 +17,9 @@ server's prompt is the same), ``response_format: json_schema`` with the task's s
 (``temperature 0``), the task's ``max_tokens``, streamed (``stream_options.include_usage``).
 Two modes: ``warm`` (the task's schema as it is, so a repeat finds it compiled and its prompt
 prefix cached) and ``cold`` (a ``description`` unique to the request on the schema's root: every
-request compiles a new grammar and has a new prompt).
+request compiles a new grammar). The messages are the task's in both modes, and a level runs
+``warm`` first on the same server, so in ``cold`` the prompts are found in a server's prompt
+cache (ours, and llama-server's per slot) as in ``warm``: the modes differ in grammar compiles.
 
 Servers, each started on a free loopback port for each concurrency level, waited for,
 warmed with one request, measured, stopped (RSS: the server's peak resident set, its child
