@@ -37,31 +37,37 @@ PROMPTS = [PROMPT, "Extract the person: Grace Hopper, 85, lives in New York.",
            "Extract the person: Alan Turing was 41 and lived in Manchester."]
 
 
-def test_greedy_outputs_match_our_engine_or_differ_at_a_near_tie(vllm_model, embedded):
-    # the same prompt ids and compiled grammar, greedy: only arithmetic differs (our engine
-    # runs the file's 4-bit groups, vLLM a dense bf16 export). Where the outputs differ, the
-    # first differing token must be a near-tie under a neutral float32 reference (the export
-    # in float32): a wrong prompt or grammar on one side would differ by a wide margin.
+def first_difference_is_a_near_tie(vllm_model, prompt_ids: list[int], a: list[int], b: list[int]) -> None:
+    """Two greedy outputs of one prompt either agree or first differ at a near-tie under a
+    neutral float32 reference (the export in float32): a wrong prompt or grammar on one side
+    would differ by a wide margin; bf16 arithmetic that differs (another engine, another batch
+    shape) may tip a near-tie."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if a == b:
+        return
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert i < min(len(a), len(b)), "one output is a prefix of the other"
     reference = AutoModelForCausalLM.from_pretrained(str(vllm_model.path), dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt_ids + a[:i]])).logits[0, -1]
+    gap = abs(float(logits[a[i]] - logits[b[i]]))
+    assert gap < 0.25, f"token {i} differs by {gap:.3f} logits, not a near-tie"
+
+
+def test_greedy_outputs_match_our_engine_or_differ_at_a_near_tie(vllm_model, embedded):
+    # the same prompt ids and compiled grammar, greedy: only arithmetic differs (our engine
+    # runs the file's 4-bit groups, vLLM a dense bf16 export)
     same = 0
     for prompt in PROMPTS:
         gen = Generator(embedded, schema=Person, speculative=False, max_retries=0)
         ours = gen(prompt, return_result=True)
         theirs = generate(vllm_model, prompt, schema=Person, speculative=False, max_retries=0,
                           return_result=True)
-        a, b = ours.token_ids, theirs.token_ids
-        if a == b:
-            same += 1
-            continue
-        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        prompt_ids = gen.make_request(prompt)[0].prompt_ids
-        with torch.no_grad():
-            logits = reference(torch.tensor([prompt_ids + a[:i]])).logits[0, -1]
-        gap = abs(float(logits[a[i]] - logits[b[i]]))
-        assert gap < 0.25, f"{prompt!r}: token {i} differs by {gap:.3f} logits, not a near-tie"
+        same += ours.token_ids == theirs.token_ids
+        first_difference_is_a_near_tie(vllm_model, gen.make_request(prompt)[0].prompt_ids,
+                                       ours.token_ids, theirs.token_ids)
     assert same >= 1  # the engines agree where nothing is close
 
 
@@ -89,10 +95,16 @@ def test_a_tool_call_on_vllm_is_parsed_into_a_validated_call(vllm_model):
 
 
 def test_ngram_speculation_on_vllm_keeps_the_greedy_output_and_reports_its_drafts(vllm_model):
-    plain = generate(vllm_model, PROMPT, schema=Person, speculative=False)
+    gen = Generator(vllm_model, schema=Person, speculative=False, max_retries=0)
+    plain = gen(PROMPT, return_result=True)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
-    res = generate(vllm_model, PROMPT, schema=Person, speculative=spec, return_result=True)
-    assert res.value == plain  # lossless (greedy): vLLM's verification of its n-gram drafts
+    res = Generator(vllm_model, schema=Person, speculative=spec, max_retries=0)(PROMPT, return_result=True)
+    # lossless (greedy) up to bf16 arithmetic: vLLM's CPU build verifies a draft window in
+    # other GEMM shapes than a 1-token decode, which may tip a near-tie (it did on an AVX2-only
+    # CPU: age 31 against 32); token identity is test_float32_identity.py's
+    first_difference_is_a_near_tie(vllm_model, gen.make_request(PROMPT)[0].prompt_ids,
+                                   plain.token_ids, res.token_ids)
+    assert isinstance(res.value, Person)
     st = res.stats
     assert st.drafted_tokens > 0 and 0 <= st.accepted_tokens <= st.drafted_tokens
     assert st.emitted_tokens == len(res.token_ids) and st.acceptance_length >= 1.0
