@@ -45,8 +45,10 @@ kernel in ONE shape (queries in groups of `attention.QUERY_GROUP`, keys in chunk
 on nothing else in the call (SDPA over all of a verify's queries does not give that: its GEMM
 shapes follow the number of queries and keys). What that costs against the not-exact path:
 benchmarks/RESULTS.md, "Exact runner: its cost with query-invariant chunked attention" and
-"Exactness by default". Prompts (``phase="prefill"``) run one per forward in a batch, so a
-prompt's kernel and SDPA's query blocks come from its own length. RoPE, norms, embeddings and
+"Exactness by default". Prompts of a row-invariant runner take the decode / verify path (in
+chunks, after their longest cached prefix: `prefix_cache`); prompts with ``phase="prefill"``
+run one per forward in a batch, so a prompt's kernel and SDPA's query blocks come from its
+own length. RoPE, norms, embeddings and
 activations are per row already.
 
 The exact decode / verify rows of a forward whose linears all run packed (``q4`` / ``q8``) on
