@@ -274,7 +274,7 @@ static int q4_unit(int T, int threads) {
     return 1;
 }
 
-static int team_size(void) {
+static inline int team_size(void) {
 #ifdef _OPENMP
     return omp_get_num_threads();
 #else
@@ -282,7 +282,7 @@ static int team_size(void) {
 #endif
 }
 
-static int max_threads(void) {
+static inline int max_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
 #else
