@@ -1,6 +1,8 @@
 """``constrained-spec generate --batch``: one engine batch over a JSONL file, one record per line.
 
-A line that fails gets an error record in its place; the other lines' outputs are kept.
+Every input line gets exactly one output line, in input order, so the N-th output answers the
+N-th input line: a line that fails (a blank one too) gets an error record naming its line in
+its place; the other lines' outputs are kept.
 """
 
 from __future__ import annotations
@@ -54,16 +56,21 @@ class BatchLine:
 
 
 def read_batch(lines: list[str], *, multi: bool = False) -> list[BatchLine]:
-    """Parse ``--batch`` lines (blank lines are skipped); a bad line becomes an error record."""
+    """Parse ``--batch`` lines, one item per line; a bad line (a blank or whitespace-only one
+    too) becomes an error record."""
     from constrained_spec.frontend.prompts import build_messages
     from constrained_spec.frontend.tools import check_history_arguments
     from constrained_spec.schemas.spec import lone_surrogate
 
     items = []
     for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
         item = BatchLine(number)
+        if not raw.strip():  # an item all the same: skipping it would shift every later answer
+            item.error = ConfigError("the line is blank; every input line gets one output line, "
+                                     "in order, so remove blank lines to have none in the output",
+                                     option="batch")
+            items.append(item)
+            continue
         bad = lone_surrogate(raw)
         if bad is not None:
             item.error = ConfigError(f"the line is not UTF-8 text ({bad})", option="batch")

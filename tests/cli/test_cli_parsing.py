@@ -216,17 +216,26 @@ def test_batch_lines_are_prompts_or_prompt_schema_objects_and_bad_lines_become_e
         "42",
     ]
     items = read_batch(lines)
-    assert [it.line for it in items] == [1, 3, 4, 5, 6, 7, 8, 9]  # the blank line is skipped
+    assert [it.line for it in items] == list(range(1, 10))  # one item per line, the blank one too
     ok = [it for it in items if it.error is None]
     assert [(it.line, it.prompt, it.has_schema) for it in ok] == [
         (1, "just a prompt", False), (3, "p2", True), (4, "p3", True)]
     assert ok[1].schema == PERSON and ok[2].schema == {"type": "string"}
     errors = {it.line: it.error for it in items if it.error is not None}
     assert isinstance(errors[5], ConfigError) and "malformed JSON" in str(errors[5])
+    assert isinstance(errors[2], ConfigError) and "blank" in str(errors[2])
     assert "no \"prompt\"" in str(errors[6])
     assert isinstance(errors[7], SchemaError) and "'age'" in str(errors[7])
     assert "unknown keys ['id']" in str(errors[8])
     assert "got a JSON int" in str(errors[9])
+
+
+def test_blank_and_whitespace_only_batch_lines_keep_their_place_as_error_records():
+    lines = ['"a"', "", '"b"', "   \t", '"c"', "{bad", '"d"']
+    items = read_batch(lines)
+    assert [it.line for it in items] == [1, 2, 3, 4, 5, 6, 7]
+    assert [it.prompt for it in items if it.error is None] == ["a", "b", "c", "d"]
+    assert [it.line for it in items if it.error is not None] == [2, 4, 6]
 
 
 def test_batch_line_schemas_are_wrapped_by_schema_multi():

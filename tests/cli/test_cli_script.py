@@ -182,14 +182,15 @@ def test_batch_keeps_input_order_and_failing_lines_become_error_records(tmp_path
                    "--max-tokens", "48")
     assert proc.returncode == 7, proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(records) == 6  # one per non-blank input line, in order
+    assert len(records) == 7  # one per input line, the blank one too, in order
     jsonschema.validate(records[0], PERSON)
     jsonschema.validate(records[2], name_only)
-    jsonschema.validate(records[5], PERSON)
+    jsonschema.validate(records[6], PERSON)
     errors = {r["error"]["line"]: r["error"]["type"] for r in records if "error" in r}
-    assert errors == {2: "ConfigError", 4: "SchemaError", 5: "SchemaError"}
+    assert errors == {2: "ConfigError", 4: "SchemaError", 5: "SchemaError", 6: "ConfigError"}
+    assert [i + 1 for i, r in enumerate(records) if "error" in r] == sorted(errors)  # in place
     assert "'age'" in records[3]["error"]["message"]
-    assert "constrained-spec: 3 of 6 lines failed" in proc.stderr
+    assert "constrained-spec: 4 of 7 lines failed" in proc.stderr
     stats = json.loads(next(line for line in proc.stderr.splitlines() if line.startswith("{")))
     assert stats["emitted_tokens"] > 0
 
