@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from constrained_spec import __version__
 from constrained_spec.server.protocol import (
     APIError,
+    internal_error,
 )
 from constrained_spec.server.state import Server, ServerConfig, check_exposure
 
@@ -35,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 class Guard:
     """ASGI middleware: the API key on every route but ``/health`` (401), ``--max-request-bytes``
-    by Content-Length (413; the body reader enforces it on chunked bodies), and the response
-    counter behind the ``http_responses`` metric.
+    by Content-Length (413; the body reader enforces it on chunked bodies), the response
+    counter behind the ``http_responses`` metric, and the 500 of an unexpected error before
+    the response started, which leaves the connection open.
 
     With a key set, ``/health`` alone stays open (a liveness probe; it shows two queue
     counts); ``/metrics``, the ``/v1`` routes and any route an embedding program adds need
@@ -117,12 +119,14 @@ class Guard:
             return
         try:
             await self.app(scope, receive, counting_send)
-        except Exception:
-            # Starlette's outermost middleware answers an unhandled error (the app's
-            # "internal_error" 500), past this one: count that response here
-            if not started:
-                counted[(route, 500)] += 1
-            raise
+        except Exception as exc:
+            if started:  # mid-response: only ending the connection tells the client
+                raise
+            # answered here, not re-raised: Starlette's outermost middleware would answer the
+            # same 500 and then re-raise, and uvicorn closes the connection of an exception
+            # it sees, so a keep-alive client would lose its next, innocent request
+            logger.exception("unhandled error on %s", path)
+            await internal_error(exc)(scope, receive, counting_send)
 
 
 

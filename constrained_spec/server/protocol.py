@@ -60,6 +60,13 @@ def envelope(message: str, type: str, param: str | None = None, code: str | None
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def internal_error(exc: BaseException) -> JSONResponse:
+    """The 500 of an exception no handler expected: its type only (the traceback goes to the
+    log, never to the client)."""
+    return JSONResponse(envelope(f"internal error: {type(exc).__name__}", "server_error", None,
+                                 "internal_error"), status_code=500)
+
+
 _OPTION_PARAMS = {"prompt": "messages", "max_tokens": "max_tokens", "temperature": "temperature",
                   "top_p": "top_p", "top_k": "top_k", "seed": "seed"}
 

@@ -56,6 +56,7 @@ from constrained_spec.server.protocol import (
     RequestFields,
     api_error,
     envelope,
+    internal_error,
     parse_body,
     stop_strings,
 )
@@ -130,11 +131,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(envelope(str(exc.detail), "invalid_request_error", None, code),
                             status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # (the app's Guard answers first, keeping the connection)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(envelope(f"internal error: {type(exc).__name__}", "server_error", None,
-                                     "internal_error"), status_code=500)
+        return internal_error(exc)
 
 
 def _model_card(server: Server) -> dict[str, Any]:

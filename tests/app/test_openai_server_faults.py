@@ -222,3 +222,27 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, url, tiny_l
     assert server.loop.slots_in_use == 0 and runner.slots_in_use == 0
     assert metric(url, 'constrained_spec_requests_total{finish_reason="cancelled"}') == \
         cancelled_before + 1
+
+
+def test_an_unexpected_500_leaves_the_keep_alive_connection_serving(tiny_loaded):
+    from openai_server_process import serve_in_thread
+
+    from constrained_spec.server.app import create_app
+    from constrained_spec.server.state import ServerConfig
+
+    app = create_app(tiny_loaded, ServerConfig(model_name=MODEL, max_batch_size=2, max_queue=2,
+                                               max_tokens=4, enable_metrics=True))
+
+    @app.get("/boom")
+    async def boom() -> None:  # a bug in a route: what no handler expects
+        raise RuntimeError("a bug")
+
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for _ in range(2):
+            r = client.get("/boom")
+            assert r.status_code == 500
+            assert r.json()["error"]["code"] == "internal_error" and "a bug" not in r.text
+            ok = client.post("/tokenize", json={"model": MODEL, "prompt": "hi"})
+            assert ok.status_code == 200 and ok.json()["tokens"]  # on the same connection
+        metrics = client.get("/metrics").text
+    assert 'route="other",status="500"} 2.0' in metrics
