@@ -462,11 +462,31 @@ class _TemplateArgs:
 #: break the prompt's structure)
 _OWN_TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt", "tokenize", "documents",
                       "return_dict", "continue_final_message")
+#: parameters of transformers' ``apply_chat_template`` that are not template variables: they
+#: would replace the template (``chat_template``), the conversation, or how its text is
+#: tokenized; `_template_call_parameters` adds those of the installed version's signature
+_CALL_PARAMETERS = ("conversation", "chat_template", "sanitize_control_tokens", "padding",
+                    "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                    "tokenizer_kwargs")
+
+
+def _template_call_parameters() -> frozenset[str]:
+    import inspect
+
+    try:
+        from transformers import PreTrainedTokenizerBase
+
+        signature = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+        named = {n for n, p in signature.items()
+                 if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    except (ImportError, AttributeError, TypeError, ValueError):
+        named = set()
+    return frozenset(named | set(_CALL_PARAMETERS)) - set(_OWN_TEMPLATE_ARGS)
 
 
 def check_template_kwargs(kwargs: object) -> dict[str, Any]:
-    """``chat_template_kwargs``: a mapping of names to JSON values, none of those the library
-    sets itself."""
+    """``chat_template_kwargs``: a mapping of names to JSON values, each a template variable:
+    none the library sets itself, none a parameter of the template call."""
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise ConfigError("must be a mapping of template variable names to values",
                           option="chat_template_kwargs")
@@ -475,6 +495,11 @@ def check_template_kwargs(kwargs: object) -> dict[str, Any]:
     if own:
         raise ConfigError(f"{own[0]!r} is set by the library itself; pass the messages, tools "
                           "or options instead", option="chat_template_kwargs")
+    call = sorted(set(kwargs) & _template_call_parameters())
+    if call:
+        raise ConfigError(f"{call[0]!r} is a parameter of the chat template call, not a template "
+                          "variable: only variables the template reads pass through",
+                          option="chat_template_kwargs")
     return dict(kwargs)
 
 

@@ -217,6 +217,13 @@ def test_reasoning_switches_are_checked(url):
     assert post(url, chat_template_kwargs={"foo": 1}).status_code == 200  # passed to the template
     r = post(url, chat_template_kwargs={"add_generation_prompt": False})  # the library's own
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    for name, value in [("chat_template", "INJECTED {{ messages[0].content }}"),  # not variables
+                        ("tokenizer_kwargs", {}), ("truncation", True), ("max_length", 3),
+                        ("padding", True), ("return_tensors", "pt"), ("conversation", []),
+                        ("return_assistant_tokens_mask", True), ("sanitize_control_tokens", True)]:
+        r = post(url, chat_template_kwargs={name: value})
+        assert r.status_code == 400, name
+        assert r.json()["error"]["param"] == "chat_template_kwargs" and name in r.json()["error"]["message"]
     r = post(url, chat_template_kwargs={"enable_thinking": "no"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
     r = post(url, chat_template_kwargs={"enable_thinking": True}, reasoning=False)
