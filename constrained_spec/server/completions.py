@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from constrained_spec.errors import ConfigError
+from constrained_spec.frontend.prompts import build_messages, check_text
+from constrained_spec.frontend.tools import check_history_arguments
 from constrained_spec.generation.engine import Request
 from constrained_spec.json_limits import loads
 from constrained_spec.server.choices import Choice, Outcome
@@ -158,10 +161,19 @@ def tokenize(model: LoadedModel, body: TokenizeRequest) -> dict[str, Any]:
         raise APIError(400, "give either prompt or messages", param="prompt",
                        code="invalid_value")
     if body.prompt is not None:
+        try:
+            check_text(body.prompt, "prompt", "the prompt")
+        except ConfigError as e:
+            raise APIError(400, str(e), param="prompt", code="invalid_value") from None
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=special))
     else:
         messages = chat_prompt(body.messages or [])
+        try:  # the checks of the chat route: roles, text, a user message, tool-call history
+            messages = build_messages(messages, None, False)
+            check_history_arguments(messages, option="messages")
+        except ConfigError as e:
+            raise APIError(400, str(e), param="messages", code="invalid_value") from None
         special = bool(body.add_special_tokens)
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(

@@ -175,6 +175,19 @@ def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(url):
     assert both.status_code == 400
 
 
+@pytest.mark.parametrize("body,param", [
+    ('{"messages": []}', "messages"),  # no user message: what the chat route says too
+    ('{"messages": [{"role": "system", "content": "x"}]}', "messages"),
+    ('{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "messages"),  # lone surrogate
+    ('{"prompt": "a \\ud800 b"}', "prompt"),
+])
+def test_tokenize_answers_a_clients_mistake_400_on_a_connection_that_serves_on(url, body, param):
+    with httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/tokenize", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert client.post("/tokenize", json={"prompt": "x"}).status_code == 200
+
+
 def test_models_by_id_and_version(url):
     assert httpx.get(f"{url}/v1/models/{MODEL}").json()["id"] == MODEL
     missing = httpx.get(f"{url}/v1/models/nope")
