@@ -29,7 +29,7 @@ from constrained_spec.server.protocol import (
     APIError,
     internal_error,
 )
-from constrained_spec.server.state import Server, ServerConfig, check_exposure
+from constrained_spec.server.state import Server, ServerConfig, check_bind, check_exposure
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +172,15 @@ def serve(model: str | None, config: ServerConfig, *, host: str = "127.0.0.1", p
     vLLM's engine under the same routes, docs/scale-out.md).
 
     A ``host`` beyond loopback without ``config.api_key`` is a `ConfigError` unless
-    ``config.allow_unauthenticated`` (`check_exposure`), raised before the model loads.
+    ``config.allow_unauthenticated`` (`check_exposure`), and so is an address the server could
+    not listen on (`check_bind`): both raised before the model loads.
     """
     import uvicorn
 
     from constrained_spec.model.loading import load_model
 
-    exposed_without_key = check_exposure(host, config)  # before the model's seconds of loading
+    check_bind(host, port)  # before the model's seconds of loading, as the exposure check
+    exposed_without_key = check_exposure(host, config)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s:     %(name)s: %(message)s")
     logging.captureWarnings(True)  # schema pre-flight warnings become log lines

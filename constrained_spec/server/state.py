@@ -157,7 +157,7 @@ def is_loopback(host: str) -> bool:
     (or an IPv4-mapped loopback address). Any other name is not resolved and counts as
     exposed: what a name resolves to can change after the check, and a name may resolve to
     several addresses, so only the literal loopback forms are trusted."""
-    name = host.strip()
+    name = host  # not stripped: "127.0.0.1 " is no address to bind (`check_bind` refuses it)
     if name.lower() == "localhost":
         return True
     try:
@@ -167,6 +167,34 @@ def is_loopback(host: str) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped.is_loopback
     return address.is_loopback
+
+
+def check_bind(host: str, port: int) -> None:
+    """Refuse (`ConfigError` naming ``host`` or ``port``) an address the server could not
+    listen on, before the model's seconds of loading: a port outside 0..65535, a host with
+    spaces or one that does not resolve, a port in use or not permitted. It binds a socket to
+    the address and closes it (nothing listens, so nothing is exposed meanwhile)."""
+    import socket
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"must be a port number 0..65535, got {port!r:.20}", option="port")
+    if not host or host != host.strip() or any(c.isspace() for c in host):
+        raise ConfigError(f"{host!r:.80} is not an address: a host name or IP address has no "
+                          "spaces", option="host")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.removeprefix("[").removesuffix("]"), port, type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"cannot listen on {host!r:.80}: {getattr(e, 'strerror', None) or e}",
+                          option="host") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host} port {port}: {e.strerror or e}",
+                              option="port") from None
 
 
 def check_exposure(host: str, config: ServerConfig) -> bool:

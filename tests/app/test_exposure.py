@@ -22,6 +22,7 @@ from constrained_spec.server.state import (
     API_KEY_ENV,
     ServerConfig,
     check_api_key,
+    check_bind,
     check_exposure,
     is_loopback,
     resolve_api_key,
@@ -30,7 +31,8 @@ from constrained_spec.server.state import (
 KEY = "sk-test-" + "x" * 24
 
 EXPOSED = ["0.0.0.0", "::", "192.168.1.10", "10.0.0.7", "8.8.8.8", "fe80::1%eth0",
-           "::ffff:192.168.0.1", "example.com", "my-laptop", "localhost.", "127.1", ""]
+           "::ffff:192.168.0.1", "example.com", "my-laptop", "localhost.", "127.1", "",
+           "127.0.0.1 ", " ::1"]
 LOOPBACK = ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost", "LocalHost",
             "::ffff:127.0.0.1"]
 
@@ -50,6 +52,30 @@ def test_an_address_beyond_loopback_without_a_key_is_refused_naming_both_ways_ou
 def test_a_loopback_address_needs_no_key(host):
     assert is_loopback(host)
     assert check_exposure(host, ServerConfig()) is False
+
+
+@pytest.mark.parametrize("host,port,option", [
+    ("127.0.0.1", 99999, "port"), ("127.0.0.1", -1, "port"), ("127.0.0.1 ", 0, "host"),
+    ("127.0.0.1\t", 0, "host"), ("", 0, "host"), ("no-such-host.invalid", 0, "host"),
+])
+def test_an_address_the_server_could_not_listen_on_is_refused_before_loading(host, port, option):
+    with pytest.raises(ConfigError) as info:
+        check_bind(host, port)
+    assert info.value.option == option
+
+
+def test_a_port_in_use_is_refused_and_a_free_one_passes():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match="in use") as info:
+            check_bind("127.0.0.1", port)
+        assert info.value.option == "port"
+    check_bind("127.0.0.1", 0)
+    check_bind("localhost", 0)
 
 
 def test_allow_unauthenticated_accepts_an_exposed_address_on_purpose_and_a_key_accepts_it_anyway():
