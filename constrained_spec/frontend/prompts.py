@@ -29,6 +29,7 @@ that answers it (:func:`mistral_call_ids`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -470,6 +471,7 @@ _CALL_PARAMETERS = ("conversation", "chat_template", "sanitize_control_tokens", 
                     "tokenizer_kwargs")
 
 
+@functools.cache
 def _template_call_parameters() -> frozenset[str]:
     import inspect
 

@@ -528,6 +528,7 @@ class Engine:
         rows = sum(len(t) for _, t in prompts) + other_rows
         for r, t in prompts:
             r.stats.prefill_s += timer.forward * len(t) / rows
+
     def _live(self) -> list[Request]:
         """The requests this step works on; cancelled ones finish here."""
         for r in self.running:

@@ -50,7 +50,7 @@ def prefix_cache_bytes() -> int:
 @dataclass
 class _Block:
     id: int
-    tensors: list[torch.Tensor]  # per cached tensor kind: [layers or 1, BLOCK, ...]
+    tensors: list[torch.Tensor]  # one per cache tensor of the runner (`Prefiller._caches`): [BLOCK, ...]
     nbytes: int
 
 
@@ -62,7 +62,6 @@ class PrefixCache:
         self.bytes = 0
         self._blocks: OrderedDict[tuple[int, tuple[int, ...]], _Block] = OrderedDict()
         self._next_id = 1  # 0: the chain's start
-        self.hits = self.lookups = 0  # blocks found / blocks looked for
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -77,11 +76,9 @@ class PrefixCache:
         parent = 0
         for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
             key = (parent, tuple(tokens[start:start + BLOCK]))
-            self.lookups += 1
             block = self._blocks.get(key)
             if block is None:
                 break
-            self.hits += 1
             found.append((key, block))
             parent = block.id
         # most recent last, a chain's start after its later blocks: those go first
@@ -140,12 +137,13 @@ class Prefiller:
         tokens computed (the rest came from the cache)."""
         r = self.runner
         computed = [len(t) for t in tokens]
+        plain = [i for i, t in enumerate(tokens) if t and not self.invariant(len(t))]
+        if plain:  # the plan's prefill kernels, in one call (an exact runner splits it by prompt)
+            r.forward([slots[i] for i in plain], [tokens[i] for i in plain], [0] * len(plain),
+                      phase="prefill")
         rest: list[tuple[int, list[int]]] = []  # (slot, tokens still to compute)
         for i, t in enumerate(tokens):
-            if not t:
-                continue
-            if not self.invariant(len(t)):  # the plan's prefill kernels, a prompt a forward
-                r.forward([slots[i]], [t], [0], phase="prefill")
+            if not t or not self.invariant(len(t)):
                 continue
             n = self.start(slots[i], t)
             computed[i] = len(t) - n

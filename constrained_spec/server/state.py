@@ -178,7 +178,7 @@ def check_bind(host: str, port: int) -> None:
 
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"must be a port number 0..65535, got {port!r:.20}", option="port")
-    if not host or host != host.strip() or any(c.isspace() for c in host):
+    if not host or any(c.isspace() for c in host):
         raise ConfigError(f"{host!r:.80} is not an address: a host name or IP address has no "
                           "spaces", option="host")
     try:
