@@ -44,6 +44,7 @@ from constrained_spec.errors import (
     ConfigError,
     ConstrainedSpecError,
     GenerationError,
+    GrammarCostError,
     IncompleteOutputError,
     OutputValidationError,
     OutputWarning,
@@ -868,9 +869,12 @@ class Generator(Generic[T]):
         return value
 
     @staticmethod
-    def _generation_error(req: Request, text: str) -> GenerationError:
+    def _generation_error(req: Request, text: str) -> GenerationError | GrammarCostError:
         """The typed error of a request that ended in "error", with its partial output."""
         err = req.error
+        if isinstance(err, GrammarCostError):  # the schema's fault, not the engine's
+            err.partial_text = text
+            return err
         if not isinstance(err, GenerationError):  # set outside the engine's own guards
             err = GenerationError.from_exception("engine", err, token_ids=req.output_ids,
                                                  stats=req.stats)

@@ -40,6 +40,19 @@ class SchemaError(ConstrainedSpecError, ValueError):
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
 
 
+class GrammarCostError(SchemaError):
+    """A request's grammar matcher worked longer per token than the engine allows (a grammar so
+    ambiguous that each token costs more, such as nested counted repetitions): the request was
+    stopped so that the others are served. Carries the output so far."""
+
+    def __init__(self, message: str, *, token_ids: list[int] | None = None,
+                 stats: Any = None) -> None:
+        super().__init__(message)
+        self.token_ids = list(token_ids or [])
+        self.stats = stats
+        self.partial_text = ""
+
+
 class IncompleteOutputError(ConstrainedSpecError):
     """max_tokens was reached before the grammar completed; carries the partial output."""
 

@@ -12,6 +12,7 @@ sampled drafts, the distribution q each token was drawn from (``None`` = point m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -35,6 +36,7 @@ class GrammarCursor:
         self._filled = -1  # index of the last filled row
         self._pos = 0  # drafts pushed so far
         self._timer = timer
+        self.seconds = 0.0  # the fork's work (`_timed`): the request's grammar time
         self._dead = False  # a push was refused: no position beyond this one is valid
         # note_forced: record, per row, whether the grammar forces the continuation there (the
         # repetition guard leaves such rows alone); forced_rows[i] is set when row i is filled
@@ -105,11 +107,16 @@ class GrammarCursor:
         return self._dead
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` (a call on the fork), its time added to the step's grammar time."""
-        if self._timer is None:
-            return fn(*args)
-        with self._timer.measure("grammar"):
-            return fn(*args)
+        """``fn(*args)`` (a call on the fork), its time added to the step's grammar time and
+        to ``seconds``."""
+        t0 = time.perf_counter()
+        try:
+            if self._timer is None:
+                return fn(*args)
+            with self._timer.measure("grammar"):
+                return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 @dataclass

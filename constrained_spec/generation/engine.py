@@ -43,7 +43,7 @@ import torch
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters.base import Drafter, DraftState, GrammarCursor
 from constrained_spec.drafters.forced import ForcedDrafter
-from constrained_spec.errors import ConfigError, GenerationError
+from constrained_spec.errors import ConfigError, GenerationError, GrammarCostError
 from constrained_spec.generation.budget import Acceptance, DraftBudget
 from constrained_spec.generation.logprobs import TokenLogprob, request_rows, row_logprobs
 from constrained_spec.generation.loops import LoopDetector
@@ -97,6 +97,8 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     #: its model drafts' acceptance, for the draft budget (`generation.budget`)
     draft_acceptance: Acceptance = field(default_factory=Acceptance)
+    #: seconds its grammar work took (its matcher, and its drafts' forks): `check_grammar_work`
+    grammar_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -123,6 +125,32 @@ def fail(r: Request, stage: str, exc: BaseException) -> None:
     r.error = GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
 
 
+#: A request's grammar work may take GRAMMAR_GRACE_S seconds plus GRAMMAR_S_PER_TOKEN per
+#: output token, in all (docs/security.md). A JSON schema's matcher takes microseconds to a few
+#: milliseconds a token; a grammar ambiguous enough to take more (nested counted repetitions:
+#: the matcher's work grows with every token) would hold the engine thread, and with it every
+#: other request, for minutes. xgrammar's calls cannot be interrupted, so the bound is checked
+#: after each step: the engine is held for at most one step past it.
+GRAMMAR_GRACE_S = 0.5
+GRAMMAR_S_PER_TOKEN = 0.025
+
+
+def check_grammar_work(r: Request) -> None:
+    """End ``r`` with a `GrammarCostError` when its grammar work is past the bound above."""
+    if r.finished or r.matcher is None:
+        return
+    allowed = GRAMMAR_GRACE_S + GRAMMAR_S_PER_TOKEN * len(r.output_ids)
+    if r.grammar_s > allowed:
+        r.finish_reason = "error"
+        r.error = GrammarCostError(
+            f"the grammar took {r.grammar_s:.2f} s of matcher work for {len(r.output_ids)} "
+            f"output tokens (at most {GRAMMAR_GRACE_S} s + {GRAMMAR_S_PER_TOKEN * 1000:.0f} ms "
+            "a token): the schema is too ambiguous for its matcher (nested counted "
+            "repetitions such as '((a{1,50}){1,50})' cost more with every token); simplify "
+            "the pattern or grammar (the request was stopped so the others are served)",
+            token_ids=r.output_ids, stats=r.stats)
+
+
 def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
     """Give ``emitted`` (verified tokens, in order) to ``r``: its real matcher, its output (up
     to a stop, a repetition loop or ``max_tokens``), ``emitted_tokens`` and its ``on_tokens``
@@ -130,6 +158,7 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
     commits through here, so every engine stops, counts and streams alike."""
     st = r.stats
     kept: list[int] = []
+    started = time.perf_counter()
     for tok in emitted:
         if len(r.output_ids) >= r.params.max_tokens:
             break
@@ -155,6 +184,8 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
             finish(r, "loop")
             st.record_loop(r.params.max_tokens - len(r.output_ids))
             break
+    r.grammar_s += time.perf_counter() - started  # the matcher's share (loops.py: µs a token)
+    check_grammar_work(r)
     st.emitted_tokens += len(kept)
     if kept and r.on_tokens is not None:
         with contain("callback", [r]):
@@ -709,6 +740,7 @@ class Engine:
         st.accepted_tokens += n_acc
         st.record_positions(len(s.tokens), n_acc)
         start = self.runner.length(r.slot) - len(s.tokens) - 1  # position of the pending token
+        r.grammar_s += s.cursor.seconds  # its drafts' fork: masks, accepts, forced tokens
         commit_tokens(r, emitted)
         # cache keeps the pending token + the accepted drafts; the new pending token is not cached
         # (when fewer tokens were kept the request has finished and its cache no longer matters)
