@@ -12,6 +12,9 @@ The ``reasoning`` option (:func:`resolve_reasoning`; :class:`ReasoningOptions` h
   (:data:`KNOWN_MARKERS`: ``<think>``/``</think>`` as in Qwen3 and DeepSeek-R1, ``[THINK]``/
   ``[/THINK]``, ``<seed:think>``/``</seed:think>``), off otherwise;
 * ``True``: on, with the template's markers or ``<think>``/``</think>``;
+* ``"template"``: on, with the template's markers; a :class:`ConfigError` when it names none
+  (the server's ``reasoning: true``: a model that does not think would have its whole answer
+  taken for reasoning, and a request cannot give markers);
 * ``False``: off; a :class:`ReasoningMarkers`: on, with these markers.
 
 Where the output starts (:func:`start_phase`): a prompt that already closed the block (Qwen3's
@@ -62,7 +65,7 @@ class ReasoningMarkers:
                                   f"{value!r:.40}", option="reasoning")
 
 
-ReasoningOption = Union[Literal["auto"], bool, ReasoningMarkers, None]
+ReasoningOption = Union[Literal["auto", "template"], bool, ReasoningMarkers, None]
 
 #: Marker pairs recognised in chat templates, the most common first.
 KNOWN_MARKERS = (ReasoningMarkers("<think>", "</think>"),
@@ -86,16 +89,16 @@ def detect_reasoning(tokenizer: Any) -> ReasoningMarkers | None:
 
 
 def check_reasoning_option(option: object) -> ReasoningOption:
-    """The ``reasoning`` option, when it is one: ``"auto"``, True, False (or None) or a
-    :class:`ReasoningMarkers` as given; ``"on"`` / ``"off"`` (the command line's and a
-    server request's words) as True / False."""
+    """The ``reasoning`` option, when it is one: ``"auto"``, ``"template"``, True, False (or
+    None) or a :class:`ReasoningMarkers` as given; ``"on"`` / ``"off"`` (the command line's
+    and a server request's words) as True / False."""
     if isinstance(option, str) and option in _SWITCH:
         return _SWITCH[option]
     if option is None or isinstance(option, (bool, ReasoningMarkers)) or (
-            isinstance(option, str) and option == "auto"):
+            isinstance(option, str) and option in ("auto", "template")):
         return cast(ReasoningOption, option)
-    raise ConfigError(f"must be 'auto', 'on', 'off', True, False or a ReasoningMarkers, got "
-                      f"{option!r:.40}", option="reasoning")
+    raise ConfigError(f"must be 'auto', 'on', 'off', True, False, 'template' or a "
+                      f"ReasoningMarkers, got {option!r:.40}", option="reasoning")
 
 
 _SWITCH = {"on": True, "off": False}
@@ -111,7 +114,14 @@ def resolve_reasoning(option: object, tokenizer: Any) -> ReasoningMarkers | None
         return option
     if option == "auto":
         return detect_reasoning(tokenizer)
-    return detect_reasoning(tokenizer) or KNOWN_MARKERS[0]  # True
+    markers = detect_reasoning(tokenizer)
+    if markers is None and option == "template":
+        known = ", ".join(f"{m.start}/{m.end}" for m in KNOWN_MARKERS)
+        raise ConfigError(f"reasoning is on, but this model's chat template names no reasoning "
+                          f"markers ({known}): the model does not think before it answers, and "
+                          "its whole answer would be taken for its reasoning; leave reasoning "
+                          "off (false, or out) for this model", option="reasoning")
+    return markers or KNOWN_MARKERS[0]  # True
 
 
 def check_reasoning_budget(value: object) -> int | None:
@@ -135,8 +145,8 @@ class ReasoningOptions:
     Parameters
     ----------
     reasoning:
-        ``"auto"`` (on when the chat template names known markers), True, False or a
-        :class:`ReasoningMarkers` (see the module docstring).
+        ``"auto"`` (on when the chat template names known markers), ``"template"``, True,
+        False or a :class:`ReasoningMarkers` (see the module docstring).
     max_reasoning_tokens:
         Thinking tokens before the end marker is forced (None: no budget); ``max_tokens``
         counts the reasoning too.

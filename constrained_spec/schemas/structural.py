@@ -87,8 +87,9 @@ class StructuralTag:
     def from_dict(cls, obj: Any, *, where: str = "structural_tag") -> StructuralTag:
         """A structural tag as clients send it: ``{"type": "structural_tag", "format": {...}}``
         (xgrammar), or ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
-        "triggers": [...]}`` (vLLM / SGLang / OpenAI-style); JSON text of either is accepted
-        too. ``where`` names the field in errors."""
+        "triggers": [...]}`` (vLLM / SGLang / OpenAI-style; every structure needs its
+        ``schema``); JSON text of either is accepted too. ``where`` names the field in errors,
+        and a :class:`SchemaError` about one part of ``obj`` has its JSON ``pointer``."""
         if isinstance(obj, (str, bytes)):
             from constrained_spec.json_limits import loads
 
@@ -121,7 +122,13 @@ class StructuralTag:
             if not isinstance(s, Mapping) or not {"begin", "end"} <= set(s):
                 raise SchemaError(f"{where}.structures[{i}] must be an object with 'begin', "
                                   "'schema' and 'end'")
-            tags.append(Tag(s["begin"], s.get("schema", {}), s["end"]))
+            if s.get("schema") is None:
+                # xgrammar's and vLLM's structures need one too (vLLM's null fails to compile)
+                raise SchemaError(f"{where}.structures[{i}] has no 'schema': give the JSON "
+                                  "Schema of what goes between its begin and end (for other "
+                                  "content, such as free text, use a 'format' tree)",
+                                  pointer=f"/structures/{i}/schema")
+            tags.append(Tag(s["begin"], s["schema"], s["end"]))
         return cls(tags=tuple(tags), triggers=obj.get("triggers"),
                    at_least_one=bool(obj.get("at_least_one", False)),
                    stop_after_first=bool(obj.get("stop_after_first", False)))

@@ -222,12 +222,13 @@ class Choice:
         return new, offset
 
     def final_logprobs(self, text: str, calls: bool) -> list[TokenLogprob] | None:
-        """The answer's logprobs for the response: the tokens behind ``text`` (a content cut at
-        a stop string keeps its own), or every answer token when the choice made ``calls``."""
+        """The answer's logprobs for the response: the tokens behind its content ``text`` (a
+        content cut at a stop string keeps its own). When the choice made ``calls``, ``text``
+        is what it wrote before them: their markup is no content, so its tokens are never
+        listed (an empty list when the content is null, as the streamed call deltas list
+        none)."""
         entries = self.answer_logprobs()
-        if entries is None or calls:
-            return entries
-        return within(self.decoded, entries, text)
+        return None if entries is None else within(self.decoded, entries, text)
 
     def stopped_outcome(self, tokens: int) -> Outcome:
         """The outcome of a choice whose text stopped early: at a stop string ("stop"), or at

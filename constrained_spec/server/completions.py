@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from constrained_spec.errors import ConfigError
 from constrained_spec.frontend.prompts import build_messages, check_text
@@ -117,22 +117,23 @@ def completion_usage(choices: Sequence[Choice], outcomes: Sequence[Outcome]) -> 
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's ``/tokenize`` body: ``prompt`` or ``messages``."""
+    """vLLM's ``/tokenize`` body: ``prompt`` or ``messages`` (strict types, as a completion
+    request's: `protocol.RequestFields`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = Field(default=None, strict=True)
-    add_generation_prompt: bool = Field(default=True, strict=True)
-    return_token_strs: bool | None = Field(default=False, strict=True)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(BaseModel):
-    """vLLM's ``/detokenize`` body."""
+    """vLLM's ``/detokenize`` body (strict: a token id is an integer, never a boolean)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from constrained_spec.api import SchemaMode
 from constrained_spec.errors import (
@@ -104,7 +104,7 @@ class ChatMessage(BaseModel):
     (`check_message_fields`), except those in ``_MESSAGE_IGNORED`` and a falsy value of those
     in ``_MESSAGE_UNSUPPORTED``, as for the request's own fields."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -116,16 +116,21 @@ class RequestFields(BaseModel):
     """The fields that chat completions and completions share: sampling, the library's levers,
     and every form of output constraint (`structured.constraint_of` reads them). Any other
     field is refused with a 400 naming it (`check_extra_fields`), except the bookkeeping ones
-    in ``_IGNORED`` and a falsy (default) value of the unimplemented ones in ``_UNSUPPORTED``."""
+    in ``_IGNORED`` and a falsy (default) value of the unimplemented ones in ``_UNSUPPORTED``.
 
-    model_config = ConfigDict(extra="allow")
+    Every field is strict (pydantic's strict mode): a number is a JSON number, never a string
+    ("2") nor a boolean (Python's bool is an int, so lax mode took ``n: true`` for 1); a
+    boolean is ``true`` / ``false``, never 1 or "yes". An integer field takes no fraction
+    (2.0), a number field takes integers (``temperature: 1``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     response_format: dict[str, Any] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # vLLM's extra parameter; -1 (vLLM's "off") and 0 both switch it off
-    top_k: int | None = Field(default=None, ge=-1, strict=True)
+    top_k: int | None = Field(default=None, ge=-1)
     max_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
     n: int = Field(default=1, ge=1)
@@ -133,15 +138,15 @@ class RequestFields(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     # vLLM-style extra parameters: the library's levers, as in the library when absent (the
-    # repetition guard off; max_retries the library's default, none with stream). Strict types
-    # (no "2" or true for a number); their ranges are SamplingParams', checked by make_request.
-    repetition_penalty: float | None = Field(default=None, strict=True)
-    no_repeat_ngram_size: int | None = Field(default=None, strict=True)
-    max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES, strict=True)
+    # repetition guard off; max_retries the library's default, none with stream); their
+    # ranges are SamplingParams', checked by make_request.
+    repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    max_retries: int | None = Field(default=None, ge=0, le=MAX_RETRIES)
     # vLLM's: no stop token before min_tokens output tokens; stop tokens never (until
     # max_tokens). A grammar still ends the output where it must (docs/server.md).
-    min_tokens: int | None = Field(default=None, ge=0, strict=True)
-    ignore_eos: bool | None = Field(default=None, strict=True)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
     # ours: which distribution logprobs report ("masked": the grammar's, renormalized, the
     # default; "raw": the model's before the mask, as vLLM's default) -- docs/server.md
     logprobs_mode: Literal["masked", "raw"] | None = None
@@ -168,6 +173,11 @@ class RequestFields(BaseModel):
 
     def check(self) -> None:
         """Checks across fields, after each field's own."""
+        include_usage = (self.stream_options or {}).get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise APIError(400, f"stream_options.include_usage must be true or false, got "
+                           f"{_json(include_usage)}", param="stream_options.include_usage",
+                           code="invalid_value")
         if self.stream and self.max_retries:
             raise APIError(400, "max_retries cannot be combined with stream: the text of a failed "
                            "attempt would already be sent; leave max_retries out (a streamed "
@@ -182,16 +192,16 @@ class ChatCompletionRequest(RequestFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     # a reasoning model's thinking budget (the library's max_reasoning_tokens; absent: none)
-    max_reasoning_tokens: int | None = Field(default=None, ge=0, strict=True)
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
     # reasoning on / off for this request (absent: the server's, "auto"); vLLM and SGLang
     # clients switch it with chat_template_kwargs.enable_thinking
-    reasoning: bool | None = Field(default=None, strict=True)
+    reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = Field(default=None, strict=True)
-    logprobs: bool | None = Field(default=None, strict=True)
-    top_logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -207,9 +217,12 @@ class ChatCompletionRequest(RequestFields):
                            param="tool_choice", code="invalid_value")
         self.reasoning_option()
 
-    def reasoning_option(self) -> bool | None:
+    def reasoning_option(self) -> Literal["template", False] | None:
         """Reasoning on / off for this request (None: the server's): ``reasoning`` or
-        ``chat_template_kwargs.enable_thinking`` (or ``thinking``); the two must agree."""
+        ``chat_template_kwargs.enable_thinking`` (or ``thinking``); the two must agree. On is
+        the library's ``"template"``: the markers the model's chat template names, and a 400
+        naming ``reasoning`` for a model whose template names none (forcing ``<think>`` on a
+        model that never closes it would take its whole answer for reasoning)."""
         kwargs = self.chat_template_kwargs or {}
         switch: bool | None = None
         for name, value in kwargs.items():  # every key reaches the template (make_request)
@@ -226,7 +239,8 @@ class ChatCompletionRequest(RequestFields):
         if switch is not None and self.reasoning is not None and switch != self.reasoning:
             raise APIError(400, "reasoning and chat_template_kwargs.enable_thinking disagree; "
                            "give one", param="reasoning", code="invalid_value")
-        return self.reasoning if self.reasoning is not None else switch
+        on = self.reasoning if self.reasoning is not None else switch
+        return None if on is None else ("template" if on else False)
 
 
 #: the chat-template variables that also switch the library's reasoning on / off for the
@@ -238,13 +252,25 @@ class CompletionRequest(RequestFields):
     """OpenAI's (legacy) completions request: a raw prompt, no chat template."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = Field(default=False, strict=True)
+    echo: bool = False
     # vLLM's: the tokenizer's special tokens (a BOS) before the prompt, as vLLM's default
-    add_special_tokens: bool = Field(default=True, strict=True)
+    add_special_tokens: bool = True
     # here a count (0-20; OpenAI's API allows 5): 0 asks for the chosen tokens' logprobs only
-    logprobs: int | None = Field(default=None, ge=0, le=20, strict=True)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     unsupported: ClassVar[tuple[str, ...]] = ("suffix", "best_of")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_boolean_ids(cls, prompt: Any) -> Any:
+        """A boolean is no token id (Python's bool is an int): a 400 naming where it is."""
+        for i, item in enumerate(prompt if isinstance(prompt, list) else ()):
+            for j, x in enumerate(item if isinstance(item, list) else [item]):
+                if isinstance(x, bool):
+                    where = f"prompt.{i}.{j}" if isinstance(item, list) else f"prompt.{i}"
+                    raise APIError(400, f"{where} is {_json(x)}: a token id is an integer, not "
+                                   "a boolean", param=where, code="invalid_value")
+        return prompt
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -342,11 +368,19 @@ def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors()[0]
     loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
     param = ".".join(str(p) for p in loc) or None
-    return APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+    message = err["msg"]
+    if err["type"] != "missing" and isinstance(err.get("input"), (bool, int, float, str)):
+        message += f", got {_json(err['input'])}"  # "got true": what lax types took for 1
+    return APIError(400, f"{param}: {message}" if param else message, param=param,
                     code="invalid_value")
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "dict", "list", "none")
+
+
+def _json(value: Any) -> str:
+    """``value`` as the client wrote it (JSON: ``true``, not ``True``), at most 40 characters."""
+    return json.dumps(value, ensure_ascii=False)[:40]
 
 
 def check_extra_fields(body: RequestFields) -> None:
@@ -455,13 +489,7 @@ def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"only text content parts are supported, got "
-                                   f"{part.get('type')!r}", param=f"messages.{i}.content")
-                parts.append(part["text"])
-            content = "".join(parts)
+            content = "".join(_text_part(part, i, j) for j, part in enumerate(content))
         role = "system" if m.role == "developer" else m.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if m.tool_calls:
@@ -476,6 +504,21 @@ def chat_prompt(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             raise APIError(400, str(e), param=f"messages.{i}.tool_calls.{j}.function.arguments",
                            code="invalid_json") from None
     return out
+
+
+def _text_part(part: dict[str, Any], i: int, j: int) -> str:
+    """The text of content part ``j`` of ``messages[i]``: a text part's ``text``, else a 400."""
+    if part.get("type") != "text":
+        raise APIError(400, f"only text content parts are supported, got "
+                       f"{_json(part.get('type'))} in messages[{i}].content[{j}]",
+                       param=f"messages.{i}.content", code="invalid_value")
+    text = part.get("text")
+    if not isinstance(text, str):
+        what = "has no 'text' field" if text is None else f"has 'text' {_json(text)}"
+        raise APIError(400, f"the text part messages[{i}].content[{j}] {what}: give its text "
+                       "as a string", param=f"messages.{i}.content.{j}.text",
+                       code="invalid_value")
+    return text
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

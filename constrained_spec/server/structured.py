@@ -91,9 +91,9 @@ def constraint_of(body: Any, backend: str) -> Constraint:
         raise APIError(400, f"two output constraints in one request: {names}; give one "
                        "(response_format, structured_outputs or one guided_* field)",
                        param=found[1].param, code="invalid_value")
-    if not found:
-        return FREE_TEXT
-    c = found[0]
+    # the options adjust the one constraint, wherever it came from; on free text they are a
+    # 400 (there is no JSON to apply them to), never silently ignored
+    c = _with_options(so, found[0] if found else FREE_TEXT)
     pattern = getattr(body, "guided_whitespace_pattern", None)
     if pattern is not None:
         _check_whitespace(pattern, "guided_whitespace_pattern", c)
@@ -133,24 +133,32 @@ def _from_structured_outputs(so: Any, backend: str) -> list[Constraint]:
         if value is None or (kind == "json_object" and value is False):
             continue
         found.append(_of_kind(kind, value, f"structured_outputs.{kind}"))
-    if len(found) == 1:
-        c = found[0]
-        if so.get("disable_additional_properties"):
-            if not isinstance(c.schema, dict):
-                raise APIError(400, "structured_outputs.disable_additional_properties applies to "
-                               "a JSON schema (json)", param="structured_outputs."
-                               "disable_additional_properties", code="invalid_value")
-            c = Constraint(closed_objects(c.schema), c.mode, c.param)
-        if so.get("whitespace_pattern") is not None:
-            _check_whitespace(so["whitespace_pattern"], "structured_outputs.whitespace_pattern", c)
-        if so.get("disable_any_whitespace") and isinstance(c.schema, dict):
-            raise APIError(400, "structured_outputs.disable_any_whitespace is not supported: "
-                           "this server writes JSON on one line with ', ' and ': ' and no other "
-                           "whitespace (the model cannot add any); leave it out",
-                           param="structured_outputs.disable_any_whitespace",
-                           code="unsupported_parameter")
-        found[0] = c
     return found
+
+
+def _with_options(so: Any, c: Constraint) -> Constraint:
+    """``c`` adjusted by the options of ``structured_outputs`` ``so`` (None: none), each a 400
+    naming it where it does not apply (free text, a regex) or is not supported."""
+    if not so:
+        return c
+    if so.get("disable_additional_properties"):
+        if not isinstance(c.schema, dict):
+            raise APIError(400, "structured_outputs.disable_additional_properties applies to "
+                           "a JSON schema constraint, and this request has "
+                           f"{'none (free text)' if c.schema is None else 'a ' + str(c.param)}; "
+                           "leave it out", param="structured_outputs."
+                           "disable_additional_properties", code="invalid_value")
+        c = Constraint(closed_objects(c.schema), c.mode, c.param)
+    if so.get("whitespace_pattern") is not None:
+        _check_whitespace(so["whitespace_pattern"], "structured_outputs.whitespace_pattern", c)
+    if so.get("disable_any_whitespace"):
+        raise APIError(400, "structured_outputs.disable_any_whitespace is not supported: "
+                       "this server writes JSON on one line with ', ' and ': ' and no other "
+                       "whitespace (the model cannot add any), and other output has no JSON "
+                       "whitespace to remove; leave it out",
+                       param="structured_outputs.disable_any_whitespace",
+                       code="unsupported_parameter")
+    return c
 
 
 def _of_kind(kind: str, value: Any, param: str) -> Constraint:
@@ -184,11 +192,13 @@ def _of_kind(kind: str, value: Any, param: str) -> Constraint:
 def structural_tag(obj: Any, param: str) -> StructuralTag:
     """The library's structural tag of a client's ``obj`` (xgrammar's ``{"type":
     "structural_tag", "format": ...}`` or vLLM's legacy ``structures`` + ``triggers``, or the
-    JSON text of either)."""
+    JSON text of either), in the field ``param``; a 400 names the part at fault
+    (``response_format.structures.0.schema``)."""
     try:
         return StructuralTag.from_dict(obj, where=param)
     except SchemaError as e:
-        raise APIError(400, f"bad structural tag: {e}", param=param, code="invalid_schema") from e
+        where = param + (e.pointer or "").replace("/", ".")
+        raise APIError(400, f"bad structural tag: {e}", param=where, code="invalid_schema") from e
 
 
 def _json_text(text: str, param: str) -> Any:
@@ -215,7 +225,9 @@ def _check_whitespace(pattern: Any, param: str, c: Constraint) -> None:
         raise APIError(400, f"{param} must be a regular expression string", param=param,
                        code="invalid_value")
     if not isinstance(c.schema, dict):
-        raise APIError(400, f"{param} applies to a JSON schema constraint", param=param,
+        what = "this request has none (free text)" if c.schema is None else f"{c.param} is not one"
+        raise APIError(400, f"{param} applies to a JSON schema constraint (response_format "
+                       f"json_schema, guided_json, ...) and {what}; leave it out", param=param,
                        code="invalid_value")
     try:
         fits = all(re.fullmatch(pattern, ws) for ws in ("", " "))
