@@ -68,7 +68,7 @@ from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.protocols import BatchEngine
 from constrained_spec.generation.retry import can_resume, quote_tokens, resume, resume_point
 from constrained_spec.generation.stats import SpecStats
-from constrained_spec.grammar import CompiledSpec, Matcher, compile_spec
+from constrained_spec.grammar import CompiledSpec, Matcher, TokenizerData, compile_spec
 from constrained_spec.model.loading import LoadedModel, load_model
 from constrained_spec.schemas import (
     AddedBound,
@@ -80,6 +80,7 @@ from constrained_spec.schemas import (
     normalize_schema,
     parse_output,
 )
+from constrained_spec.schemas.limits import shortest_output
 
 T = TypeVar("T")
 
@@ -740,6 +741,8 @@ class Generator(Generic[T]):
 
             check_sampling(params)
         spec, compiled, calls = self._request_spec(schema, toolset, options)
+        if spec is not None:
+            _check_reachable(spec, params.max_tokens, self.model.tokenizer_data)
         ids = _encode_with_check(self.model, prompt, None if calls else spec,
                                  options.system_prompt, params.max_tokens, toolset,
                                  chat_template_kwargs)
@@ -880,6 +883,20 @@ class Generator(Generic[T]):
                                                  stats=req.stats)
         err.partial_text = text
         return err
+
+
+def _check_reachable(spec: SchemaSpec, max_tokens: int, tok: TokenizerData) -> None:
+    """Raise a `ConfigError` (option max_tokens) when no output ``spec`` allows fits in
+    ``max_tokens`` tokens even of the model's longest one (`schemas.limits.shortest_output`):
+    every attempt would generate ``max_tokens`` tokens and fail."""
+    chars, where = shortest_output(spec)
+    longest = tok.derived("longest_token_bytes", lambda: max(map(len, tok.decoded), default=1))
+    if chars > max_tokens * longest:
+        raise ConfigError(
+            f"the shortest output {where} allows has {chars:,} characters: at least "
+            f"{-(-chars // longest):,} tokens of this model (its longest token has {longest} "
+            f"bytes), more than max_tokens={max_tokens:,}; raise max_tokens or lower the "
+            "schema's minimum (minLength, minItems, a long repetition)", option="max_tokens")
 
 
 def _complete_calls(req: Request, parser: ToolParser, answer: str, reasoning: str | None,

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from constrained_spec.errors import JSONDepthError, SchemaError
 from constrained_spec.json_limits import loads
 
+from .limits import check_choice_count, check_pattern_cost, json_patterns
 from .patterns import regex_escape, strip_edge_anchors  # noqa: F401 - re-exported
 from .pointers import to_pointer
 
@@ -351,6 +352,9 @@ def check_json_schema(js: dict) -> None:
     except RecursionError:  # check_json_document bounds the depth; a deep caller stack remains
         raise SchemaError("the schema nests too deeply to be checked", pointer="") from None
     if error is None:
+        for pattern, keyword, where in json_patterns(js):
+            check_pattern_cost(pattern, what="the pattern", keyword=keyword,
+                               pointer=to_pointer(where))
         return
     path = list(error.absolute_path)
     keyword = next((p for p in reversed(path) if isinstance(p, str)), error.validator)
@@ -396,6 +400,7 @@ def _from_regex(pattern: Any) -> SchemaSpec:
         re.compile(pattern)
     except re.error as exc:
         raise SchemaError(f"invalid regular expression {pattern!r}: {exc}") from exc
+    check_pattern_cost(pattern, what="the regular expression")
     return SchemaSpec(kind="regex", regex=pattern)
 
 
@@ -434,6 +439,7 @@ def choice_text(value: Any) -> str:
 def _from_choices(values: list, *, target: Any, what: str) -> SchemaSpec:
     if not values:
         raise SchemaError(f"{what}: at least one choice is needed")
+    check_choice_count(len(values), what=what)
     texts = [choice_text(v) for v in values]
     for i, t in enumerate(texts):
         _check_text(t, f"{what}: choice {i}")
