@@ -13,10 +13,16 @@ after its own owner, permission and digest checks). Nothing here changes the pro
 (a library must not change process state): modes are set explicitly after creation, while the
 new file or folder is still unreachable by anyone else. A cache root that someone else owns,
 or that group or others can write, is used with a warning (`cache_dir`).
+
+A full disk (or quota) is a `CacheFullError` naming the folder written to, never a bare
+``OSError`` or a third party's traceback (`full_disk_as_error`, `cached_build`): the failed
+step's temp files are removed as after any other failure, and the error says how much space the
+step needs where that is known.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -28,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from constrained_spec.errors import ConfigError
+from constrained_spec.errors import CacheFullError, ConfigError
 from constrained_spec.settings import settings
 
 logger = logging.getLogger(__name__)
@@ -149,6 +155,94 @@ def restrict_tree(folder: Path) -> None:
                 os.chmod(p, 0o600)
 
 
+# -- a full disk -----------------------------------------------------------------------------
+# Writers report a full disk in several forms: Python's own writes as an OSError (ENOSPC, or
+# EDQUOT for a quota), safetensors' Rust writer as an exception whose text carries the OS's
+# words or code, and a chained exception (a ModelLoadError raised from one) somewhere down its
+# causes. All of them are told as one `CacheFullError`.
+_FULL_ERRNOS = frozenset(n for n in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if n is not None)
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "StorageFull", "os error 28",
+               "os error 122")
+_FIX = ("free some space there, or set CONSTRAINED_SPEC_CACHE to a folder on a disk with room "
+        "(it is created if missing)")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, says that a disk or quota is full."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            return True
+        if any(words in str(e) for words in _FULL_WORDS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes this user may still write on the disk holding ``folder`` (or its nearest existing
+    parent: the folder may not be made yet); None when the system does not say."""
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def cache_full_error(folder: Path, what: str, *, needed: int | None = None,
+                     written: int | None = None) -> CacheFullError:
+    """The `CacheFullError` for ``what`` (a step, in words: "fetching the embedded model")
+    failing for want of space in ``folder``: the space it needs when known (``needed``), or
+    at least what it had written when the disk filled (``written``, removed since), and the
+    space free there now."""
+    free = free_bytes(folder)
+    if needed is not None:
+        wants = f"{what} needs about {_megabytes(needed)} there"
+    elif written:
+        wants = (f"{what} had written {_megabytes(written)} when the disk filled (removed "
+                 "now) and needs more than that")
+    else:
+        wants = f"{what} could not write there"
+    has = f"; {_megabytes(free)} are free there now" if free is not None else ""
+    return CacheFullError(f"no space left in the cache folder {folder} (its disk, or your quota "
+                          f"there, is full): {wants}{has}; {_FIX}",
+                          folder=folder, needed=needed, free=free)
+
+
+@contextmanager
+def full_disk_as_error(folder: Path, what: str, *, needed: int | None = None) -> Iterator[None]:
+    """Within the block, an error that says the disk is full (`disk_full`) becomes the
+    `CacheFullError` for ``what`` in ``folder`` (raised from it); other errors pass unchanged.
+    What the block leaves half-written is its own to remove (its ``finally`` runs first)."""
+    try:
+        yield
+    except CacheFullError:
+        raise
+    except Exception as e:
+        if disk_full(e):
+            raise cache_full_error(folder, what, needed=needed) from e
+        raise
+
+
+def _tree_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (0 if it is gone)."""
+    total = 0
+    for p in folder.rglob("*"):
+        try:
+            total += p.stat(follow_symlinks=False).st_size if p.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
 # -- the cache under concurrent first use ---------------------------------------------------
 # Every build goes into a private temp folder (one per process) and is renamed into place
 # under a lock; a finished folder carries a `done` manifest (every file's size, written last)
@@ -247,9 +341,18 @@ def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
     Safe under any interleaving of processes (a lock around check-and-build) and any kill point
     (see the table above: a killed build leaves at most its temp folder, which the next build
     removes, or renames into place when its manifest says it is complete); a damaged folder is
-    rebuilt with a warning."""
+    rebuilt with a warning.
+
+    A full disk (or quota) is a `CacheFullError` naming ``out``'s folder and how much the build
+    had written when it failed; the temp folder is removed all the same."""
     if cache_complete(out):
         return out
+    with full_disk_as_error(out.parent, f"building {out.name}"):
+        return _build_locked(out, build)
+
+
+def _build_locked(out: Path, build: Callable[[Path], None]) -> Path:
+    """`cached_build` past its first check: the check again and the build, under the lock."""
     private_mkdir(out.parent)
     with cache_lock(out.with_name(f".{out.name}.lock")):
         fault_point("build.locked")
@@ -278,6 +381,12 @@ def cached_build(out: Path, build: Callable[[Path], None]) -> Path:
             fault_point("build.manifest")
             _replace_folder(tmp, out)
             fault_point("build.renamed")
+        except Exception as e:
+            if disk_full(e) and not isinstance(e, CacheFullError):  # say how far it got
+                written = _tree_bytes(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise cache_full_error(out.parent, f"building {out.name}", written=written) from e
+            raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -323,7 +432,7 @@ def file_sha256(path: Path) -> str:
 
 def file_digest(path: Path) -> str:
     """sha256 of ``path``, remembered in the cache by path, size and mtime (a multi-GB file is
-    hashed once)."""
+    hashed once; where the cache cannot be written, a full disk say, it is hashed each time)."""
     st = path.stat()
     ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     index = cache_dir() / "models" / "digests.json"
@@ -334,11 +443,15 @@ def file_digest(path: Path) -> str:
     if ident in known:
         return known[ident]
     digest = file_sha256(path)
-    with cache_lock(index.with_name(".digests.lock")):
-        try:
-            known = json.loads(index.read_text())
-        except (OSError, ValueError):
-            known = {}
-        known[ident] = digest
-        write_private(index, json.dumps(known))
+    try:
+        with cache_lock(index.with_name(".digests.lock")):
+            try:
+                known = json.loads(index.read_text())
+            except (OSError, ValueError):
+                known = {}
+            known[ident] = digest
+            write_private(index, json.dumps(known))
+    except OSError as e:  # a full disk or a read-only cache: the digest is right all the same
+        logger.info("could not remember the digest of %s in %s (%s): it is computed again next "
+                    "time", path, index, e.strerror or e)
     return digest

@@ -7,6 +7,7 @@ a user as a raw traceback for a user mistake.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -122,6 +123,21 @@ class GenerationError(ConstrainedSpecError):
 
 class ModelLoadError(ConstrainedSpecError):
     """The model could not be fetched, verified or loaded."""
+
+
+class CacheFullError(ModelLoadError):
+    """The disk (or the user's quota) holding the cache folder is full: nothing was kept.
+
+    ``folder`` is the cache folder written to; ``needed`` the bytes the step needs there where
+    known (else None), ``free`` the bytes free there when it failed (else None).
+    """
+
+    def __init__(self, message: str, *, folder: Path, needed: int | None = None,
+                 free: int | None = None) -> None:
+        self.folder = folder
+        self.needed = needed
+        self.free = free
+        super().__init__(message)
 
 
 class ConfigError(ConstrainedSpecError, ValueError):

