@@ -68,7 +68,7 @@ from constrained_spec.generation.loops import LoopDetector
 from constrained_spec.generation.protocols import BatchEngine
 from constrained_spec.generation.retry import can_resume, quote_tokens, resume, resume_point
 from constrained_spec.generation.stats import SpecStats
-from constrained_spec.grammar import CompiledSpec, Matcher, TokenizerData, compile_spec
+from constrained_spec.grammar import CompiledSpec, CompileWorkers, Matcher, TokenizerData, compile_spec
 from constrained_spec.model.loading import LoadedModel, load_model
 from constrained_spec.schemas import (
     AddedBound,
@@ -148,6 +148,9 @@ DEFAULT_MAX_RETRIES = 2
 #: Temperature of the retries after a failed first attempt (``max_retries``), unless the
 #: request already samples at its own temperature. Moderate: far enough from greedy to leave
 #: its loop, close enough to keep the model's likely tokens.
+#: Seconds a schema's grammar compile may take (`grammar.compile_spec`): past it, SchemaError
+#: (a 400 from the server, whose compile is then stopped: `grammar.compile_worker`)
+COMPILE_TIMEOUT_S = 30.0
 DEFAULT_RETRY_TEMPERATURE = 0.7
 #: Seed of retry k (k >= 1) when the request has none: ``DEFAULT_RETRY_SEED + k`` (with a seed
 #: s: ``s + k``), so retried generations are reproducible.
@@ -555,6 +558,9 @@ class Generator(Generic[T]):
         self.tool_format = detect_format(self.model.tokenizer)
         if self.tools is not None and self.tools.active:
             self.spec = self.grammar_spec = self._tool_spec(self.tools, self.schema_options)
+        #: where later compiles run: None in a thread of this process; a server sets child
+        #: processes that stop a compile at its timeout (`grammar.compile_worker`)
+        self.compile_workers: CompileWorkers | None = None
         self.compiled = self._compile(self.spec, self.schema_options)
 
     def _tool_spec(self, toolset: ToolSet, options: SchemaOptions) -> SchemaSpec:
@@ -580,9 +586,11 @@ class Generator(Generic[T]):
         if spec is None:
             return None
         if isinstance(spec.target, ToolParser):  # tool calls: bounds are in its arguments already
-            return compile_spec(spec, self.model.tokenizer_data, backend=options.backend)
+            return compile_spec(spec, self.model.tokenizer_data, backend=options.backend,
+                                timeout_s=COMPILE_TIMEOUT_S, workers=self.compile_workers)
         grammar_spec, _ = options.bound(spec)
-        return compile_spec(grammar_spec, self.model.tokenizer_data, backend=options.backend)
+        return compile_spec(grammar_spec, self.model.tokenizer_data, backend=options.backend,
+                            timeout_s=COMPILE_TIMEOUT_S, workers=self.compile_workers)
 
     # -- running ----------------------------------------------------------------------------
     def __call__(self, prompt: str | Messages | Sequence[str | Messages], *,
@@ -742,7 +750,7 @@ class Generator(Generic[T]):
             check_sampling(params)
         spec, compiled, calls = self._request_spec(schema, toolset, options)
         if spec is not None:
-            _check_reachable(spec, params.max_tokens, self.model.tokenizer_data)
+            check_reachable(spec, params.max_tokens, self.model.tokenizer_data)
         ids = _encode_with_check(self.model, prompt, None if calls else spec,
                                  options.system_prompt, params.max_tokens, toolset,
                                  chat_template_kwargs)
@@ -885,7 +893,7 @@ class Generator(Generic[T]):
         return err
 
 
-def _check_reachable(spec: SchemaSpec, max_tokens: int, tok: TokenizerData) -> None:
+def check_reachable(spec: SchemaSpec, max_tokens: int, tok: TokenizerData) -> None:
     """Raise a `ConfigError` (option max_tokens) when no output ``spec`` allows fits in
     ``max_tokens`` tokens even of the model's longest one (`schemas.limits.shortest_output`):
     every attempt would generate ``max_tokens`` tokens and fail."""

@@ -6,11 +6,13 @@ fork / forced (jump-forward) tokens.
 """
 
 from .compile import CompiledSpec, clear_compile_cache, compile_cache_info, compile_spec
+from .compile_worker import CompileWorkers
 from .matcher import Matcher, OutlinesMatcher, XGrammarMatcher
 from .tokenizer import TokenizerData
 
 __all__ = [
     "CompiledSpec",
+    "CompileWorkers",
     "Matcher",
     "OutlinesMatcher",
     "TokenizerData",

@@ -1,11 +1,17 @@
 """Compile a `SchemaSpec` for one tokenizer and backend, once: the compile-once half of the
 compile / per-request split (`CompiledSpec` -> `Matcher`).
 
-Compiles are cached (bounded LRU) by ``(spec.key, tok.key, backend)``. A compile runs in a
-daemon worker thread (both backends release the GIL while compiling) and the caller waits at
-most ``timeout_s``: past it `SchemaError` is raised and the process never hangs. The abandoned
-compile keeps running in the background and stays in the cache as pending, so retrying the same
-spec (with a larger timeout) waits for that work instead of starting it again.
+Compiles are cached by ``(spec.key, tok.key, backend)``, least recently used first out past a
+bound in bytes (``CONSTRAINED_SPEC_COMPILE_CACHE_MB``, 256: xgrammar counts what a compiled
+grammar holds; a grammar of 20,000 choices holds 95 MB, a typical schema under 1 MB). A compile
+runs in a daemon worker thread (both backends release the GIL while compiling) and the caller
+waits at most ``timeout_s``: past it `SchemaError` is raised and the process never hangs.
+
+Where a compile must also be *stopped* at the deadline (a server: one client's schema must not
+keep a core and its memory), ``compile_spec(workers=...)`` runs it in a child process
+(`compile_worker.CompileWorkers`), killed at the deadline. Otherwise the abandoned compile keeps
+running in its thread and stays in the cache as pending, so retrying the same spec (with a
+larger timeout) waits for that work instead of starting it again.
 
 What the backend logs on fd 2 while building and compiling the grammar is heard, not leaked
 (`schemas.backend_log`): it stays with the cached `CompiledSpec` (``backend_warnings``), and
@@ -29,18 +35,22 @@ from constrained_spec.schemas.backend_log import BackendMessage, hear_compile, h
 from constrained_spec.schemas.backends import conversion
 from constrained_spec.schemas.patterns import python_regex, strip_edge_anchors
 from constrained_spec.schemas.spec import clean_backend_message
+from constrained_spec.settings import settings
 
+from .compile_worker import CompileWorkers
 from .matcher import Matcher, OutlinesMatcher, XGrammarMatcher, _OutlinesTables
 from .tokenizer import TokenizerData
 
-__all__ = ["CompiledSpec", "compile_spec", "clear_compile_cache", "compile_cache_info"]
+__all__ = ["CompiledSpec", "CompileWorkers", "compile_spec", "clear_compile_cache",
+           "compile_cache_info"]
 
 Backend = Literal["xgrammar", "outlines"]
 
-CACHE_SIZE = 64
 _cache: OrderedDict[tuple[str, str, str], Future] = OrderedDict()
+_sizes: dict[tuple[str, str, str], int] = {}  # bytes of each finished compile in the cache
 _cache_lock = threading.Lock()
 _stats = {"hits": 0, "misses": 0}
+
 _log = logging.getLogger(__name__)
 
 
@@ -82,8 +92,11 @@ class CompiledSpec:
 
 
 def compile_spec(spec: SchemaSpec, tok: TokenizerData, *, backend: Backend = "xgrammar",
-                 timeout_s: float | None = 30.0) -> CompiledSpec:
+                 timeout_s: float | None = 30.0, workers: CompileWorkers | None = None) -> CompiledSpec:
     """Compile `spec` for `tok` on `backend` (cached).
+
+    ``workers``: compile in their child processes, where a compile past ``timeout_s`` is
+    stopped (the server's mode, `compile_worker`), not in a thread of this process.
 
     Raises
     ------
@@ -106,34 +119,78 @@ def compile_spec(spec: SchemaSpec, tok: TokenizerData, *, backend: Backend = "xg
             _stats["misses"] += 1
             future = Future()
             _cache[key] = future
-            while len(_cache) > CACHE_SIZE:
-                _cache.popitem(last=False)
-            worker = threading.Thread(target=_run, args=(future, key, spec, tok, backend),
+            worker = threading.Thread(target=_run, args=(future, key, spec, tok, backend, timeout_s,
+                                                         workers),
                                       name=f"compile-{backend}-{spec.key[:8]}", daemon=True)
             worker.start()
     try:
         return future.result(timeout=timeout_s)
     except FutureTimeout:
+        if workers is not None:  # its child is killed at this deadline: a retry starts anew
+            with _cache_lock:
+                if _cache.get(key) is future:
+                    del _cache[key]
+            raise SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s "
+                              "and was stopped; simplify the schema", backend=backend) from None
         raise SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s; simplify "
                           "the schema or raise timeout_s (the compile continues in the background "
                           "and a retry reuses it)", backend=backend) from None
 
 
-def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backend: str) -> None:
+def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backend: str,
+         timeout_s: float | None, workers: CompileWorkers | None) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        compile_ = _compile_xgrammar if backend == "xgrammar" else _compile_outlines
-        obj, heard = compile_(spec, tok)
-        future.set_result(CompiledSpec(spec, backend, tok, obj, heard))
+        if workers is not None:  # in a child process, stopped at the deadline
+            obj, heard = workers.compile(spec, tok, backend, timeout_s)
+        else:
+            compile_ = _compile_xgrammar if backend == "xgrammar" else _compile_outlines
+            obj, heard = compile_(spec, tok)
+        compiled = CompiledSpec(spec, backend, tok, obj, heard)
+        _account(key, future, compiled)  # before its callers see it: the bound holds for them
+        future.set_result(compiled)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
         with _cache_lock:
             if _cache.get(key) is future:
                 del _cache[key]  # failures are not cached
+                _sizes.pop(key, None)
         if not isinstance(exc, SchemaError):
             exc = SchemaError(f"the {backend} backend cannot compile this {spec.kind} spec: "
                               f"{clean_backend_message(exc)}", backend=backend)
         future.set_exception(exc)
+
+
+def _account(key: tuple, future: Future, compiled: CompiledSpec) -> None:
+    """Count a finished compile's bytes; the least recently used go past the bound
+    (``CONSTRAINED_SPEC_COMPILE_CACHE_MB``). Pending compiles count nothing yet."""
+    size = _size_of(compiled.backend_object)
+    limit = settings().compile_cache_mb << 20
+    with _cache_lock:
+        if _cache.get(key) is not future:
+            return  # cleared meanwhile
+        _sizes[key] = size
+        total = sum(_sizes.values())
+        for old in list(_cache):
+            if total <= limit:
+                break
+            if old in _sizes and old != key:
+                total -= _sizes.pop(old)
+                del _cache[old]
+        if total > limit:  # this one alone is past the bound: used by its caller, not kept
+            _sizes.pop(key)
+            del _cache[key]
+
+
+def _size_of(backend_object: Any) -> int:
+    """The bytes a compiled grammar holds: xgrammar's own count; for outlines-core, its
+    index serialized (its per-state masks grow later, bounded apart by `_OutlinesTables`)."""
+    size = getattr(backend_object, "memory_size_bytes", None)
+    if size is not None:
+        return int(size)
+    import pickle
+
+    return len(pickle.dumps(backend_object.index))
 
 
 def _xgrammar_compiler(tok: TokenizerData) -> Any:
@@ -220,10 +277,11 @@ def clear_compile_cache() -> None:
     """Forget every compiled spec (pending compiles finish unobserved)."""
     with _cache_lock:
         _cache.clear()
+        _sizes.clear()
         _stats.update(hits=0, misses=0)
 
 
 def compile_cache_info() -> dict[str, int]:
-    """hits / misses since the last clear, and the number of cached entries."""
+    """hits / misses since the last clear, the number of cached entries and their bytes."""
     with _cache_lock:
-        return {**_stats, "size": len(_cache)}
+        return {**_stats, "size": len(_cache), "bytes": sum(_sizes.values())}

@@ -145,10 +145,12 @@ def create_app(model: Any, config: ServerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.loop.start()
+        server.start_compile_worker()
         try:
             yield
         finally:
             server.loop.stop()
+            server.close_compile_workers()
             server.prep.shutdown(wait=False, cancel_futures=True)
             server.finish.shutdown(wait=False, cancel_futures=True)
 

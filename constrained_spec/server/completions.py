@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from constrained_spec.api import check_reachable
 from constrained_spec.errors import ConfigError
 from constrained_spec.frontend.prompts import build_messages, check_text
 from constrained_spec.frontend.tools import check_history_arguments
@@ -80,6 +81,8 @@ def raw_request(generator: Generator[Any], ids: list[int], constraint: Constrain
     and ``_request_spec``, the steps of ``make_request`` before the prompt is encoded)."""
     schema_options, _, params = generator._call_options(dict(options), constraint.mode)
     spec, compiled, _ = generator._request_spec(constraint.schema, None, schema_options)
+    if spec is not None:
+        check_reachable(spec, params.max_tokens, generator.model.tokenizer_data)
     limit = max_model_len(generator.model)
     if len(ids) + params.max_tokens + 1 > limit:
         raise APIError(400, f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} "

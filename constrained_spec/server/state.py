@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import stat
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ from constrained_spec.errors import (
     OutputValidationError,
 )
 from constrained_spec.generation.serving import EngineLoop
+from constrained_spec.grammar import CompileWorkers
 from constrained_spec.server.choices import Choice, Outcome
 from constrained_spec.server.completions import prompt_ids, raw_request, token_limit
 from constrained_spec.server.protocol import (
@@ -80,6 +82,12 @@ class ServerConfig:
             raise ConfigError(f"must be True or False, got {self.allow_unauthenticated!r}",
                               option="allow_unauthenticated")
 
+
+#: threads preparing requests (schema compiles, chat templates, prompt encoding)
+PREP_THREADS = 4
+#: child processes compiling grammars at once (each ~180 MB: xgrammar imports torch); the
+#: first starts with the server, the second when two compiles overlap
+COMPILE_PROCESSES = 2
 
 API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
 #: the longest key accepted (a key file's first line is read up to this many bytes)
@@ -227,14 +235,37 @@ class Server:
         self.model = self.generator.model
         self.loop = EngineLoop(self.generator.new_engine(), max_batch_size=config.max_batch_size,
                                max_queue=config.max_queue)
-        # schema compiles and prompt encoding run here, off the event loop and off the engine
-        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-server-prep")
+        # schema compiles and prompt encoding run here, off the event loop and off the engine;
+        # several, so that one slow request (a large schema's compile, up to its timeout; a
+        # long template) does not hold the others' preparation
+        self.prep = ThreadPoolExecutor(max_workers=PREP_THREADS, thread_name_prefix="openai-server-prep")
+        # compiles run in child processes, stopped at their timeout: one client's schema
+        # cannot keep a core or its memory past it (grammar/compile_worker.py)
+        self.generator.compile_workers = CompileWorkers(COMPILE_PROCESSES)
         # final validation (jsonschema, Pydantic) of finished outputs runs here: it takes time
         # on large outputs, and the event loop must keep answering (/health) meanwhile
         self.finish = ThreadPoolExecutor(max_workers=2, thread_name_prefix="openai-server-finish")
         self.created = int(time.time())
         #: retry attempts run (``max_retries``): the ``retries`` metric
         self.retries = 0
+
+    def start_compile_worker(self) -> None:
+        """Start the first compile process in the background (a few seconds: the import of
+        xgrammar), so that the first schema does not wait for it."""
+        workers, tok = self.generator.compile_workers, self.model.tokenizer_data
+        if workers is None:
+            return
+
+        def start() -> None:
+            try:
+                workers.start(tok)
+            except Exception as e:  # noqa: BLE001 - the first compile starts one again
+                logger.warning("could not start a compile process: %s", e)
+        threading.Thread(target=start, name="compile-worker-start", daemon=True).start()
+
+    def close_compile_workers(self) -> None:
+        if self.generator.compile_workers is not None:
+            self.generator.compile_workers.close()
 
     @staticmethod
     def retry_policy(body: RequestFields) -> RetryPolicy:

@@ -1,0 +1,61 @@
+"""The compile child's side of `compile_worker` (``python -m constrained_spec.grammar.compile_child``).
+
+Reads the tokenizer (xgrammar's ``TokenizerInfo``, serialized), answers ``("ready", key)``,
+then compiles one spec at a time until EOF on stdin (its parent closed the pipe or died).
+Kept apart from `compile_worker`, which the package imports: a module run with ``-m`` must not
+be imported before it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from typing import IO, Any
+
+from constrained_spec.errors import SchemaError
+from constrained_spec.grammar.compile_worker import read_message, write_message
+
+
+def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    """The child's loop: the tokenizer, then specs until EOF."""
+    import xgrammar
+
+    from .compile import _compile_outlines, _compile_xgrammar
+    from .tokenizer import TokenizerData
+
+    info = read_message(stdin)
+    if info is None:
+        return
+    tok = TokenizerData._from_info(xgrammar.TokenizerInfo.deserialize_json(info))
+    write_message(stdout, ("ready", tok.key))
+    while (message := read_message(stdin)) is not None:
+        spec, backend = message
+        try:
+            if backend == "xgrammar":
+                compiled, heard = _compile_xgrammar(spec, tok)
+                payload: Any = compiled.serialize_json()
+            else:
+                tables, heard = _compile_outlines(spec, tok)
+                payload = pickle.dumps(tables.index)
+            write_message(stdout, ("ok", payload, heard))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
+            from constrained_spec.schemas.spec import clean_backend_message
+
+            if isinstance(exc, SchemaError):
+                write_message(stdout, ("err", str(exc), exc.keyword, exc.pointer, exc.backend))
+            else:
+                write_message(stdout, ("err", f"the {backend} backend cannot compile this {spec.kind} "
+                                f"spec: {clean_backend_message(exc)} (backend {backend})",
+                                None, None, backend))
+
+
+def main() -> None:
+    # the protocol owns the real stdout; anything printed goes to stderr instead
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    _serve(sys.stdin.buffer, stdout)
+
+
+if __name__ == "__main__":
+    main()
