@@ -456,10 +456,9 @@ def load_model(
         return _load_on_vllm(model, tokenizer, engine, vllm_options, quiet=quiet)
     if engine != "native":
         raise ConfigError(f"engine must be 'native' or 'vllm', got {engine!r}", option="engine")
-    if isinstance(model, LoadedModel):
-        return model
-    if hasattr(model, "target") and isinstance(model.target, LoadedModel):
-        return model.target  # a bundle of target + drafter
+    if isinstance(model, LoadedModel) or (hasattr(model, "target")
+                                          and isinstance(model.target, LoadedModel)):
+        return model if isinstance(model, LoadedModel) else model.target  # (a target + drafter)
     if isinstance(model, tuple) and len(model) == 2:
         model, tokenizer = model
     dev = torch.device(device) if device is not None else torch.device(
