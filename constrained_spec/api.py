@@ -44,7 +44,7 @@ from constrained_spec.errors import (
     ConfigError,
     ConstrainedSpecError,
     GenerationError,
-    GrammarCostError,
+    GrammarStoppedError,
     IncompleteOutputError,
     OutputValidationError,
     OutputWarning,
@@ -442,6 +442,10 @@ def _encode_with_check(loaded: LoadedModel, prompt: str | Messages, spec: Schema
     # the default schema description shortens itself to fit beside max_tokens (prompts.py)
     ids = encode_prompt(loaded.tokenizer, prompt, spec, system_prompt, context=limit,
                         reserved=max_tokens + 1, tools=tools, template_kwargs=template_kwargs)
+    if not ids:  # a model continues a prompt: with none, its first forward has no row
+        raise ConfigError("the prompt is empty after the chat template was applied (no "
+                          "token to continue from): give the model some text, or a template "
+                          "that writes the messages", option="prompt")
     if len(ids) + max_tokens + 1 > limit:
         raise PromptTooLongError(
             f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
@@ -880,10 +884,10 @@ class Generator(Generic[T]):
         return value
 
     @staticmethod
-    def _generation_error(req: Request, text: str) -> GenerationError | GrammarCostError:
+    def _generation_error(req: Request, text: str) -> GenerationError | GrammarStoppedError:
         """The typed error of a request that ended in "error", with its partial output."""
         err = req.error
-        if isinstance(err, GrammarCostError):  # the schema's fault, not the engine's
+        if isinstance(err, GrammarStoppedError):  # the schema's fault, not the engine's
             err.partial_text = text
             return err
         if not isinstance(err, GenerationError):  # set outside the engine's own guards

@@ -41,10 +41,9 @@ class SchemaError(ConstrainedSpecError, ValueError):
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
 
 
-class GrammarCostError(SchemaError):
-    """A request's grammar matcher worked longer per token than the engine allows (a grammar so
-    ambiguous that each token costs more, such as nested counted repetitions): the request was
-    stopped so that the others are served. Carries the output so far."""
+class GrammarStoppedError(SchemaError):
+    """A request was stopped mid-generation because of its grammar (the schema's fault, not
+    the engine's); the output so far is on ``token_ids`` / ``partial_text``."""
 
     def __init__(self, message: str, *, token_ids: list[int] | None = None,
                  stats: Any = None) -> None:
@@ -52,6 +51,17 @@ class GrammarCostError(SchemaError):
         self.token_ids = list(token_ids or [])
         self.stats = stats
         self.partial_text = ""
+
+
+class GrammarCostError(GrammarStoppedError):
+    """A request's grammar matcher worked longer per token than the engine allows (a grammar so
+    ambiguous that each token costs more, such as nested counted repetitions): the request was
+    stopped so that the others are served."""
+
+
+class GrammarDeadEndError(GrammarStoppedError):
+    """The grammar allowed no token where it could not end (it matches no complete string
+    from there)."""
 
 
 class IncompleteOutputError(ConstrainedSpecError):

@@ -119,10 +119,10 @@ class Settings:
     prompt prefixes (the keys and values of prompt blocks shared by requests: a schema's
     system message; ``model/prefix_cache.py``); 0 turns it off. Default: 256."""
 
-    compile_cache_mb: int = 256
+    compile_cache_mb: int = 64
     """``CONSTRAINED_SPEC_COMPILE_CACHE_MB``: the bound, in MiB, of the cache of compiled
     grammars (``grammar/compile.py``: what each compile holds, xgrammar's own count), least
-    recently used first out; 0 keeps none. Default: 256."""
+    recently used first out; 0 keeps none. Default: 64."""
 
     debug: bool = False
     """``CONSTRAINED_SPEC_DEBUG``: on makes the command line print the traceback of an
@@ -168,7 +168,7 @@ class Settings:
             amx=parse_bool(PREFIX + "AMX", raw("AMX"), default=True),
             debug=parse_bool(PREFIX + "DEBUG", raw("DEBUG"), default=False),
             prefix_cache_mb=_megabytes(PREFIX + "PREFIX_CACHE_MB", raw("PREFIX_CACHE_MB"), default=256),
-            compile_cache_mb=_megabytes(PREFIX + "COMPILE_CACHE_MB", raw("COMPILE_CACHE_MB"), default=256),
+            compile_cache_mb=_megabytes(PREFIX + "COMPILE_CACHE_MB", raw("COMPILE_CACHE_MB"), default=64),
         )
 
 

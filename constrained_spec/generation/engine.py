@@ -43,7 +43,7 @@ import torch
 from constrained_spec.config import SamplingParams, SpeculativeConfig
 from constrained_spec.drafters.base import Drafter, DraftState, GrammarCursor
 from constrained_spec.drafters.forced import ForcedDrafter
-from constrained_spec.errors import ConfigError, GenerationError, GrammarCostError
+from constrained_spec.errors import ConfigError, GenerationError, GrammarCostError, GrammarDeadEndError
 from constrained_spec.generation.budget import Acceptance, DraftBudget
 from constrained_spec.generation.logprobs import TokenLogprob, request_rows, row_logprobs
 from constrained_spec.generation.loops import LoopDetector
@@ -131,8 +131,8 @@ def fail(r: Request, stage: str, exc: BaseException) -> None:
 #: the matcher's work grows with every token) would hold the engine thread, and with it every
 #: other request, for minutes. xgrammar's calls cannot be interrupted, so the bound is checked
 #: after each step: the engine is held for at most one step past it.
-GRAMMAR_GRACE_S = 0.5
-GRAMMAR_S_PER_TOKEN = 0.025
+GRAMMAR_GRACE_S = 0.25
+GRAMMAR_S_PER_TOKEN = 0.01
 
 
 def check_grammar_work(r: Request) -> None:
@@ -163,8 +163,13 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
         if len(r.output_ids) >= r.params.max_tokens:
             break
         if tok < 0:
-            # no token is allowed here (all-masked row): the grammar reached a dead end
-            fail(r, "commit", RuntimeError("no token allowed by the grammar"))
+            # no token is allowed here (all-masked row): the grammar reached a dead end, the
+            # schema's fault (a rule that never ends), not the engine's
+            r.finish_reason = "error"
+            r.error = GrammarDeadEndError(
+                f"the grammar allows no token after {len(r.output_ids)} output tokens and "
+                "cannot end there: it matches no complete string from here (a rule that only "
+                "refers to rules that never end?)", token_ids=r.output_ids, stats=r.stats)
             break
         if r.matcher is not None and not r.matcher.accept(tok):
             # cannot happen for a masked verifier; refuse loudly rather than emit garbage

@@ -2,7 +2,7 @@
 compile / per-request split (`CompiledSpec` -> `Matcher`).
 
 Compiles are cached by ``(spec.key, tok.key, backend)``, least recently used first out past a
-bound in bytes (``CONSTRAINED_SPEC_COMPILE_CACHE_MB``, 256: xgrammar counts what a compiled
+bound in bytes (``CONSTRAINED_SPEC_COMPILE_CACHE_MB``, 64: xgrammar counts what a compiled
 grammar holds; a grammar of 20,000 choices holds 95 MB, a typical schema under 1 MB). A compile
 runs in a daemon worker thread (both backends release the GIL while compiling) and the caller
 waits at most ``timeout_s``: past it `SchemaError` is raised and the process never hangs.
@@ -148,6 +148,7 @@ def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backe
             compile_ = _compile_xgrammar if backend == "xgrammar" else _compile_outlines
             obj, heard = compile_(spec, tok)
         compiled = CompiledSpec(spec, backend, tok, obj, heard)
+        _check_startable(compiled)
         _account(key, future, compiled)  # before its callers see it: the bound holds for them
         future.set_result(compiled)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
@@ -159,6 +160,24 @@ def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backe
             exc = SchemaError(f"the {backend} backend cannot compile this {spec.kind} spec: "
                               f"{clean_backend_message(exc)}", backend=backend)
         future.set_exception(exc)
+
+
+def _check_startable(compiled: CompiledSpec) -> None:
+    """Raise `SchemaError` when the grammar allows no first token and no empty output: it
+    matches no string (``root ::= a``, ``a ::= b``, ``b ::= a``), and every generation would
+    fail at its first step."""
+    import torch
+
+    matcher = compiled.new_matcher()
+    if matcher.is_completed():
+        return
+    mask = torch.zeros((1, (compiled.tok.vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.fill_bitmask(mask, 0)
+    if not bool(mask.any()):
+        what = "grammar" if compiled.spec.kind == "grammar" else f"{compiled.spec.kind} spec"
+        raise SchemaError(f"the {what} matches no string: no token can start it (a rule that "
+                          "only refers to rules that never end, such as 'a ::= b' with "
+                          "'b ::= a'?)", backend=compiled.backend)
 
 
 def _account(key: tuple, future: Future, compiled: CompiledSpec) -> None:

@@ -34,12 +34,14 @@ from constrained_spec.errors import (
     IncompleteOutputError,
     OutputValidationError,
 )
+from constrained_spec.frontend.tools import ToolParser
 from constrained_spec.generation.serving import EngineLoop
 from constrained_spec.grammar import CompileWorkers
-from constrained_spec.server.choices import Choice, Outcome
+from constrained_spec.server.choices import Choice, Outcome, schema_warnings
 from constrained_spec.server.completions import prompt_ids, raw_request, token_limit
 from constrained_spec.server.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     RequestFields,
@@ -352,6 +354,11 @@ class Server:
             # strict false: best effort, as OpenAI's non-strict mode (logged, not refused)
             logger.warning("choice %d failed final validation (strict false): %s", choice.index, result)
             return Outcome(result.text, "stop", completion_tokens=tokens, result=result)
+        if isinstance(result, OutputValidationError):
+            unenforced = schema_warnings(choice.spec, self.config.backend)
+            if unenforced:  # the schema asked for what the grammar cannot enforce: its fault
+                return Outcome("", "error", unenforced_error(result, unenforced, choice.spec),
+                               tokens, result=result)
         if isinstance(result, BaseException):
             if req.finish_reason == "cancelled":
                 return Outcome("", "cancelled", api_error(result), tokens, result=result)
@@ -359,6 +366,23 @@ class Server:
                 logger.error("request %s failed: %r", req.id, req.error)
             return Outcome("", "error", api_error(result), tokens, result=result)
         return Outcome(result.text, "stop", completion_tokens=tokens, result=result)
+
+
+def unenforced_error(error: OutputValidationError, unenforced: Sequence[Mapping[str, Any]],
+                     spec: Any) -> APIError:
+    """The 400 of an output that failed final validation on a keyword the grammar does not
+    enforce (``unenforced``: `schema_warnings`' items), where a 500 would blame the server:
+    the pre-flight's words for each keyword, and the client's two ways out."""
+    tools = isinstance(spec.target, ToolParser)
+    where = "; ".join(f"{w.get('tool', '') and w['tool'] + ': '}{w['keyword'] or 'the schema'} "
+                      f"at {w['pointer'] or '/'} ({w['level']})" for w in unenforced[:5])
+    more = f" and {len(unenforced) - 5} more" if len(unenforced) > 5 else ""
+    way = ("rewrite the tool's parameters with keywords the grammar enforces" if tools else
+           "send strict: false to receive such outputs anyway, or rewrite the schema with "
+           "keywords the grammar enforces")
+    return APIError(400, f"the output failed final validation after {error.attempts} "
+                    f"attempt(s) ({error}): the grammar does not enforce {where}{more}; {way}",
+                    param="tools" if tools else "response_format", code="schema_not_enforced")
 
 
 def _sampling_overrides(body: RequestFields) -> dict[str, Any]:

@@ -79,3 +79,24 @@ def test_a_compile_past_its_timeout_is_a_400_and_the_server_compiles_on(url, mon
     monkeypatch.undo()
     r = chat(None, url, response_format=fmt, max_tokens=24)
     assert r.status_code == 200, r.text
+
+
+IF_THEN = {"type": "string", "enum": ["a", "b"], "if": {"type": "string"}, "then": {"const": "zzz"}}
+
+
+def test_an_output_failing_an_unenforced_keyword_is_a_400_with_the_preflights_words(url):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": IF_THEN}}
+    error = error_of(chat(None, url, response_format=fmt, max_retries=0, temperature=0))
+    assert error["code"] == "schema_not_enforced" and error["param"] == "response_format", error
+    assert "then at /then" in error["message"] and "strict: false" in error["message"], error
+
+
+def test_a_tool_call_failing_an_unenforced_keyword_is_a_400_naming_the_tool(url):
+    params = {"type": "object", "properties": {"x": {"type": "string", "pattern": "^(?=.*Z)[a-z]{1,3}$"}},
+              "required": ["x"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "look", "parameters": params}}]
+    r = chat(None, url, tools=tools, tool_choice="required", max_retries=0, temperature=0,
+             max_tokens=80)
+    error = error_of(r)
+    assert error["code"] == "schema_not_enforced" and error["param"] == "tools", error
+    assert "look: pattern at /properties/x/pattern" in error["message"], error

@@ -115,3 +115,23 @@ def test_the_generator_returns_the_grammar_cost_error_with_the_partial_text(tiny
     out = gen.batch(["x"], max_tokens=20)[0]
     assert isinstance(out, GrammarCostError)
     assert out.partial_text == tiny_loaded.tokenizer.decode(out.token_ids)
+
+
+def test_a_grammar_that_matches_no_string_is_refused_at_compile(tiny_tok):
+    from constrained_spec.errors import SchemaError
+    from constrained_spec.schemas import Grammar
+
+    with pytest.raises(SchemaError, match="matches no string"):
+        compile_spec(normalize_schema(Grammar("root ::= a\na ::= b\nb ::= a")), tiny_tok)
+
+
+def test_a_grammar_dead_end_stops_its_request_with_a_typed_error(tiny_model, tiny_tok):
+    from constrained_spec.errors import GrammarDeadEndError
+    from constrained_spec.schemas import Grammar
+
+    # "a" can start it; after it, a rule that never ends: no token, and it cannot end there
+    compiled = compile_spec(normalize_schema(Grammar('root ::= "a" x\nx ::= y\ny ::= x')), tiny_tok)
+    dead = _request(compiled, [CHARS.index("b")])
+    _engine(tiny_model, SpeculativeConfig(method=None)).run([dead])
+    assert dead.finish_reason == "error" and isinstance(dead.error, GrammarDeadEndError)
+    assert dead.output_ids == [CHARS.index("a")] == dead.error.token_ids

@@ -313,3 +313,16 @@ def test_bad_schema_text_round_trip_keeps_json_pointer_escaping(no_model):
     with pytest.raises(SchemaError) as info:
         Generator(None, schema=json.dumps(schema))
     assert info.value.pointer == "/properties/a~1b~0c/$ref"
+
+
+def test_a_chat_template_that_renders_nothing_is_a_config_error_before_any_compute(tiny_loaded):
+    tokenizer = tiny_loaded.tokenizer
+    before = getattr(tokenizer, "chat_template", None)
+    tokenizer.chat_template = "{% for m in messages %}{% endfor %}"  # writes no message
+    try:
+        with pytest.raises(ConfigError, match="empty after the chat template") as err:
+            Generator(tiny_loaded).make_request([{"role": "user", "content": "hi"}], max_tokens=4)
+        assert err.value.option == "prompt"
+    finally:
+        tokenizer.chat_template = before
+    assert Generator(tiny_loaded)("hi", max_tokens=3, max_retries=0) is not None  # serves on
