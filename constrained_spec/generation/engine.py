@@ -99,6 +99,7 @@ class Request:
     draft_acceptance: Acceptance = field(default_factory=Acceptance)
     #: seconds its grammar work took (its matcher, and its drafts' forks): `check_grammar_work`
     grammar_s: float = 0.0
+    grammar_step_s: float = 0.0  # the current step's share of it
 
     @property
     def finished(self) -> bool:
@@ -126,28 +127,32 @@ def fail(r: Request, stage: str, exc: BaseException) -> None:
 
 
 #: A request's grammar work may take GRAMMAR_GRACE_S seconds plus GRAMMAR_S_PER_TOKEN per
-#: output token, in all (docs/security.md). A JSON schema's matcher takes microseconds to a few
-#: milliseconds a token; a grammar ambiguous enough to take more (nested counted repetitions:
-#: the matcher's work grows with every token) would hold the engine thread, and with it every
+#: output token in all, and GRAMMAR_STEP_S in one step after its first (docs/security.md). A
+#: JSON schema's matcher takes microseconds to a few milliseconds a token (its first masks
+#: the most); a grammar ambiguous enough to take more (nested counted repetitions: the
+#: matcher's work grows with every token) would hold the engine thread, and with it every
 #: other request, for minutes. xgrammar's calls cannot be interrupted, so the bound is checked
 #: after each step: the engine is held for at most one step past it.
 GRAMMAR_GRACE_S = 0.25
 GRAMMAR_S_PER_TOKEN = 0.01
+GRAMMAR_STEP_S = 0.1
 
 
-def check_grammar_work(r: Request) -> None:
-    """End ``r`` with a `GrammarCostError` when its grammar work is past the bound above."""
+def check_grammar_work(r: Request, step_s: float, first: bool) -> None:
+    """End ``r`` with a `GrammarCostError` when its grammar work is past the bounds above
+    (``step_s``: this step's share; ``first``: the step emitted its first tokens)."""
     if r.finished or r.matcher is None:
         return
     allowed = GRAMMAR_GRACE_S + GRAMMAR_S_PER_TOKEN * len(r.output_ids)
-    if r.grammar_s > allowed:
+    if r.grammar_s > allowed or (not first and step_s > GRAMMAR_STEP_S):
         r.finish_reason = "error"
         r.error = GrammarCostError(
             f"the grammar took {r.grammar_s:.2f} s of matcher work for {len(r.output_ids)} "
-            f"output tokens (at most {GRAMMAR_GRACE_S} s + {GRAMMAR_S_PER_TOKEN * 1000:.0f} ms "
-            "a token): the schema is too ambiguous for its matcher (nested counted "
-            "repetitions such as '((a{1,50}){1,50})' cost more with every token); simplify "
-            "the pattern or grammar (the request was stopped so the others are served)",
+            f"output tokens, {step_s:.2f} s in the last step (at most {GRAMMAR_GRACE_S} s + "
+            f"{GRAMMAR_S_PER_TOKEN * 1000:.0f} ms a token, {GRAMMAR_STEP_S} s a step): the "
+            "schema is too ambiguous for its matcher (nested counted repetitions such as "
+            "'((a{1,50}){1,50})' cost more with every token); simplify the pattern or grammar "
+            "(the request was stopped so the others are served)",
             token_ids=r.output_ids, stats=r.stats)
 
 
@@ -158,7 +163,7 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
     commits through here, so every engine stops, counts and streams alike."""
     st = r.stats
     kept: list[int] = []
-    started = time.perf_counter()
+    started, first = time.perf_counter(), not r.output_ids
     for tok in emitted:
         if len(r.output_ids) >= r.params.max_tokens:
             break
@@ -189,8 +194,10 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
             finish(r, "loop")
             st.record_loop(r.params.max_tokens - len(r.output_ids))
             break
-    r.grammar_s += time.perf_counter() - started  # the matcher's share (loops.py: µs a token)
-    check_grammar_work(r)
+    spent = time.perf_counter() - started  # the matcher's share (loops.py: µs a token)
+    r.grammar_s += spent
+    check_grammar_work(r, r.grammar_step_s + spent, first)
+    r.grammar_step_s = 0.0
     st.emitted_tokens += len(kept)
     if kept and r.on_tokens is not None:
         with contain("callback", [r]):
@@ -745,7 +752,9 @@ class Engine:
         st.accepted_tokens += n_acc
         st.record_positions(len(s.tokens), n_acc)
         start = self.runner.length(r.slot) - len(s.tokens) - 1  # position of the pending token
-        r.grammar_s += s.cursor.seconds  # its drafts' fork: masks, accepts, forced tokens
+        # its drafts' fork: masks, accepts, forced tokens (commit_tokens adds its own share)
+        r.grammar_s += s.cursor.seconds
+        r.grammar_step_s = s.cursor.seconds
         commit_tokens(r, emitted)
         # cache keeps the pending token + the accepted drafts; the new pending token is not cached
         # (when fewer tokens were kept the request has finished and its cache no longer matters)

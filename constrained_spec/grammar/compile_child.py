@@ -51,6 +51,11 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
 
 
 def main() -> None:
+    # a compile yields the cores to the engine: generation for the running requests first
+    try:
+        os.nice(10)
+    except OSError:
+        pass
     # the protocol owns the real stdout; anything printed goes to stderr instead
     stdout = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

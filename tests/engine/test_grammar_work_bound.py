@@ -77,6 +77,7 @@ def tight_bound(monkeypatch):
     """A bound a 20 ms-a-token grammar is far past, and a tiny vocabulary's far within."""
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 0.1)
     monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_TOKEN", 0.002)
+    monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S", 1.0)
 
 
 @pytest.mark.parametrize("speculative", [None, SpeculativeConfig(method="ngram", num_speculative_tokens=3)],
@@ -135,3 +136,15 @@ def test_a_grammar_dead_end_stops_its_request_with_a_typed_error(tiny_model, tin
     _engine(tiny_model, SpeculativeConfig(method=None)).run([dead])
     assert dead.finish_reason == "error" and isinstance(dead.error, GrammarDeadEndError)
     assert dead.output_ids == [CHARS.index("a")] == dead.error.token_ids
+
+
+def test_one_costly_step_after_the_first_stops_its_request(tiny_model, tiny_tok, monkeypatch):
+    monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 1e9)  # only the step bound is left
+    monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S", 0.03)
+    compiled = compile_spec(normalize_schema(SCHEMA), tiny_tok)
+    prompt = [CHARS.index(c) for c in "ab{"]
+    slow, plain = _request(compiled, prompt, delay=0.05), _request(compiled, prompt)
+    _engine(tiny_model, None).run([slow, plain])
+    assert isinstance(slow.error, GrammarCostError) and "in the last step" in str(slow.error)
+    assert len(slow.output_ids) >= 1  # the first step has the grace: it went through
+    assert plain.error is None
