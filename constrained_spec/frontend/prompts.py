@@ -25,6 +25,9 @@ a tool section as they are, and otherwise written as text in the default call fo
 templates refuse any call id but 9 letters and digits, so for the Mistral formats every other id
 (OpenAI's ``call_...``, a client's own) is mapped to one, the same for a call and the tool result
 that answers it (:func:`mistral_call_ids`).
+
+The chat template renders within a time and a size bound (:mod:`~constrained_spec.frontend.render`):
+a template that loops over what a request sends is stopped with a typed error.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from constrained_spec.errors import ConfigError
+from constrained_spec.frontend.render import render_chat_template
 from constrained_spec.json_limits import check_depth, loads
 from constrained_spec.schemas import SchemaSpec
 from constrained_spec.schemas.spec import lone_surrogate
@@ -412,13 +416,15 @@ def encode_prompt(tokenizer: Any, prompt: str | Messages, spec: SchemaSpec | Non
         raise ConfigError("the prompt is empty", option="prompt")
     if context is None or spec is None or system_prompt is not None \
             or any(m["role"] == "system" for m in build_messages(prompt, spec, False)):
-        return _encode_messages(tokenizer, messages)  # no system message of ours to fit
+        # no system message of ours to fit
+        return _encode_messages(tokenizer, messages, context=context)
     user = build_messages(prompt, spec, False)
     # what the prompt takes besides our text: the same messages with an empty system message
-    base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user])
+    base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user], context=context)
     budget = min(int(SCHEMA_PROMPT_SHARE * context), context - reserved - len(base))
     text = _fitting_description(plain, spec, budget)
-    return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user])
+    return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user],
+                            context=context)
 
 
 # (id(tokenizer), spec key, budget) -> (tokenizer, text): every request of a Generator asks for
@@ -506,10 +512,14 @@ def check_template_kwargs(kwargs: object) -> dict[str, Any]:
 
 
 def _encode_messages(tokenizer: Any, messages: Messages,
-                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+                     tools: list[dict[str, Any]] | None = None,
+                     context: int | None = None) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **({"tools": tools} if tools else {}))
+        # bounded in time and size (render.py); a template that runs away with a request's
+        # chat_template_kwargs is the likely case (the model's own loops are linear in the
+        # messages), so a timeout names them when the request has some
+        option = "chat_template_kwargs" if isinstance(tokenizer, _TemplateArgs) else "prompt"
+        text = render_chat_template(tokenizer, messages, tools, context=context, option=option)
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         text = "\n\n".join(m["content"] for m in messages) + "\n"
@@ -625,7 +635,8 @@ def _encode_with_tools(tokenizer: Any, prompt: str | Messages, tools: ToolSet,
     if not fmt.default:
         messages = build_messages(prompt, None, system_prompt if isinstance(system_prompt, str)
                                   else False)
-        return _encode_messages(tokenizer, messages, [t.openai() for t in tools.offered])
+        return _encode_messages(tokenizer, messages, [t.openai() for t in tools.offered],
+                                context)
     if system_prompt is not None or any(m["role"] == "system" for m in user):
         # the user's system message stays theirs; the tools follow it in the same message
         messages = build_messages(prompt, None, system_prompt if isinstance(system_prompt, str)
@@ -636,14 +647,15 @@ def _encode_with_tools(tokenizer: Any, prompt: str | Messages, tools: ToolSet,
                 messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
             else:
                 messages.insert(0, {"role": "system", "content": text})
-        return _encode_messages(tokenizer, messages)
+        return _encode_messages(tokenizer, messages, context=context)
     if context is None:
         return _encode_messages(tokenizer, [{"role": "system", "content": tools.describe(fmt)},
                                             *user])
-    base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user])
+    base = _encode_messages(tokenizer, [{"role": "system", "content": ""}, *user], context=context)
     budget = min(int(SCHEMA_PROMPT_SHARE * context), context - reserved - len(base))
     for detail in (0, 1, 2):
         text = tools.describe(fmt, detail)
         if detail == 2 or len(tokenizer.encode(text, add_special_tokens=False)) <= budget:
             break
-    return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user])
+    return _encode_messages(tokenizer, [{"role": "system", "content": text}, *user],
+                            context=context)
