@@ -64,8 +64,9 @@ def render_char_limit(context: int | None) -> int:
 
 def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                          tools: list[dict[str, Any]] | None = None, *,
-                         context: int | None = None, option: str = "prompt") -> str:
-    """``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``
+                         context: int | None = None, option: str = "prompt",
+                         add_generation_prompt: bool = True) -> str:
+    """``tokenizer.apply_chat_template(messages, add_generation_prompt=..., tokenize=False)``
     (with ``tools`` when given) within the time and size bounds of the module docstring.
 
     ``context``: the model's context in tokens (the size bound; None: :data:`RENDER_MAX_CHARS`).
@@ -77,7 +78,7 @@ def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
     extra = {"tools": tools} if tools else {}
 
     def render() -> Any:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **extra)
 
     token = _BUDGET.set(_Budget(limit))
@@ -89,6 +90,14 @@ def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                           + _FIX, option=option) from None
     except _TooLong:
         raise _too_long(limit, context, option) from None
+    except (ConfigError, MemoryError, RecursionError):
+        raise
+    except Exception as e:  # noqa: BLE001 - what the template itself raised, on this request
+        # a template refuses what it cannot write (raise_exception: roles that do not
+        # alternate, a system message where none may be) and the sandbox what it will not run
+        # (a range past 100,000): the request's doing, never the server's
+        raise ConfigError(f"the chat template could not render this request: "
+                          f"{type(e).__name__}: {str(e)[:300]}", option=option) from None
     finally:
         _BUDGET.reset(token)
     if isinstance(text, str) and len(text) > limit:  # a renderer that joins its text otherwise

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from constrained_spec.api import check_reachable
-from constrained_spec.errors import ConfigError
+from constrained_spec.errors import ConfigError, PromptTooLongError
 from constrained_spec.frontend.prompts import build_messages, check_text
+from constrained_spec.frontend.render import render_chat_template
 from constrained_spec.frontend.tools import check_history_arguments
 from constrained_spec.generation.engine import Request
 from constrained_spec.json_limits import loads
@@ -180,8 +181,13 @@ def tokenize(model: LoadedModel, body: TokenizeRequest) -> dict[str, Any]:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
         special = bool(body.add_special_tokens)
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=False)
+            try:  # bounded in time and size, as for the chat route (frontend/render.py)
+                text = render_chat_template(tokenizer, messages, context=max_model_len(model),
+                                            option="messages",
+                                            add_generation_prompt=body.add_generation_prompt)
+            except ConfigError as e:
+                code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
+                raise APIError(400, str(e), param="messages", code=code) from None
         else:  # the library's own rendering without a template (frontend.prompts)
             text = "\n\n".join(m["content"] for m in messages) + "\n"
         ids = list(tokenizer.encode(text, add_special_tokens=special))

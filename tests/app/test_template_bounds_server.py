@@ -20,6 +20,10 @@ TEMPLATE = (
     "{% for i in range(spin or 0) %}{% for j in range(spin) %}{% for k in range(spin) %}"
     "{% endfor %}{% endfor %}{% endfor %}"
     "{% for i in range(grow or 0) %}{% for j in range(grow) %}{{ pad }}{% endfor %}{% endfor %}"
+    # and a message that drives a loop itself (what /tokenize, which takes no variables, renders)
+    "{% if messages[0].content == 'spin' %}{% for i in range(10**5) %}{% for j in range(10**5) %}"
+    "{% endfor %}{% endfor %}{% endif %}"
+    "{% if messages[0].content == 'refuse' %}{{ raise_exception('roles must alternate') }}{% endif %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
@@ -73,3 +77,23 @@ def test_a_template_writing_terabytes_is_a_400_context_length_exceeded_and_serve
         after = post(client, url)
         assert after.status_code == 200, after.text
         assert client_port(first) == client_port(after)
+
+
+def test_tokenize_renders_within_the_same_bound_and_serves_on(url, monkeypatch):
+    monkeypatch.setattr(render, "RENDER_TIMEOUT_S", 0.3)
+    with httpx.Client(timeout=120) as client:
+        spin = {"model": MODEL, "messages": [{"role": "user", "content": "spin"}]}
+        message = error_of(client.post(f"{url}/tokenize", json=spin), "invalid_value", "messages")
+        assert "took longer than 0.3 s to render" in message
+        ok = client.post(f"{url}/tokenize", json={"model": MODEL, "messages": [USER]})
+        assert ok.status_code == 200 and ok.json()["count"] > 0, ok.text
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_a_template_that_refuses_the_messages_is_a_400_naming_them(url, route):
+    with httpx.Client(timeout=120) as client:
+        bad = {"model": MODEL, "messages": [{"role": "user", "content": "refuse"}],
+               **({"max_tokens": 2} if route != "/tokenize" else {})}
+        message = error_of(client.post(f"{url}{route}", json=bad), "invalid_value", "messages")
+        assert "roles must alternate" in message
+        assert client.post(f"{url}{route}", json={**bad, "messages": [USER]}).status_code == 200
