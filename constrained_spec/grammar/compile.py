@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -148,7 +149,8 @@ def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backe
             compile_ = _compile_xgrammar if backend == "xgrammar" else _compile_outlines
             obj, heard = compile_(spec, tok)
         compiled = CompiledSpec(spec, backend, tok, obj, heard)
-        _check_startable(compiled)
+        if workers is None:  # (a compile child checks its own)
+            check_matcher(compiled)
         _account(key, future, compiled)  # before its callers see it: the bound holds for them
         future.set_result(compiled)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
@@ -162,22 +164,47 @@ def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backe
         future.set_exception(exc)
 
 
-def _check_startable(compiled: CompiledSpec) -> None:
-    """Raise `SchemaError` when the grammar allows no first token and no empty output: it
-    matches no string (``root ::= a``, ``a ::= b``, ``b ::= a``), and every generation would
-    fail at its first step."""
+#: CPU seconds the probe's mask may take (`check_matcher`): a JSON schema's take milliseconds
+PROBE_MASK_S = 0.1
+
+
+def check_matcher(compiled: CompiledSpec) -> None:
+    r"""Raise `SchemaError` when the compiled grammar matches no string (no first token and no
+    empty output: ``root ::= a``, ``a ::= b``, ``b ::= a``; every generation would fail at its
+    first step), or when its matcher, after the longest token it allows first, takes more than
+    `PROBE_MASK_S` of CPU for the next mask: an ambiguous grammar (``(\w{1,20} ?){1,50}``:
+    0.7 s for the mask after "hello"), which would hold the engine that long at every token.
+    Run where the compile runs (its thread or its child process), not on the engine."""
+    import numpy as np
     import torch
 
+    tok = compiled.tok
     matcher = compiled.new_matcher()
-    if matcher.is_completed():
-        return
-    mask = torch.zeros((1, (compiled.tok.vocab_size + 31) // 32), dtype=torch.int32)
+    mask = torch.zeros((1, (tok.vocab_size + 31) // 32), dtype=torch.int32)
     matcher.fill_bitmask(mask, 0)
-    if not bool(mask.any()):
-        what = "grammar" if compiled.spec.kind == "grammar" else f"{compiled.spec.kind} spec"
+    what = "grammar" if compiled.spec.kind == "grammar" else f"{compiled.spec.kind} spec"
+    if not bool(mask.any()) and not matcher.is_completed():
         raise SchemaError(f"the {what} matches no string: no token can start it (a rule that "
                           "only refers to rules that never end, such as 'a ::= b' with "
                           "'b ::= a'?)", backend=compiled.backend)
+    bits = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")[: tok.vocab_size]
+    allowed = [i for i in np.flatnonzero(bits).tolist() if i not in tok.eos_token_ids]
+    if not allowed:
+        return
+    probe = max(allowed, key=lambda i: len(tok.decoded[i]))
+    if not matcher.accept(probe):
+        return
+    started = time.thread_time()
+    matcher.fill_bitmask(mask, 0)
+    spent = time.thread_time() - started
+    if spent > PROBE_MASK_S:
+        text = tok.decoded[probe].decode("utf-8", "replace")
+        raise SchemaError(f"the {what} is too ambiguous for its matcher: after the token "
+                          f"{text!r:.40} the next mask took {spent:.2f} s of CPU (the limit is "
+                          f"{PROBE_MASK_S} s; a JSON schema's take milliseconds), and it would "
+                          "cost about that at every token (repetitions that can split a text "
+                          "many ways, such as '(\\w{1,20} ?){1,50}'); write it so that each "
+                          "text has one reading", backend=compiled.backend)
 
 
 def _account(key: tuple, future: Future, compiled: CompiledSpec) -> None:

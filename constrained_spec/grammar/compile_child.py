@@ -21,7 +21,7 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The child's loop: the tokenizer, then specs until EOF."""
     import xgrammar
 
-    from .compile import _compile_outlines, _compile_xgrammar
+    from .compile import CompiledSpec, _compile_outlines, _compile_xgrammar, check_matcher
     from .tokenizer import TokenizerData
 
     info = read_message(stdin)
@@ -34,9 +34,11 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
         try:
             if backend == "xgrammar":
                 compiled, heard = _compile_xgrammar(spec, tok)
+                check_matcher(CompiledSpec(spec, backend, tok, compiled, heard))
                 payload: Any = compiled.serialize_json()
             else:
                 tables, heard = _compile_outlines(spec, tok)
+                check_matcher(CompiledSpec(spec, backend, tok, tables, heard))
                 payload = pickle.dumps(tables.index)
             write_message(stdout, ("ok", payload, heard))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller

@@ -22,6 +22,8 @@ def metrics_registry(server: Server) -> Any:
         HistogramMetricFamily,
     )
 
+    from constrained_spec.grammar import compile_cache_info
+
     class EngineCollector:
         def collect(self) -> Any:
             s = server.loop.metrics.snapshot()
@@ -80,6 +82,14 @@ def metrics_registry(server: Server) -> Any:
                 yield GaugeMetricFamily(p + "kv_slots_in_use", "KV-cache slots held by the model "
                                         "runner (running requests; more would be a leak)",
                                         value=slots)
+            yield GaugeMetricFamily(p + "compile_cache_bytes", "Bytes of compiled grammars kept "
+                                    "(bounded: CONSTRAINED_SPEC_COMPILE_CACHE_MB)",
+                                    value=compile_cache_info()["bytes"])
+            prefiller = getattr(getattr(server.model, "runner", None), "prefiller", None)
+            if prefiller is not None:
+                yield GaugeMetricFamily(p + "prefix_cache_bytes", "Bytes of prompt prefixes kept "
+                                        "(bounded: CONSTRAINED_SPEC_PREFIX_CACHE_MB)",
+                                        value=prefiller.cache.bytes)
             lat = HistogramMetricFamily(p + "request_latency_seconds", "Time from queueing to the "
                                         "end of generation")
             lat.add_metric([], [(str(b), n) for b, n in s["latency_buckets"]], s["latency_sum"])

@@ -155,3 +155,23 @@ def test_the_compile_cache_is_bounded_in_bytes():
             compile_spec(normalize_schema(Regex(f"y{{{i + 1}}}[a-z]")), TOK)
         assert compile_cache_info()["bytes"] <= 1 << 20
     clear_compile_cache()
+
+
+AMBIGUOUS = Regex(r"(\w{1,20} ?){1,50}")  # 0.7 s of CPU for the mask after "hello"
+
+
+def test_an_ambiguous_grammar_is_refused_where_it_compiles(embedded):
+    tok = embedded.tokenizer_data
+    clear_compile_cache()
+    with pytest.raises(SchemaError, match="too ambiguous for its matcher"):
+        compile_spec(normalize_schema(AMBIGUOUS), tok)  # in a thread here
+    pool = CompileWorkers(processes=1)
+    try:
+        with pytest.raises(SchemaError, match="too ambiguous for its matcher"):
+            compile_spec(normalize_schema(AMBIGUOUS), tok, workers=pool)  # in the child
+        # an unambiguous one of the same length is served, in the same child
+        fine = compile_spec(normalize_schema(Regex(r"[a-z]{1,20}( [a-z]{1,20}){0,49}")), tok,
+                            workers=pool)
+        assert fine.new_matcher().accepts_text("hello world")
+    finally:
+        pool.close()
