@@ -36,7 +36,8 @@ class GrammarCursor:
         self._filled = -1  # index of the last filled row
         self._pos = 0  # drafts pushed so far
         self._timer = timer
-        self.seconds = 0.0  # the fork's work (`_timed`): the request's grammar time
+        self.seconds = 0.0  # the fork's CPU time (`_timed`): the request's grammar work
+        self.calls = 0  # ... in this many calls
         self._dead = False  # a push was refused: no position beyond this one is valid
         # note_forced: record, per row, whether the grammar forces the continuation there (the
         # repetition guard leaves such rows alone); forced_rows[i] is set when row i is filled
@@ -108,15 +109,16 @@ class GrammarCursor:
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` (a call on the fork), its time added to the step's grammar time and
-        to ``seconds``."""
-        t0 = time.perf_counter()
+        its CPU time (this thread's: waits for the GIL or a core do not count) to ``seconds``."""
+        t0 = time.thread_time()
+        self.calls += 1
         try:
             if self._timer is None:
                 return fn(*args)
             with self._timer.measure("grammar"):
                 return fn(*args)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.seconds += time.thread_time() - t0
 
 
 @dataclass

@@ -98,8 +98,10 @@ class Request:
     #: its model drafts' acceptance, for the draft budget (`generation.budget`)
     draft_acceptance: Acceptance = field(default_factory=Acceptance)
     #: seconds its grammar work took (its matcher, and its drafts' forks): `check_grammar_work`
-    grammar_s: float = 0.0
+    grammar_s: float = 0.0  # CPU seconds
     grammar_step_s: float = 0.0  # the current step's share of it
+    grammar_calls: int = 0  # the calls on its matcher and forks that took it
+    grammar_step_calls: int = 0
 
     @property
     def finished(self) -> bool:
@@ -126,32 +128,39 @@ def fail(r: Request, stage: str, exc: BaseException) -> None:
     r.error = GenerationError.from_exception(stage, exc, token_ids=r.output_ids, stats=r.stats)
 
 
-#: A request's grammar work may take GRAMMAR_GRACE_S seconds plus GRAMMAR_S_PER_TOKEN per
-#: output token in all, and GRAMMAR_STEP_S in one step after its first (docs/security.md). A
-#: JSON schema's matcher takes microseconds to a few milliseconds a token (its first masks
-#: the most); a grammar ambiguous enough to take more (nested counted repetitions: the
-#: matcher's work grows with every token) would hold the engine thread, and with it every
-#: other request, for minutes. xgrammar's calls cannot be interrupted, so the bound is checked
-#: after each step: the engine is held for at most one step past it.
-GRAMMAR_GRACE_S = 0.25
-GRAMMAR_S_PER_TOKEN = 0.01
-GRAMMAR_STEP_S = 0.1
+#: A request's grammar work may take GRAMMAR_GRACE_S seconds plus GRAMMAR_S_PER_CALL per call
+#: on its matcher (a mask filled, a token accepted) in all, and GRAMMAR_STEP_S_PER_CALL per
+#: call in one step after its first (docs/security.md), per 100,000 entries of the vocabulary
+#: (a mask the matcher cannot take from its cache tests every token: 30 ms on a 49,152-token
+#: vocabulary for a length-bounded string), counted in the engine thread's CPU time (a wait for
+#: the GIL or a core is not work). A grammar ambiguous enough to take more (the matcher's work
+#: growing with every token, 0.7 s and more a mask) would hold the engine thread, and with it
+#: every other request, for minutes; `grammar.compile.check_matcher` refuses the worst at
+#: compile. xgrammar's calls cannot be interrupted, so the bound is checked after each step:
+#: the engine is held for at most one step past it.
+GRAMMAR_GRACE_S = 0.5
+GRAMMAR_S_PER_CALL = 0.2
+GRAMMAR_STEP_S_PER_CALL = 1.0
 
 
-def check_grammar_work(r: Request, step_s: float, first: bool) -> None:
+def check_grammar_work(r: Request, step_s: float, step_calls: int, first: bool) -> None:
     """End ``r`` with a `GrammarCostError` when its grammar work is past the bounds above
-    (``step_s``: this step's share; ``first``: the step emitted its first tokens)."""
+    (``step_s``, ``step_calls``: this step's share; ``first``: the step emitted its first
+    tokens)."""
     if r.finished or r.matcher is None:
         return
-    allowed = GRAMMAR_GRACE_S + GRAMMAR_S_PER_TOKEN * len(r.output_ids)
-    if r.grammar_s > allowed or (not first and step_s > GRAMMAR_STEP_S):
+    scale = r.matcher.vocab_size / 100_000
+    per_call, step_limit = GRAMMAR_S_PER_CALL * scale, GRAMMAR_STEP_S_PER_CALL * scale
+    allowed = GRAMMAR_GRACE_S + per_call * r.grammar_calls
+    if r.grammar_s > allowed or (not first and step_s > step_limit * max(step_calls, 1)):
         r.finish_reason = "error"
         r.error = GrammarCostError(
-            f"the grammar took {r.grammar_s:.2f} s of matcher work for {len(r.output_ids)} "
-            f"output tokens, {step_s:.2f} s in the last step (at most {GRAMMAR_GRACE_S} s + "
-            f"{GRAMMAR_S_PER_TOKEN * 1000:.0f} ms a token, {GRAMMAR_STEP_S} s a step): the "
-            "schema is too ambiguous for its matcher (nested counted repetitions such as "
-            "'((a{1,50}){1,50})' cost more with every token); simplify the pattern or grammar "
+            f"the grammar took {r.grammar_s:.2f} s of matcher work in {r.grammar_calls} calls "
+            f"for {len(r.output_ids)} output tokens, {step_s:.2f} s in {step_calls} in the last "
+            f"step (at most {GRAMMAR_GRACE_S} s + {per_call * 1000:.0f} ms a call, "
+            f"{step_limit * 1000:.0f} ms a call in a step, for this vocabulary): the schema is "
+            "too ambiguous for its matcher (nested counted repetitions such as "
+            "'(a{1,100}){1,99}' cost more with every token); simplify the pattern or grammar "
             "(the request was stopped so the others are served)",
             token_ids=r.output_ids, stats=r.stats)
 
@@ -163,7 +172,7 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
     commits through here, so every engine stops, counts and streams alike."""
     st = r.stats
     kept: list[int] = []
-    started, first = time.perf_counter(), not r.output_ids
+    started, first = time.thread_time(), not r.output_ids
     for tok in emitted:
         if len(r.output_ids) >= r.params.max_tokens:
             break
@@ -194,10 +203,12 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
             finish(r, "loop")
             st.record_loop(r.params.max_tokens - len(r.output_ids))
             break
-    spent = time.perf_counter() - started  # the matcher's share (loops.py: µs a token)
+    spent = time.thread_time() - started  # the matcher's CPU (loops.py's: µs a token)
+    calls = len(kept) + 1  # its accepts and its stop check
     r.grammar_s += spent
-    check_grammar_work(r, r.grammar_step_s + spent, first)
-    r.grammar_step_s = 0.0
+    r.grammar_calls += calls
+    check_grammar_work(r, r.grammar_step_s + spent, r.grammar_step_calls + calls, first)
+    r.grammar_step_s, r.grammar_step_calls = 0.0, 0
     st.emitted_tokens += len(kept)
     if kept and r.on_tokens is not None:
         with contain("callback", [r]):
@@ -754,7 +765,8 @@ class Engine:
         start = self.runner.length(r.slot) - len(s.tokens) - 1  # position of the pending token
         # its drafts' fork: masks, accepts, forced tokens (commit_tokens adds its own share)
         r.grammar_s += s.cursor.seconds
-        r.grammar_step_s = s.cursor.seconds
+        r.grammar_calls += s.cursor.calls
+        r.grammar_step_s, r.grammar_step_calls = s.cursor.seconds, s.cursor.calls
         commit_tokens(r, emitted)
         # cache keeps the pending token + the accepted drafts; the new pending token is not cached
         # (when fewer tokens were kept the request has finished and its cache no longer matters)

@@ -56,7 +56,7 @@ def test_a_costly_grammar_is_stopped_alone_while_plain_requests_are_served(url, 
     # a bound every grammar crosses at its first token: the constrained request is the costly
     # one, the free-text ones have no grammar work to bound
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 0.0)
-    monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_TOKEN", 0.0)
+    monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_CALL", 0.0)
     costly = {"guided_regex": r"(\w{1,20} ?){1,50}"}
     with ThreadPoolExecutor(4) as pool:
         bomb = pool.submit(chat, None, url, **costly)

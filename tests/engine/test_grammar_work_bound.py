@@ -25,13 +25,16 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 class SlowMatcher(Matcher):
-    """A real matcher whose every accept also sleeps: a grammar that costs ``delay`` a token."""
+    """A real matcher whose every accept also spins ``delay`` seconds of CPU: a grammar that
+    costs that much a token (the bound counts CPU time, so a sleep would not do)."""
 
     def __init__(self, inner: Matcher, delay: float) -> None:
         self.inner, self.delay, self.vocab_size = inner, delay, inner.vocab_size
 
     def accept(self, token_id: int) -> bool:
-        time.sleep(self.delay)
+        end = time.thread_time() + self.delay
+        while time.thread_time() < end:
+            pass
         return self.inner.accept(token_id)
 
     def fork(self) -> Matcher:
@@ -72,12 +75,17 @@ def _request(compiled, prompt: list[int], delay: float | None = None) -> Request
     return Request(prompt, matcher, SamplingParams(max_tokens=40), EOS)
 
 
+def per_vocab(seconds: float, tok) -> float:
+    """The bound (given per 100,000 vocabulary entries) that is ``seconds`` for ``tok``."""
+    return seconds * 100_000 / tok.vocab_size
+
+
 @pytest.fixture
-def tight_bound(monkeypatch):
-    """A bound a 20 ms-a-token grammar is far past, and a tiny vocabulary's far within."""
+def tight_bound(monkeypatch, tiny_tok):
+    """A bound a 20 ms-an-accept grammar is far past, and a tiny vocabulary's far within."""
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 0.1)
-    monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_TOKEN", 0.002)
-    monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S", 1.0)
+    monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_CALL", per_vocab(0.002, tiny_tok))
+    monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S_PER_CALL", per_vocab(1.0, tiny_tok))
 
 
 @pytest.mark.parametrize("speculative", [None, SpeculativeConfig(method="ngram", num_speculative_tokens=3)],
@@ -111,7 +119,7 @@ def test_the_generator_returns_the_grammar_cost_error_with_the_partial_text(tiny
     from constrained_spec.api import Generator
 
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 0.0)
-    monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_TOKEN", 0.0)
+    monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_CALL", 0.0)
     gen = Generator(tiny_loaded, schema=SCHEMA)
     out = gen.batch(["x"], max_tokens=20)[0]
     assert isinstance(out, GrammarCostError)
@@ -140,7 +148,7 @@ def test_a_grammar_dead_end_stops_its_request_with_a_typed_error(tiny_model, tin
 
 def test_one_costly_step_after_the_first_stops_its_request(tiny_model, tiny_tok, monkeypatch):
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 1e9)  # only the step bound is left
-    monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S", 0.03)
+    monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S_PER_CALL", per_vocab(0.005, tiny_tok))
     compiled = compile_spec(normalize_schema(SCHEMA), tiny_tok)
     prompt = [CHARS.index(c) for c in "ab{"]
     slow, plain = _request(compiled, prompt, delay=0.05), _request(compiled, prompt)
