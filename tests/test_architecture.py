@@ -18,7 +18,7 @@ PACKAGE = "constrained_spec"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("constrained_spec.errors", "constrained_spec.settings", "constrained_spec.config",
               "constrained_spec.cache", "constrained_spec.plan_syntax",
-              "constrained_spec.json_limits")),
+              "constrained_spec.json_limits", "constrained_spec.child")),
     ("kernels and schemas", ("constrained_spec.kernels", "constrained_spec.schemas")),
     ("grammar", ("constrained_spec.grammar",)),
     ("model", ("constrained_spec.model",)),

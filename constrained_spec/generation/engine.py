@@ -141,6 +141,7 @@ def fail(r: Request, stage: str, exc: BaseException) -> None:
 GRAMMAR_GRACE_S = 0.5
 GRAMMAR_S_PER_CALL = 0.2
 GRAMMAR_STEP_S_PER_CALL = 1.0
+GRAMMAR_MIN_SCALE = 0.05  # what the bounds are at least: 10 ms a call, 50 ms in a step
 
 
 def check_grammar_work(r: Request, step_s: float, step_calls: int, first: bool) -> None:
@@ -149,7 +150,9 @@ def check_grammar_work(r: Request, step_s: float, step_calls: int, first: bool) 
     tokens)."""
     if r.finished or r.matcher is None:
         return
-    scale = r.matcher.vocab_size / 100_000
+    # per vocabulary entry, with a floor: a grammar's own work (tool calls' alternatives)
+    # costs tenths of a millisecond a call whatever the vocabulary
+    scale = max(r.matcher.vocab_size / 100_000, GRAMMAR_MIN_SCALE)
     per_call, step_limit = GRAMMAR_S_PER_CALL * scale, GRAMMAR_STEP_S_PER_CALL * scale
     allowed = GRAMMAR_GRACE_S + per_call * r.grammar_calls
     if r.grammar_s > allowed or (not first and step_s > step_limit * max(step_calls, 1)):

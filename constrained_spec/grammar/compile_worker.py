@@ -9,10 +9,10 @@ serialized (xgrammar's ``CompiledGrammar.serialize_json``, outlines-core's ``Ind
 a few ms beside a compile's tens). A compile past its deadline kills its child, with its CPU
 time and memory, and a fresh child is started in the background for the next compile.
 
-The children are started as the kernel-plan child is (`model.loading.plan_child_command`'s
-habits): ``python -P -m constrained_spec.grammar.compile_child`` with ``PYTHONSAFEPATH`` and
-only absolute ``PYTHONPATH`` entries, in a private empty folder, so nothing in the caller's
-folder is imported. Requests come on the child's stdin, replies go out on its stdout (length-
+The children are started as the kernel-plan child is (`constrained_spec.child`):
+``python -P -m constrained_spec.grammar.compile_child`` with ``PYTHONSAFEPATH`` and only
+absolute ``PYTHONPATH`` entries, in a private empty folder, so nothing in the caller's folder
+is imported. Requests come on the child's stdin, replies go out on its stdout (length-
 prefixed pickles between this package and itself); the child ends at EOF on stdin, so it ends
 with its parent however the parent dies.
 """
@@ -20,19 +20,18 @@ with its parent however the parent dies.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import select
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import replace
 from typing import IO, Any
 
+from constrained_spec.child import python_child
 from constrained_spec.errors import SchemaError
 
 __all__ = ["CompileWorkers"]
@@ -74,14 +73,9 @@ class _Child:
 
     def __init__(self, tok: Any) -> None:
         self.folder = tempfile.mkdtemp(prefix="constrained-spec-compile-")
-        flags = ["-P"] if sys.version_info >= (3, 11) else []
-        env = dict(os.environ)
-        env["PYTHONSAFEPATH"] = "1"
-        kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
-        env["PYTHONPATH"] = os.pathsep.join(kept)
-        self.proc = subprocess.Popen(
-            [sys.executable, *flags, "-m", "constrained_spec.grammar.compile_child"],
-            cwd=self.folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        cmd, env = python_child("-m", "constrained_spec.grammar.compile_child")
+        self.proc = subprocess.Popen(cmd, cwd=self.folder, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         # replies are read unbuffered: `select` sees the pipe, not what a buffer read ahead
         self.stdin = self.proc.stdin

@@ -41,6 +41,7 @@ from constrained_spec.cache import (
     write_cached_json,
     write_private,
 )
+from constrained_spec.child import python_child
 from constrained_spec.errors import CacheFullError, ConfigError, ModelLoadError
 from constrained_spec.model import embedded
 from constrained_spec.model.embedded import (
@@ -205,31 +206,14 @@ PLAN_PROGRESS_S = 20.0
 
 def plan_child_command(spec: str, *, threads: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of the child that measures ``spec``'s kernel plan
-    (`_measure_plan_apart`), built so that it imports only the installed package.
-
-    Python puts the working folder first on ``sys.path`` for ``-m``, so a ``constrained_spec/``
-    or ``torch.py`` left in the caller's folder would be imported and run as ours. The child
-    therefore runs in safe-path mode (``-P`` from Python 3.11, and ``PYTHONSAFEPATH=1`` in its
-    environment on every version: the flag for this interpreter, the variable for any Python
-    the child itself starts; Python 3.10 has neither, and there the empty folder below is what
-    keeps the caller's out), in a neutral working folder (not the caller's: `_measure_plan_apart`
-    gives it a private empty one), and with the ``PYTHONPATH`` entries that name the working
-    folder dropped (empty, ``.`` and every relative entry); absolute entries are the user's
-    own choice (an editable install's finder needs none) and are kept. A model path is made
+    (`_measure_plan_apart`, which gives it a private empty working folder), built so that it
+    imports only the installed package (`constrained_spec.child`). A model path is made
     absolute here, since the child does not start where the caller stands."""
-    flags = ["-P"] if sys.version_info >= (3, 11) else []
-    cmd = [sys.executable, *flags, "-m", "constrained_spec", "info", "--measure", "--measure-here",
-           "--quiet", "--json", "--threads", str(threads)]
+    args = ["-m", "constrained_spec", "info", "--measure", "--measure-here", "--quiet", "--json",
+            "--threads", str(threads)]
     if spec != "default":
-        cmd += ["--model", os.path.abspath(os.path.expanduser(spec))]
-    env = dict(os.environ)
-    env["PYTHONSAFEPATH"] = "1"
-    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
-    if kept:
-        env["PYTHONPATH"] = os.pathsep.join(kept)
-    else:
-        env.pop("PYTHONPATH", None)
-    return cmd, env
+        args += ["--model", os.path.abspath(os.path.expanduser(spec))]
+    return python_child(*args)
 
 
 def _measure_plan_apart(spec: str, *, quiet: bool, timeout_s: float,

@@ -22,7 +22,6 @@ def metrics_registry(server: Server) -> Any:
         HistogramMetricFamily,
     )
 
-    from constrained_spec.grammar import compile_cache_info
 
     class EngineCollector:
         def collect(self) -> Any:
@@ -82,14 +81,7 @@ def metrics_registry(server: Server) -> Any:
                 yield GaugeMetricFamily(p + "kv_slots_in_use", "KV-cache slots held by the model "
                                         "runner (running requests; more would be a leak)",
                                         value=slots)
-            yield GaugeMetricFamily(p + "compile_cache_bytes", "Bytes of compiled grammars kept "
-                                    "(bounded: CONSTRAINED_SPEC_COMPILE_CACHE_MB)",
-                                    value=compile_cache_info()["bytes"])
-            prefiller = getattr(getattr(server.model, "runner", None), "prefiller", None)
-            if prefiller is not None:
-                yield GaugeMetricFamily(p + "prefix_cache_bytes", "Bytes of prompt prefixes kept "
-                                        "(bounded: CONSTRAINED_SPEC_PREFIX_CACHE_MB)",
-                                        value=prefiller.cache.bytes)
+            yield from _cache_gauges(server, p)
             lat = HistogramMetricFamily(p + "request_latency_seconds", "Time from queueing to the "
                                         "end of generation")
             lat.add_metric([], [(str(b), n) for b, n in s["latency_buckets"]], s["latency_sum"])
@@ -98,3 +90,19 @@ def metrics_registry(server: Server) -> Any:
     registry = CollectorRegistry()
     registry.register(EngineCollector())
     return registry
+
+
+def _cache_gauges(server: Server, prefix: str) -> Any:
+    """The bytes the server's bounded caches hold: compiled grammars, prompt prefixes."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from constrained_spec.grammar import compile_cache_info
+
+    yield GaugeMetricFamily(prefix + "compile_cache_bytes", "Bytes of compiled grammars kept "
+                            "(bounded: CONSTRAINED_SPEC_COMPILE_CACHE_MB)",
+                            value=compile_cache_info()["bytes"])
+    prefiller = getattr(getattr(server.model, "runner", None), "prefiller", None)
+    if prefiller is not None:
+        yield GaugeMetricFamily(prefix + "prefix_cache_bytes", "Bytes of prompt prefixes kept "
+                                "(bounded: CONSTRAINED_SPEC_PREFIX_CACHE_MB)",
+                                value=prefiller.cache.bytes)

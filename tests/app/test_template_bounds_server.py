@@ -51,32 +51,34 @@ def error_of(r: httpx.Response, code: str, param: str) -> str:
     return err["message"]
 
 
-def test_a_template_loop_driven_by_chat_template_kwargs_is_a_400_and_the_connection_serves_on(
-        url, monkeypatch):
-    monkeypatch.setattr(render, "RENDER_TIMEOUT_S", 0.3)  # the server renders in this process
+def refused_between_two_served(url: str, fields: dict, code: str, param: str) -> str:
+    """The 400's message for ``fields``, sent between two plain requests that are served on
+    the same keep-alive connection."""
     with httpx.Client(timeout=120) as client:
         first = post(client, url)
         assert first.status_code == 200, first.text
-        message = error_of(post(client, url, chat_template_kwargs={"spin": 100_000}),
-                           "invalid_value", "chat_template_kwargs")
-        assert "took longer than 0.3 s to render" in message and "chat_template_kwargs" in message
+        message = error_of(post(client, url, **fields), code, param)
         after = post(client, url)
         assert after.status_code == 200, after.text
         assert client_port(first) == client_port(after)  # one connection throughout
+    return message
+
+
+def test_a_template_loop_driven_by_chat_template_kwargs_is_a_400_and_the_connection_serves_on(
+        url, monkeypatch):
+    monkeypatch.setattr(render, "RENDER_TIMEOUT_S", 0.3)  # the server renders in this process
+    message = refused_between_two_served(url, {"chat_template_kwargs": {"spin": 100_000}},
+                                         "invalid_value", "chat_template_kwargs")
+    assert "took longer than 0.3 s to render" in message and "chat_template_kwargs" in message
 
 
 def test_a_template_writing_terabytes_is_a_400_context_length_exceeded_and_serves_on(
         url, monkeypatch):
     monkeypatch.setattr(render, "RENDER_TIMEOUT_S", 600)  # the size bound alone stops it
-    with httpx.Client(timeout=120) as client:
-        first = post(client, url)
-        assert first.status_code == 200, first.text
-        r = post(client, url, chat_template_kwargs={"grow": 100_000, "pad": "x" * 1000})
-        message = error_of(r, "context_length_exceeded", "messages")
-        assert "the chat template rendered more than" in message and "tokens" in message
-        after = post(client, url)
-        assert after.status_code == 200, after.text
-        assert client_port(first) == client_port(after)
+    message = refused_between_two_served(
+        url, {"chat_template_kwargs": {"grow": 100_000, "pad": "x" * 1000}},
+        "context_length_exceeded", "messages")
+    assert "the chat template rendered more than" in message and "tokens" in message
 
 
 def test_tokenize_renders_within_the_same_bound_and_serves_on(url, monkeypatch):

@@ -27,7 +27,7 @@ from constrained_spec import cache as cache_mod
 from constrained_spec import cli
 from constrained_spec.errors import CacheFullError, ModelLoadError
 from constrained_spec.kernels import cpu_native
-from constrained_spec.model import embedded
+from constrained_spec.model import embedded, loading
 
 _Usage = namedtuple("_Usage", "total used free")
 
@@ -117,6 +117,8 @@ def empty_cache(tmp_path, cs_env, monkeypatch):
     # `info` reports the native kernels first: not built into this cache (seconds of compiling)
     monkeypatch.setattr(cpu_native, "available", lambda build=None: False)
     monkeypatch.setattr(cpu_native, "why_unavailable", lambda build=None: "not built in this test")
+    # a model another test loaded in this process would be served from memory, never fetched
+    monkeypatch.setattr(loading, "_LOADED", {})
     return tmp_path / "cache"
 
 
