@@ -76,12 +76,20 @@ def _request(compiled, prompt: list[int], delay: float | None = None) -> Request
 
 
 def per_vocab(seconds: float, tok) -> float:
-    """The bound (given per 100,000 vocabulary entries) that is ``seconds`` for ``tok``."""
+    """The bound (given per 100,000 vocabulary entries) that is ``seconds`` for ``tok`` (with
+    the floor off: `no_floor`)."""
     return seconds * 100_000 / tok.vocab_size
 
 
 @pytest.fixture
-def tight_bound(monkeypatch, tiny_tok):
+def no_floor(monkeypatch):
+    """The bounds as scaled to the tiny vocabulary, without the floor that keeps them at least
+    10 ms a call whatever the vocabulary."""
+    monkeypatch.setattr(engine_module, "GRAMMAR_MIN_SCALE", 0.0)
+
+
+@pytest.fixture
+def tight_bound(monkeypatch, tiny_tok, no_floor):
     """A bound a 20 ms-an-accept grammar is far past, and a tiny vocabulary's far within."""
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 0.1)
     monkeypatch.setattr(engine_module, "GRAMMAR_S_PER_CALL", per_vocab(0.002, tiny_tok))
@@ -146,7 +154,8 @@ def test_a_grammar_dead_end_stops_its_request_with_a_typed_error(tiny_model, tin
     assert dead.output_ids == [CHARS.index("a")] == dead.error.token_ids
 
 
-def test_one_costly_step_after_the_first_stops_its_request(tiny_model, tiny_tok, monkeypatch):
+def test_one_costly_step_after_the_first_stops_its_request(tiny_model, tiny_tok, monkeypatch,
+                                                           no_floor):
     monkeypatch.setattr(engine_module, "GRAMMAR_GRACE_S", 1e9)  # only the step bound is left
     monkeypatch.setattr(engine_module, "GRAMMAR_STEP_S_PER_CALL", per_vocab(0.005, tiny_tok))
     compiled = compile_spec(normalize_schema(SCHEMA), tiny_tok)
