@@ -313,12 +313,15 @@ def plain_load(make_client: Callable[[], httpx.Client], run: Run, threads: int, 
     return latencies
 
 
-def bomb_load(make_client: Callable[[], httpx.Client], run: Run, rounds: int, threads: int) -> None:
-    """Each round's bombs (`bombs` with k = 1, 2, ...) from ``threads`` threads."""
+def bomb_load(make_client: Callable[[], httpx.Client], run: Run, rounds: int, threads: int,
+              without: frozenset[str] = frozenset()) -> None:
+    """Each round's bombs (`bombs` with k = 1, 2, ...; those named in ``without`` left out)
+    from ``threads`` threads."""
     work: queue.Queue[Probe] = queue.Queue()
     for k in range(1, rounds + 1):
         for p in bombs(run.model, k):
-            work.put(p)
+            if p.name not in without:
+                work.put(p)
 
     def worker() -> None:
         with make_client() as client:
@@ -405,7 +408,7 @@ def redteam(url: str, headers: dict[str, str], pid: int | None, args: argparse.N
 
     def bomb_then_stop() -> None:
         try:
-            bomb_load(make_client, run, args.rounds, 2)
+            bomb_load(make_client, run, args.rounds, 2, frozenset(args.without))
         finally:
             done.set()
 
@@ -548,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=3, help="plain-request threads (1..8)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of bombs during (default 40; quick 2)")
     p.add_argument("--timeout", type=float, default=180.0, help="per request, seconds")
+    p.add_argument("--without", action="append", default=[], metavar="NAME",
+                   help="leave this bomb out of the rounds during the load (repeatable): "
+                        "what one bomb costs the others")
     p.add_argument("--no-write", action="store_true", help="print the section only")
     p.add_argument("--note", action="append", default=[], help="a note under the tables (repeatable)")
     args = p.parse_args(argv)
