@@ -145,12 +145,12 @@ def _logprobs_of(req: Request) -> list[TokenLogprob] | None:
 #: request that failed, and the repetition-loop detector (loops.py) already ends a looping
 #: attempt early, so two retries bound the cost of a hopeless request at three attempts.
 DEFAULT_MAX_RETRIES = 2
-#: Temperature of the retries after a failed first attempt (``max_retries``), unless the
-#: request already samples at its own temperature. Moderate: far enough from greedy to leave
-#: its loop, close enough to keep the model's likely tokens.
 #: Seconds a schema's grammar compile may take (`grammar.compile_spec`): past it, SchemaError
 #: (a 400 from the server, whose compile is then stopped: `grammar.compile_worker`)
 COMPILE_TIMEOUT_S = 30.0
+#: Temperature of the retries after a failed first attempt (``max_retries``), unless the
+#: request already samples at its own temperature. Moderate: far enough from greedy to leave
+#: its loop, close enough to keep the model's likely tokens.
 DEFAULT_RETRY_TEMPERATURE = 0.7
 #: Seed of retry k (k >= 1) when the request has none: ``DEFAULT_RETRY_SEED + k`` (with a seed
 #: s: ``s + k``), so retried generations are reproducible.

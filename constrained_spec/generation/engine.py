@@ -99,9 +99,7 @@ class Request:
     draft_acceptance: Acceptance = field(default_factory=Acceptance)
     #: seconds its grammar work took (its matcher, and its drafts' forks): `check_grammar_work`
     grammar_s: float = 0.0  # CPU seconds
-    grammar_step_s: float = 0.0  # the current step's share of it
     grammar_calls: int = 0  # the calls on its matcher and forks that took it
-    grammar_step_calls: int = 0
 
     @property
     def finished(self) -> bool:
@@ -168,11 +166,13 @@ def check_grammar_work(r: Request, step_s: float, step_calls: int, first: bool) 
             token_ids=r.output_ids, stats=r.stats)
 
 
-def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
+def commit_tokens(r: Request, emitted: Sequence[int], drafting: GrammarCursor | None = None) -> list[int]:
     """Give ``emitted`` (verified tokens, in order) to ``r``: its real matcher, its output (up
     to a stop, a repetition loop or ``max_tokens``), ``emitted_tokens`` and its ``on_tokens``
     callback; sets the finish reason when one is reached. Returns the tokens kept. Any engine
-    commits through here, so every engine stops, counts and streams alike."""
+    commits through here, so every engine stops, counts and streams alike. ``drafting``: the
+    cursor of this step's drafts, whose grammar work counts with the commit's
+    (`check_grammar_work`)."""
     st = r.stats
     kept: list[int] = []
     started, first = time.thread_time(), not r.output_ids
@@ -206,12 +206,12 @@ def commit_tokens(r: Request, emitted: Sequence[int]) -> list[int]:
             finish(r, "loop")
             st.record_loop(r.params.max_tokens - len(r.output_ids))
             break
-    spent = time.thread_time() - started  # the matcher's CPU (loops.py's: µs a token)
-    calls = len(kept) + 1  # its accepts and its stop check
-    r.grammar_s += spent
-    r.grammar_calls += calls
-    check_grammar_work(r, r.grammar_step_s + spent, r.grammar_step_calls + calls, first)
-    r.grammar_step_s, r.grammar_step_calls = 0.0, 0
+    # the matcher's CPU (loops.py's: µs a token), its accepts and stop check, and the drafts'
+    step_s = time.thread_time() - started + (drafting.seconds if drafting is not None else 0.0)
+    step_calls = len(kept) + 1 + (drafting.calls if drafting is not None else 0)
+    r.grammar_s += step_s
+    r.grammar_calls += step_calls
+    check_grammar_work(r, step_s, step_calls, first)
     st.emitted_tokens += len(kept)
     if kept and r.on_tokens is not None:
         with contain("callback", [r]):
@@ -766,11 +766,7 @@ class Engine:
         st.accepted_tokens += n_acc
         st.record_positions(len(s.tokens), n_acc)
         start = self.runner.length(r.slot) - len(s.tokens) - 1  # position of the pending token
-        # its drafts' fork: masks, accepts, forced tokens (commit_tokens adds its own share)
-        r.grammar_s += s.cursor.seconds
-        r.grammar_calls += s.cursor.calls
-        r.grammar_step_s, r.grammar_step_calls = s.cursor.seconds, s.cursor.calls
-        commit_tokens(r, emitted)
+        commit_tokens(r, emitted, s.cursor)
         # cache keeps the pending token + the accepted drafts; the new pending token is not cached
         # (when fewer tokens were kept the request has finished and its cache no longer matters)
         self.runner.truncate(r.slot, start + 1 + n_acc)

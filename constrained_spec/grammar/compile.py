@@ -38,7 +38,7 @@ from constrained_spec.schemas.patterns import python_regex, strip_edge_anchors
 from constrained_spec.schemas.spec import clean_backend_message
 from constrained_spec.settings import settings
 
-from .compile_worker import CompileWorkers
+from .compile_worker import CompileWorkers, stopped_error
 from .matcher import Matcher, OutlinesMatcher, XGrammarMatcher, _OutlinesTables
 from .tokenizer import TokenizerData
 
@@ -131,8 +131,7 @@ def compile_spec(spec: SchemaSpec, tok: TokenizerData, *, backend: Backend = "xg
             with _cache_lock:
                 if _cache.get(key) is future:
                     del _cache[key]
-            raise SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s "
-                              "and was stopped; simplify the schema", backend=backend) from None
+            raise stopped_error(spec, timeout_s, backend) from None
         raise SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s; simplify "
                           "the schema or raise timeout_s (the compile continues in the background "
                           "and a retry reuses it)", backend=backend) from None
@@ -158,10 +157,15 @@ def _run(future: Future, key: tuple, spec: SchemaSpec, tok: TokenizerData, backe
             if _cache.get(key) is future:
                 del _cache[key]  # failures are not cached
                 _sizes.pop(key, None)
-        if not isinstance(exc, SchemaError):
-            exc = SchemaError(f"the {backend} backend cannot compile this {spec.kind} spec: "
-                              f"{clean_backend_message(exc)}", backend=backend)
-        future.set_exception(exc)
+        future.set_exception(as_schema_error(exc, spec, backend))
+
+
+def as_schema_error(exc: BaseException, spec: SchemaSpec, backend: str) -> SchemaError:
+    """``exc`` as the `SchemaError` a caller gets: itself, or the backend's failure."""
+    if isinstance(exc, SchemaError):
+        return exc
+    return SchemaError(f"the {backend} backend cannot compile this {spec.kind} spec: "
+                       f"{clean_backend_message(exc)}", backend=backend)
 
 
 #: CPU seconds the probe's mask may take (`check_matcher`): a JSON schema's take milliseconds

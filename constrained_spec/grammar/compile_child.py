@@ -13,7 +13,6 @@ import pickle
 import sys
 from typing import IO, Any
 
-from constrained_spec.errors import SchemaError
 from constrained_spec.grammar.compile_worker import read_message, write_message
 
 
@@ -21,7 +20,13 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The child's loop: the tokenizer, then specs until EOF."""
     import xgrammar
 
-    from .compile import CompiledSpec, _compile_outlines, _compile_xgrammar, check_matcher
+    from .compile import (
+        CompiledSpec,
+        _compile_outlines,
+        _compile_xgrammar,
+        as_schema_error,
+        check_matcher,
+    )
     from .tokenizer import TokenizerData
 
     info = read_message(stdin)
@@ -32,24 +37,14 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     while (message := read_message(stdin)) is not None:
         spec, backend = message
         try:
-            if backend == "xgrammar":
-                compiled, heard = _compile_xgrammar(spec, tok)
-                check_matcher(CompiledSpec(spec, backend, tok, compiled, heard))
-                payload: Any = compiled.serialize_json()
-            else:
-                tables, heard = _compile_outlines(spec, tok)
-                check_matcher(CompiledSpec(spec, backend, tok, tables, heard))
-                payload = pickle.dumps(tables.index)
+            compile_: Any = _compile_xgrammar if backend == "xgrammar" else _compile_outlines
+            obj, heard = compile_(spec, tok)
+            check_matcher(CompiledSpec(spec, backend, tok, obj, heard))
+            payload = obj.serialize_json() if backend == "xgrammar" else pickle.dumps(obj.index)
             write_message(stdout, ("ok", payload, heard))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
-            from constrained_spec.schemas.spec import clean_backend_message
-
-            if isinstance(exc, SchemaError):
-                write_message(stdout, ("err", str(exc), exc.keyword, exc.pointer, exc.backend))
-            else:
-                write_message(stdout, ("err", f"the {backend} backend cannot compile this {spec.kind} "
-                                f"spec: {clean_backend_message(exc)} (backend {backend})",
-                                None, None, backend))
+            error = as_schema_error(exc, spec, backend)
+            write_message(stdout, ("err", str(error), error.keyword, error.pointer, error.backend))
 
 
 def main() -> None:

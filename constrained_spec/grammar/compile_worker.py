@@ -147,13 +147,17 @@ class CompileWorkers:
         #: compiles stopped at their deadline (their child killed)
         self.killed = 0
 
-    def start(self, tok: Any) -> None:
-        """Start one child for ``tok`` now (a server does this before serving)."""
+    def start(self, tok: Any, *, wait: bool = True) -> None:
+        """Start one child for ``tok`` unless one runs (a server does this before serving,
+        with ``wait=False``: in the background, a few seconds of importing xgrammar)."""
         with self._changed:
             if self._count.get(tok.key, 0):
                 return
             self._count[tok.key] = 1
-        self._add(tok)
+        if wait:
+            self._add(tok)
+        else:
+            self._add_soon(tok)
 
     def _add(self, tok: Any) -> None:
         """A new idle child for ``tok`` (its place already counted)."""
@@ -212,8 +216,7 @@ class CompileWorkers:
         except TimeoutError:
             if child is not None:
                 self._lose(tok, child, replace_it=True)
-            raise SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s "
-                              "and was stopped; simplify the schema", backend=backend) from None
+            raise stopped_error(spec, timeout_s, backend) from None
         except BaseException:
             if child is not None:  # it died or its pipe broke: the next compile starts one
                 self._lose(tok, child, replace_it=False)
@@ -235,14 +238,16 @@ class CompileWorkers:
                 self._count[tok.key] -= 1
                 self._changed.notify_all()
                 return
-        threading.Thread(target=self._replace, args=(tok,), daemon=True,
-                         name="compile-worker-start").start()
+        self._add_soon(tok)
 
-    def _replace(self, tok: Any) -> None:
-        try:
-            self._add(tok)
-        except BaseException as e:  # noqa: BLE001 - logged; the next compile starts one
-            logger.warning("could not start a compile process: %s", e)
+    def _add_soon(self, tok: Any) -> None:
+        """`_add` in the background; a failure is logged (the next compile starts one)."""
+        def add() -> None:
+            try:
+                self._add(tok)
+            except BaseException as e:  # noqa: BLE001 - logged; the next compile starts one
+                logger.warning("could not start a compile process: %s", e)
+        threading.Thread(target=add, daemon=True, name="compile-worker-start").start()
 
     def close(self) -> None:
         """End every child (idle ones now; busy ones when their compile returns)."""
@@ -253,6 +258,12 @@ class CompileWorkers:
             self._changed.notify_all()
         for child in children:
             child.close()
+
+
+def stopped_error(spec: Any, timeout_s: float | None, backend: str) -> SchemaError:
+    """The error of a compile stopped at its deadline (its child killed)."""
+    return SchemaError(f"compiling the {spec.kind} spec took longer than {timeout_s} s and was "
+                       "stopped; simplify the schema", backend=backend)
 
 
 def _load(payload: Any, tok: Any, backend: str) -> Any:

@@ -22,7 +22,6 @@ def metrics_registry(server: Server) -> Any:
         HistogramMetricFamily,
     )
 
-
     class EngineCollector:
         def collect(self) -> Any:
             s = server.loop.metrics.snapshot()

@@ -18,7 +18,6 @@ import ipaddress
 import logging
 import os
 import stat
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -87,8 +86,9 @@ class ServerConfig:
 
 #: threads preparing requests (schema compiles, chat templates, prompt encoding)
 PREP_THREADS = 4
-#: child processes compiling grammars at once (each ~180 MB: xgrammar imports torch); the
-#: first starts with the server, the second when two compiles overlap
+#: child processes compiling grammars at once (each about 290 MB resident, 200 MB of it its
+#: own: xgrammar imports torch); the first starts with the server, the second when two
+#: compiles overlap
 COMPILE_PROCESSES = 2
 
 API_KEY_ENV = "CONSTRAINED_SPEC_API_KEY"
@@ -254,16 +254,8 @@ class Server:
     def start_compile_worker(self) -> None:
         """Start the first compile process in the background (a few seconds: the import of
         xgrammar), so that the first schema does not wait for it."""
-        workers, tok = self.generator.compile_workers, self.model.tokenizer_data
-        if workers is None:
-            return
-
-        def start() -> None:
-            try:
-                workers.start(tok)
-            except Exception as e:  # noqa: BLE001 - the first compile starts one again
-                logger.warning("could not start a compile process: %s", e)
-        threading.Thread(target=start, name="compile-worker-start", daemon=True).start()
+        if self.generator.compile_workers is not None:
+            self.generator.compile_workers.start(self.model.tokenizer_data, wait=False)
 
     def close_compile_workers(self) -> None:
         if self.generator.compile_workers is not None:
