@@ -383,8 +383,7 @@ def _build_locked(out: Path, build: Callable[[Path], None]) -> Path:
             fault_point("build.renamed")
         except Exception as e:
             if disk_full(e) and not isinstance(e, CacheFullError):  # say how far it got
-                written = _tree_bytes(tmp)
-                shutil.rmtree(tmp, ignore_errors=True)
+                written = _tree_bytes(tmp)  # (removed by the finally below)
                 raise cache_full_error(out.parent, f"building {out.name}", written=written) from e
             raise
         finally:

@@ -440,9 +440,9 @@ def load_model(
         return _load_on_vllm(model, tokenizer, engine, vllm_options, quiet=quiet)
     if engine != "native":
         raise ConfigError(f"engine must be 'native' or 'vllm', got {engine!r}", option="engine")
-    if isinstance(model, LoadedModel) or (hasattr(model, "target")
-                                          and isinstance(model.target, LoadedModel)):
-        return model if isinstance(model, LoadedModel) else model.target  # (a target + drafter)
+    loaded = _already_loaded(model)
+    if loaded is not None:
+        return loaded
     if isinstance(model, tuple) and len(model) == 2:
         model, tokenizer = model
     dev = torch.device(device) if device is not None else torch.device(
@@ -477,6 +477,14 @@ def load_model(
     loaded.spec = spec if reloadable else None
     _LOADED[key] = loaded
     return loaded
+
+
+def _already_loaded(model: Any) -> LoadedModel | None:
+    """``model`` when it is a `LoadedModel`, its target when it is a target + drafter bundle."""
+    if isinstance(model, LoadedModel):
+        return model
+    target = getattr(model, "target", None)
+    return target if isinstance(target, LoadedModel) else None
 
 
 def _embedded_step(step: Callable[..., Path], *, quiet: bool) -> Path:
