@@ -881,13 +881,14 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     imported), the 4-bit groups handed to the runner."""
     from transformers import AutoTokenizer
 
+    from constrained_spec.model.mapped import map_tensors
     from constrained_spec.model.skeleton import light_config
     from constrained_spec.model.weights import Int4Groups
 
     config = light_config(folder)
-    # read into the process's own memory, not mapped: a mapping's pages stay in the RSS once
-    # touched, and packing the 4-bit groups touches every one of them (~110 MB more)
-    stored = _read_safetensors(folder / "weights.safetensors")
+    # each tensor on a mapping of its own (`mapped`): the packed ones are unmapped once packed,
+    # the ones used as stored are not copied
+    stored = map_tensors(folder / "weights.safetensors")
     dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS + _Q8_PARTS)}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
@@ -910,15 +911,6 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
                        dtype=torch.bfloat16, vocab_size=_logits_width(model), path=folder,
                        weight_groups=groups or None, dtype_choice=dtype_choice, plan_cache=folder,
                        quiet=quiet)
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path), backend="pread")
-    except TypeError:  # a safetensors without the pread backend
-        return load_file(str(path))
 
 
 def _lean_model(config: Any, dense: dict[str, torch.Tensor]) -> Any:
