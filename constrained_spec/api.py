@@ -826,7 +826,7 @@ class Generator(Generic[T]):
             from constrained_spec.generation.vllm_engine import VLLMEngine, engine_for
 
             return VLLMEngine(engine_for(self.model, self.speculative),
-                              max_batch_size=self.max_batch_size)
+                              max_batch_size=self.max_batch_size, speculative=self.speculative)
         return Engine(self.model.runner, speculative=self.speculative, drafter=self.drafter,
                       max_batch_size=self.max_batch_size)
 

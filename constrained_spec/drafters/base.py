@@ -27,6 +27,8 @@ T = TypeVar("T")
 class GrammarCursor:
     """A throw-away fork of a matcher that records one bitmask row per visited position."""
 
+    masked = True  # a push is checked against the position's mask row first
+
     def __init__(self, matcher: Any | None, rows: torch.Tensor, timer: StepTimer | None = None, *,
                  note_forced: bool = False) -> None:
         # rows: int32 [max_rows, W], this request's slice of the step's bitmask buffer;
@@ -81,7 +83,8 @@ class GrammarCursor:
             if not self.allows(token):
                 return False
             if not self._timed(self._fork.accept, token):
-                self._dead = True
+                # refused where the mask allowed it: the fork is not to be trusted further
+                self._dead = self.masked
                 return False
             if self._fork.is_terminated():
                 # nothing can follow a stop token: no further drafts
@@ -119,6 +122,25 @@ class GrammarCursor:
                 return fn(*args)
         finally:
             self.seconds += time.thread_time() - t0
+
+
+class AcceptCursor(GrammarCursor):
+    """A cursor that records no mask rows, for a verifier that fills its own (vLLM's engine):
+    a push is checked by the fork's ``accept`` alone (a refused token leaves the fork as it
+    was), which is all the forced and n-gram drafters need. Drafters that read a row
+    (`DraftState.draft_logits`) cannot run on it."""
+
+    masked = False
+
+    def __init__(self, matcher: Any | None, max_rows: int, timer: StepTimer | None = None) -> None:
+        super().__init__(matcher, torch.empty((max_rows, 0), dtype=torch.int32), timer)
+
+    def allows(self, token: int) -> bool:
+        return True
+
+    def row(self) -> torch.Tensor:
+        raise TypeError("an AcceptCursor records no mask rows: a drafter reading the grammar's "
+                        "mask cannot run on it")
 
 
 @dataclass

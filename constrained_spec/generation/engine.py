@@ -240,6 +240,26 @@ def mask_stop_tokens(logits: torch.Tensor, reqs: Sequence[Request], num_rows: Se
         logits[index] = torch.where(other, masked, rows)
 
 
+def draft_rounds(states: Sequence[DraftState], forced: ForcedDrafter | None,
+                 drafter: Drafter | None, k: int) -> None:
+    """Forced tokens, then ``drafter``'s (up to ``k``); for drafters that can resume anywhere
+    (n-gram), alternate the two while either extends a proposal: a copied value, the forced
+    punctuation and key after it, the next copied value, ... in one step. Any engine drafts
+    through here (ours, and our proposer inside vLLM's: `vllm_proposer`)."""
+    active = list(states)
+    for _ in range(_MAX_DRAFT_ROUNDS):
+        before = [len(s.tokens) for s in active]
+        if forced is not None:
+            forced.propose([s for s in active if s.cursor.constrained])
+        if drafter is not None and k > 0:
+            drafter.propose(active, k)
+        if drafter is None or not drafter.resumable:
+            return
+        active = [s for s, n in zip(active, before) if len(s.tokens) > n and not s.cursor.exhausted]
+        if not active:
+            return
+
+
 def run_requests(engine: Any, requests: Iterable[Request],
                  busy: Callable[[], bool] = lambda: False) -> list[Request]:
     """Every engine's ``run``: admit ``requests`` (up to ``engine.max_batch_size`` running) and
@@ -644,23 +664,9 @@ class Engine:
                           drafter_state=r.drafter_state, prompt_len=len(r.prompt_ids), slot=r.slot)
 
     def _draft(self, reqs: Sequence[Request], states: list[DraftState]) -> None:
-        """Forced tokens, then the model drafter; for drafters that can resume anywhere (n-gram),
-        alternate the two while either extends the proposal: a copied value, the forced
-        punctuation and key after it, the next copied value, ... in one step."""
+        """`draft_rounds` with this engine's drafters."""
         try:
-            active = states
-            for _ in range(_MAX_DRAFT_ROUNDS):
-                before = [len(s.tokens) for s in active]
-                if self.forced is not None:
-                    self.forced.propose([s for s in active if s.cursor.constrained])
-                if self.drafter is not None and self.k > 0:
-                    self.drafter.propose(active, self.k)
-                if self.drafter is None or not self.drafter.resumable:
-                    return
-                active = [s for s, n in zip(active, before)
-                          if len(s.tokens) > n and not s.cursor.exhausted]
-                if not active:
-                    return
+            draft_rounds(states, self.forced, self.drafter, self.k)
         finally:  # what a model drafter keeps per request (its cache slot) stays with it
             for r, s in zip(reqs, states):
                 r.drafter_state = s.drafter_state

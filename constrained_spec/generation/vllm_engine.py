@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from constrained_spec.config import SpeculativeConfig
+from constrained_spec.drafters.ngram import NgramDrafter
 from constrained_spec.errors import ConfigError
 from constrained_spec.generation.engine import (
     Request,
@@ -47,10 +48,12 @@ from constrained_spec.generation.engine import (
     run_requests,
 )
 from constrained_spec.generation.logprobs import TokenLogprob
+from constrained_spec.generation.vllm_proposer import PROPOSER, REGISTRY, Drafting
 from constrained_spec.grammar.compile import CompiledSpec
 from constrained_spec.grammar.matcher import Matcher, XGrammarMatcher
 from constrained_spec.grammar.reasoning import ReasoningMatcher
 from constrained_spec.model.loading import LoadedModel
+from constrained_spec.model.vllm_model import VLLMOptions
 
 logger = logging.getLogger(__name__)
 
@@ -86,30 +89,68 @@ def import_vllm() -> Any:
     return vllm
 
 
-def speculative_config(config: SpeculativeConfig | None) -> dict[str, Any] | None:
-    """Our speculative config as vLLM's ``speculative_config`` (None: no speculation)."""
+def proposer_unreachable(options: VLLMOptions) -> str | None:
+    """Why our proposer cannot run inside this vLLM engine (its runner in another process or
+    a runner without custom proposers), or None where it can (`vllm_proposer`)."""
+    # unset: `import_vllm` sets it to 0 before vLLM is imported
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").lower() not in ("0", "false"):
+        return "vLLM's engine core runs in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1)"
+    if options.tensor_parallel_size * options.pipeline_parallel_size > 1:
+        return "tensor / pipeline parallel workers run in processes of their own"
+    backend = options.distributed_executor_backend or options.engine_args.get("distributed_executor_backend")
+    if backend not in (None, "uni"):
+        return f"the {backend!r} executor runs workers in processes of their own"
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
+        return "vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) takes no custom proposer"
+    return None
+
+
+def drafting(config: SpeculativeConfig | None) -> Drafting | None:
+    """What our proposer drafts for ``config`` inside vLLM's engine: forced tokens and n-gram
+    lookups; None where it drafts nothing (speculation off, or a model drafter vLLM runs)."""
+    if config is None or config.method not in (None, "ngram"):
+        return None
+    max_forced = config.max_forced_tokens if config.forced else 0
+    k = config.num_speculative_tokens if config.method == "ngram" else 0
+    if max_forced + k == 0:
+        return None
+    ngram = NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min) if k else None
+    return Drafting(k, max_forced, ngram)
+
+
+def speculative_config(config: SpeculativeConfig | None, options: VLLMOptions) -> dict[str, Any] | None:
+    """Our speculative config as vLLM's ``speculative_config`` (None: no speculation): our
+    forced and grammar-checked n-gram drafts as a vLLM proposer (`vllm_proposer`) where it can
+    run, else vLLM's own n-gram drafter (warned once); a model drafter's checkpoint vLLM
+    loads."""
+    ours = drafting(config)
+    if ours is not None:
+        why = proposer_unreachable(options)
+        if why is None:
+            return {"method": "custom_class", "model": PROPOSER,
+                    "num_speculative_tokens": ours.k + ours.max_forced}
+        _warn_once("proposer", "vLLM engine: our grammar-aware drafts cannot run here (%s); "
+                   "vLLM's n-gram drafter proposes unmasked drafts instead, and fewer are "
+                   "accepted (docs/scale-out.md)", why)
     if config is None or config.method is None or config.num_speculative_tokens == 0:
         return None
     k = config.num_speculative_tokens
     if config.method == "ngram":
-        out: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k,
-                               "prompt_lookup_max": config.prompt_lookup_max,
-                               "prompt_lookup_min": config.prompt_lookup_min}
-    else:  # eagle3, mtp, draft_model: vLLM loads the checkpoint itself
-        if not isinstance(config.model, (str, os.PathLike)):
-            raise ConfigError(f"speculative method {config.method!r} on the vLLM engine needs "
-                              "its checkpoint as a path or a hub id (speculative.model / "
-                              "--speculative-draft-model): vLLM loads it in its workers (an "
-                              "EAGLE-3 head in the public format, an MTP checkpoint, a draft "
-                              "model folder)", option="speculative.model")
-        out = {"method": config.method, "model": str(config.model), "num_speculative_tokens": k}
+        return {"method": "ngram", "num_speculative_tokens": k,
+                "prompt_lookup_max": config.prompt_lookup_max,
+                "prompt_lookup_min": config.prompt_lookup_min}
+    # eagle3, mtp, draft_model: vLLM loads the checkpoint itself
+    if not isinstance(config.model, (str, os.PathLike)):
+        raise ConfigError(f"speculative method {config.method!r} on the vLLM engine needs "
+                          "its checkpoint as a path or a hub id (speculative.model / "
+                          "--speculative-draft-model): vLLM loads it in its workers (an "
+                          "EAGLE-3 head in the public format, an MTP checkpoint, a draft "
+                          "model folder)", option="speculative.model")
     if config.forced:
         _warn_once("forced", "vLLM engine: our forced-token drafts (what the grammar allows "
-                   "alone) do not run on vLLM; its %s drafter proposes every draft", config.method)
-    _warn_once("masked", "vLLM engine: drafts are not masked by the grammar before verification "
-               "(vLLM masks the verified positions only), so fewer drafts are accepted than on "
-               "our engine; every emitted token still obeys the grammar")
-    return out
+                   "alone) do not run beside vLLM's %s drafter, and its drafts are not masked "
+                   "by the grammar before verification", config.method)
+    return {"method": config.method, "model": str(config.model), "num_speculative_tokens": k}
 
 
 def engine_for(model: LoadedModel, speculative: SpeculativeConfig | None) -> Any:
@@ -118,7 +159,7 @@ def engine_for(model: LoadedModel, speculative: SpeculativeConfig | None) -> Any
     if options is None:
         raise ConfigError(f"{model.name} was loaded for our engine; load it with engine='vllm'",
                           option="engine")
-    spec = speculative_config(speculative)
+    spec = speculative_config(speculative, options)
     key = (model.name, str(model.path), options.key(), repr(spec))
     if key in _ENGINES:
         return _ENGINES[key]
@@ -279,11 +320,17 @@ class VLLMEngine:
     then left to finish there (at most `_DRAIN_STEPS` more steps, its result already final)
     so that its drafted / accepted counts arrive. Any other early end is aborted at once."""
 
-    def __init__(self, engine: Any, *, max_batch_size: int = 64) -> None:
+    def __init__(self, engine: Any, *, max_batch_size: int = 64,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
         # whether vLLM drafts: its engine was built with a speculative config (`engine_for`)
-        self.speculating = engine.vllm_config.speculative_config is not None
+        spec = engine.vllm_config.speculative_config
+        self.speculating = spec is not None
+        #: what our proposer drafts for this engine's requests (`vllm_proposer`); None where
+        #: vLLM's own drafter (or none) proposes
+        self.drafting = drafting(speculative) if (
+            spec is not None and spec.method == "custom_class" and spec.model == PROPOSER) else None
         self.running: list[Request] = []
         self._by_id: dict[str, Request] = {}  # vLLM's request id -> ours, while vLLM runs it
         self._draining: dict[str, int] = {}  # finished here, left to finish there: steps left
@@ -302,6 +349,8 @@ class VLLMEngine:
                 self.engine.add_request(vid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
                                         params)
                 r.drafter_state = vid
+                if self.drafting is not None:  # our proposer finds its grammar here
+                    REGISTRY[vid] = (r, self.drafting)
                 r.stats.prompt_tokens = len(r.prompt_ids)
                 self._admitted_at[vid] = time.perf_counter()  # prefill_s: until its first token
                 self._by_id[vid] = r
@@ -328,8 +377,7 @@ class VLLMEngine:
             for vid, r in list(self._by_id.items()):
                 if not r.finished:
                     fail(r, "vllm", RuntimeError("vLLM dropped the request without an output"))
-                for held in (self._by_id, self._draining, self._admitted_at):
-                    held.pop(vid, None)
+                self._forget(vid)
         for out in outputs:
             req = self._by_id.get(out.request_id)
             if req is not None:
@@ -358,8 +406,7 @@ class VLLMEngine:
         if metrics is not None:  # sent once, when vLLM finishes the request
             _record_speculation(st, metrics)
         if out.finished:
-            for held in (self._by_id, self._draining, self._admitted_at):
-                held.pop(out.request_id, None)
+            self._forget(out.request_id)
         if out.finished and not r.finished:
             reason = comp.finish_reason
             if reason == "length":
@@ -385,8 +432,13 @@ class VLLMEngine:
         if gone:
             self.engine.abort_request(gone)
             for vid in gone:
-                for held in (self._by_id, self._draining, self._admitted_at):
-                    held.pop(vid, None)
+                self._forget(vid)
+
+    def _forget(self, vid: str) -> None:
+        """Drop what this engine (and our proposer) holds of vLLM's request ``vid``."""
+        for held in (self._by_id, self._draining, self._admitted_at):
+            held.pop(vid, None)
+        REGISTRY.pop(vid, None)
 
     def reap(self) -> None:
         self._settle_finished()

@@ -16,37 +16,67 @@ from constrained_spec.generation import vllm_engine
 from constrained_spec.generation.vllm_engine import speculative_config
 from constrained_spec.model.vllm_model import VLLMOptions
 
+OPTIONS = VLLMOptions()
 
-def test_ngram_maps_onto_vllms_ngram_with_the_same_numbers():
+
+def test_ngram_and_forced_drafts_map_onto_our_proposer_inside_vllm():
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5, max_forced_tokens=6)
+    assert speculative_config(spec, OPTIONS) == {
+        "method": "custom_class", "model": "constrained_spec.generation.vllm_proposer.GrammarProposer",
+        "num_speculative_tokens": 11}  # up to 6 forced tokens and 5 copied ones a step
+    ours = vllm_engine.drafting(spec)
+    assert (ours.k, ours.max_forced) == (5, 6) and ours.ngram.max_n == spec.prompt_lookup_max
+    assert speculative_config(SpeculativeConfig(method=None), OPTIONS)["num_speculative_tokens"] == 16
+    no_forced = vllm_engine.drafting(SpeculativeConfig(num_speculative_tokens=3, forced=False))
+    assert (no_forced.k, no_forced.max_forced) == (3, 0)
+
+
+@pytest.mark.parametrize("options, env, why", [
+    (VLLMOptions(tensor_parallel_size=2), {}, "tensor / pipeline parallel"),
+    (VLLMOptions(distributed_executor_backend="ray"), {}, "'ray' executor"),
+    (OPTIONS, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "child process"),
+    (OPTIONS, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "V2 model runner"),
+])
+def test_where_our_proposer_cannot_run_vllms_ngram_drafts_with_a_warning_saying_why(
+        monkeypatch, caplog, options, env, why):
+    monkeypatch.setattr(vllm_engine, "_WARNED", set())
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3,
-                             prompt_lookup_min=2, forced=False)
-    assert speculative_config(spec) == {"method": "ngram", "num_speculative_tokens": 5,
-                                        "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+                             prompt_lookup_min=2)
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
+        got = speculative_config(spec, options)
+        speculative_config(spec, options)
+    assert got == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
+                   "prompt_lookup_min": 2}
+    assert caplog.text.count("grammar-aware drafts cannot run here") == 1 and why in caplog.text
 
 
-@pytest.mark.parametrize("spec", [None, SpeculativeConfig(method=None),
-                                  SpeculativeConfig(num_speculative_tokens=0)])
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(method=None, forced=False),
+                                  SpeculativeConfig(num_speculative_tokens=0, forced=False)])
 def test_no_speculation_maps_onto_none(spec):
-    assert speculative_config(spec) is None
+    assert speculative_config(spec, OPTIONS) is None
 
 
 def test_a_learned_drafter_maps_with_its_checkpoint_path(tmp_path):
     spec = SpeculativeConfig(method="eagle3", model=str(tmp_path), num_speculative_tokens=3)
-    assert speculative_config(spec) == {"method": "eagle3", "model": str(tmp_path),
-                                        "num_speculative_tokens": 3}
+    assert speculative_config(spec, OPTIONS) == {"method": "eagle3", "model": str(tmp_path),
+                                                 "num_speculative_tokens": 3}
+    assert vllm_engine.drafting(spec) is None  # vLLM runs the head: no proposer of ours
 
 
 def test_a_learned_drafter_without_a_path_is_a_config_error_naming_the_option():
     with pytest.raises(ConfigError, match="checkpoint") as err:
-        speculative_config(SpeculativeConfig(method="mtp"))  # our shipped head: not a vLLM path
+        speculative_config(SpeculativeConfig(method="mtp"), OPTIONS)  # our shipped head: not a vLLM path
     assert err.value.option == "speculative.model"
 
 
-def test_what_does_not_translate_is_warned_once(monkeypatch, caplog):
+def test_what_does_not_translate_is_warned_once(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(vllm_engine, "_WARNED", set())
+    spec = SpeculativeConfig(method="eagle3", model=str(tmp_path))  # forced on by default
     with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
-        speculative_config(SpeculativeConfig(method="ngram"))  # forced on by default
-        speculative_config(SpeculativeConfig(method="ngram"))
+        speculative_config(spec, OPTIONS)
+        speculative_config(spec, OPTIONS)
     text = caplog.text
     assert text.count("forced-token drafts") == 1 and text.count("not masked by the grammar") == 1
 
