@@ -52,6 +52,12 @@ class Drafting:
 REGISTRY: dict[str, tuple[Request, Drafting]] = {}
 
 
+def _registered(req_id: str) -> tuple[Request, Drafting] | None:
+    """The registry's entry for vLLM's internal request id: the id we submitted, to which
+    vLLM appends ``-`` and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)."""
+    return REGISTRY.get(req_id) or REGISTRY.get(req_id.rsplit("-", 1)[0])
+
+
 def _owning_runner() -> Any:
     """The vLLM model runner building the proposer: the nearest caller whose ``self`` is one
     (vLLM passes the proposer nothing else, and its rows' request ids live there)."""
@@ -82,7 +88,7 @@ class GrammarProposer:
         req_ids = self.runner.input_batch.req_ids
         out: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
-            entry = REGISTRY.get(req_ids[i]) if i < len(req_ids) else None
+            entry = _registered(req_ids[i]) if i < len(req_ids) else None
             n = int(num_tokens_no_spec[i])
             if entry is None or not sampled or n >= self.max_model_len:
                 out.append([])

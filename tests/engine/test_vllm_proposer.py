@@ -73,7 +73,8 @@ def engine_drafts(tiny_model, r: Request) -> list[int]:
 def test_a_rows_drafts_are_our_engines_drafts_at_the_same_state(monkeypatch, tiny_tok, tiny_model,
                                                                   committed, sampled):
     ours = drafting(SPEC)
-    prop = proposer(monkeypatch, ["other", "cs-1"], k=ours.k + ours.max_forced)
+    # vLLM runs our request "cs-1" as "cs-1-" and 8 random characters
+    prop = proposer(monkeypatch, ["other", "cs-1-0f3e9a1b"], k=ours.k + ours.max_forced)
     r = request(tiny_tok, committed)
     vllm_proposer.REGISTRY["cs-1"] = (r, ours)
     try:
