@@ -166,13 +166,16 @@ def check_grammar_work(r: Request, step_s: float, step_calls: int, first: bool) 
             token_ids=r.output_ids, stats=r.stats)
 
 
-def commit_tokens(r: Request, emitted: Sequence[int], drafting: GrammarCursor | None = None) -> list[int]:
+def commit_tokens(r: Request, emitted: Sequence[int], drafting: GrammarCursor | None = None,
+                  refused: Callable[[Request, int], None] | None = None) -> list[int]:
     """Give ``emitted`` (verified tokens, in order) to ``r``: its real matcher, its output (up
     to a stop, a repetition loop or ``max_tokens``), ``emitted_tokens`` and its ``on_tokens``
     callback; sets the finish reason when one is reached. Returns the tokens kept. Any engine
     commits through here, so every engine stops, counts and streams alike. ``drafting``: the
     cursor of this step's drafts, whose grammar work counts with the commit's
-    (`check_grammar_work`)."""
+    (`check_grammar_work`). ``refused(r, token)``: what ends ``r`` when its matcher refuses an
+    emitted token (by default a ``"commit"`` failure: our own verifier masked it, so it is a
+    bug); an engine whose masks are not ours (vLLM's) ends the request its own way."""
     st = r.stats
     kept: list[int] = []
     started, first = time.thread_time(), not r.output_ids
@@ -189,8 +192,10 @@ def commit_tokens(r: Request, emitted: Sequence[int], drafting: GrammarCursor | 
                 "refers to rules that never end?)", token_ids=r.output_ids, stats=r.stats)
             break
         if r.matcher is not None and not r.matcher.accept(tok):
-            # cannot happen for a masked verifier; refuse loudly rather than emit garbage
-            fail(r, "commit", RuntimeError(f"token {tok} rejected by the grammar after verification"))
+            if refused is not None:
+                refused(r, tok)
+            else:  # cannot happen for a masked verifier; refuse loudly rather than emit garbage
+                fail(r, "commit", RuntimeError(f"token {tok} rejected by the grammar after verification"))
             break
         if tok in r.eos_token_ids and (r.matcher is None or r.matcher.is_terminated()):
             finish(r, "stop")

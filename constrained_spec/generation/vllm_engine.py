@@ -398,7 +398,7 @@ class VLLMEngine:
             st.target_forwards += 1
             with contain("commit", [r]):
                 before = len(r.output_ids)
-                commit_tokens(r, tokens)
+                commit_tokens(r, tokens, refused=self._disagreed)
                 if r.params.logprobs is not None:
                     r.logprobs += _logprobs(comp, tokens[:len(r.output_ids) - before],
                                             r.params.logprobs)
@@ -415,6 +415,19 @@ class VLLMEngine:
                 fail(r, "vllm", RuntimeError("vLLM aborted the request"))
             else:  # "stop" without our eos (cannot happen: our eos ids are its stop ids)
                 finish(r, "stop")
+
+    def _disagreed(self, r: Request, token: int) -> None:
+        """vLLM emitted ``token``, which our grammar refuses: one side has a bug, reported in
+        the log. The request ends with its output so far, which our matcher accepted: complete
+        (``"stop"``) where our grammar can end there, else incomplete (``"disagreement"``: an
+        `IncompleteOutputError` carrying the output, which retries run again). Never a
+        `GenerationError`: the client gets what is valid."""
+        complete = r.matcher is not None and r.matcher.is_completed()
+        logger.error("vLLM emitted token %d after %d output tokens where our grammar refuses it "
+                     "(vLLM request %s); ending the request %s. Please report this line with "
+                     "the request: output so far %s", token, len(r.output_ids), r.drafter_state,
+                     "with its complete output" if complete else "as incomplete", r.output_ids[-64:])
+        finish(r, "stop" if complete else "disagreement")
 
     def _settle_finished(self) -> None:
         """Requests our side finished while vLLM still runs them: aborted there, or (a

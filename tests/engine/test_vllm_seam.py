@@ -197,3 +197,51 @@ def test_load_models_own_dtype_reaches_vllm(monkeypatch):
                         lambda model, tok, engine, options, quiet: seen.update(options))
     loading.load_model(None, engine="vllm", dtype="float32")
     assert seen == {"dtype": "float32"}
+
+
+class _Engine:  # what VLLMEngine reads of vLLM's engine when it takes outputs
+    vllm_config = type("Config", (), {"speculative_config": None})()
+
+
+OBJECT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+          "additionalProperties": False}
+
+
+def _taken(tiny_tok, schema, emitted: str, caplog) -> tuple:
+    """A request whose vLLM output step brings ``emitted`` (one char a token, '$' the stop
+    token), taken by VLLMEngine."""
+    from types import SimpleNamespace
+
+    from cs_testlib import CHARS
+
+    from constrained_spec.config import SamplingParams
+    from constrained_spec.generation.engine import Request
+    from constrained_spec.grammar import compile_spec
+    from constrained_spec.schemas import normalize_schema
+
+    ids = {c: i for i, c in enumerate(CHARS)} | {"$": 0}
+    r = Request([ids["a"]], compile_spec(normalize_schema(schema), tiny_tok).new_matcher(),
+                SamplingParams(max_tokens=32), (0,))
+    eng = vllm_engine.VLLMEngine(_Engine())
+    eng._by_id["cs-0-1"] = r
+    out = SimpleNamespace(request_id="cs-0-1", finished=False, outputs=[SimpleNamespace(
+        token_ids=[ids[c] for c in emitted], logprobs=None, finish_reason=None)])
+    with caplog.at_level(logging.ERROR, logger=vllm_engine.__name__):
+        eng._take(r, out, 0.0)
+    return r, [CHARS[i] for i in r.output_ids]
+
+
+def test_a_token_vllm_emits_that_our_grammar_refuses_ends_the_request_incomplete_not_failed(
+        tiny_tok, caplog):
+    r, text = _taken(tiny_tok, OBJECT, '{"n": 1$', caplog)  # a stop token where the object is open
+    assert r.finish_reason == "disagreement" and r.error is None  # incomplete, never a 500
+    assert "".join(text) == '{"n": 1'  # the output our grammar accepted is kept
+    assert "our grammar refuses it" in caplog.text and "as incomplete" in caplog.text
+
+
+def test_a_refused_token_after_a_complete_output_keeps_the_output_as_the_answer(tiny_tok, caplog):
+    from constrained_spec import Regex
+
+    r, text = _taken(tiny_tok, Regex("a+"), "aab", caplog)  # 'aa' may end or go on; 'b' not
+    assert r.finish_reason == "stop" and "".join(text) == "aa"
+    assert "with its complete output" in caplog.text

@@ -1,6 +1,7 @@
 """Where the arithmetic allows, the two engines agree token for token: float32 on both sides
 over the same weights (the embedded file's 4-bit values are exact float32 numbers; in bfloat16
-they are not, so the bf16 comparison in test_vllm_engine.py allows near-ties). Its own process
+they are not, so the bf16 comparison in test_vllm_engine.py allows near-ties), and our
+proposer's drafts inside vLLM change none of them. Its own process
 (float32_identity.py): a vLLM engine of a second dtype after others in one process fails inside
 vLLM's Triton dispatcher."""
 
@@ -20,11 +21,14 @@ PROMPTS = ["Extract the person: Ada Lovelace is a 36 year old mathematician livi
            "Extract the person: Alan Turing was 41 and lived in Manchester."]
 
 
-def test_greedy_tokens_are_identical_on_both_engines_in_float32(vllm_usable):
+def test_greedy_tokens_are_identical_on_both_engines_and_with_our_drafts_in_float32(vllm_usable):
     script = Path(__file__).with_name("float32_identity.py")
     run = subprocess.run([sys.executable, str(script)], input=json.dumps(PROMPTS), text=True,
                          capture_output=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    pairs = json.loads(run.stdout.strip().splitlines()[-1])
-    for prompt, (ours, theirs) in zip(PROMPTS, pairs):
-        assert ours and ours == theirs, prompt
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    for prompt, (ours, theirs, drafted) in zip(PROMPTS, rows):
+        assert ours["tokens"] and ours["tokens"] == theirs["tokens"], prompt
+        # lossless: our proposer's drafts inside vLLM change no greedy token
+        assert drafted["tokens"] == theirs["tokens"], prompt
+        assert theirs["drafted"] == 0 < drafted["accepted"] <= drafted["drafted"], prompt
