@@ -575,26 +575,36 @@ def _per_tile(t: torch.Tensor, T: int, dt: torch.dtype) -> torch.Tensor:
     return t.to(dt).view(N // T, T, G).transpose(1, 2).contiguous().view(torch.uint8)
 
 
+# rows packed at a time (a multiple of every tile): a block's transients (its values in tile
+# order) stay small whatever the matrix, and nothing is concatenated
+_PACK_ROWS = 4096
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, *,
          build: str | None = None) -> GroupPack:
     """The q4 form of ``w = scale * q + min``: ``q`` integer [N, K] in 0..15, ``scale`` and
     ``minimum`` [N, K / GROUP]. They are kept exactly: as float16 when every one of them is a
-    float16 value (Q4_0's and Q4_1's are), else as float32."""
+    float16 value (Q4_0's and Q4_1's are), else as float32. Written into one buffer a block of
+    rows at a time."""
     N, K = q.shape
     b, T, _ = _check(N, K, scale, build, 4)
     G = K // GROUP
-    q = q.to(torch.uint8)
-    if T == 16:  # [tile, k / 4, column, 2]: low nibble q[k + p], high nibble q[k + 2 + p]
-        v = q.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3)
-        nib = v[..., :2] | (v[..., 2:] << 4)
-    else:  # [tile, k / 2, column]: low nibble q[k], high nibble q[k + 1]
-        v = q.view(N // 8, 8, K // 2, 2).permute(0, 2, 1, 3)
-        nib = v[..., 0] | (v[..., 1] << 4)
     half = _exact_in_half(scale) and _exact_in_half(minimum)
-    dt = torch.float16 if half else torch.float32
-    data = torch.cat([nib.reshape(N // T, G, GROUP * T // 2), _per_tile(scale, T, dt),
-                      _per_tile(minimum, T, dt)], -1)
-    return GroupPack(data.contiguous().view(-1), N, K, half, b)
+    dt, per, nb = (torch.float16 if half else torch.float32), (2 if half else 4), GROUP * T // 2
+    data = torch.empty(N // T, G, _group_bytes(T, half), dtype=torch.uint8)
+    for a in range(0, N, _PACK_ROWS):
+        z = min(N, a + _PACK_ROWS)
+        v, out = q[a:z].to(torch.uint8), data[a // T: z // T]
+        if T == 16:  # [tile, k / 4, column, 2]: low nibble q[k + p], high nibble q[k + 2 + p]
+            v = v.view((z - a) // 16, 16, K // 4, 4).permute(0, 2, 1, 3)
+            nib = v[..., :2] | (v[..., 2:] << 4)
+        else:  # [tile, k / 2, column]: low nibble q[k], high nibble q[k + 1]
+            v = v.view((z - a) // 8, 8, K // 2, 2).permute(0, 2, 1, 3)
+            nib = v[..., 0] | (v[..., 1] << 4)
+        out[..., :nb] = nib.reshape((z - a) // T, G, nb)
+        out[..., nb: nb + T * per] = _per_tile(scale[a:z], T, dt)
+        out[..., nb + T * per:] = _per_tile(minimum[a:z], T, dt)
+    return GroupPack(data.view(-1), N, K, half, b)
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None, *,
@@ -603,41 +613,72 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None =
     [N, K / group] with groups of `GROUP` (GGUF's Q8_0, Q5_0 without a min, Q5_1 and Q5_K with
     one) or of `GROUP16` without mins (Q6_K), kept exactly (float16 when every one is a float16
     value, as Q8_0's, Q5_0's and Q5_1's are; Q5_K's and Q6_K's products of two scales stay
-    float32)."""
+    float32). Written into one buffer a block of rows at a time (an LM head's values are not
+    copied whole)."""
     N, K = q.shape
     b, T, group = _check(N, K, scale, build, 8, has_min=minimum is not None)
     G = K // group
-    vals = q.to(torch.int8).view(N // T, T, G, group).permute(0, 2, 3, 1)  # [tile, G, k, column]
-    if T == 16:  # pairs of k per column: [tile, G, k / 2, column, 2] (bf16 dot products)
-        vals = vals.reshape(N // T, G, group // 2, 2, T).transpose(3, 4)
     half = _exact_in_half(scale) and (minimum is None or _exact_in_half(minimum))
-    dt = torch.float16 if half else torch.float32
-    parts = [vals.reshape(N // T, G, group * T).view(torch.uint8), _per_tile(scale, T, dt)]
-    if minimum is not None:
-        parts.append(_per_tile(minimum, T, dt))
-    return GroupPack(torch.cat(parts, -1).contiguous().view(-1), N, K, half, b, bits=8,
-                     has_min=minimum is not None, group=group)
+    dt, per, nv = (torch.float16 if half else torch.float32), (2 if half else 4), group * T
+    data = torch.empty(N // T, G, _group_bytes(T, half, 8, minimum is not None, group), dtype=torch.uint8)
+    for a in range(0, N, _PACK_ROWS):
+        z = min(N, a + _PACK_ROWS)
+        n, out = (z - a) // T, data[a // T: z // T]
+        vals = q[a:z].to(torch.int8).view(n, T, G, group).permute(0, 2, 3, 1)  # [tile, G, k, column]
+        if T == 16:  # pairs of k per column: [tile, G, k / 2, column, 2] (bf16 dot products)
+            vals = vals.reshape(n, G, group // 2, 2, T).transpose(3, 4)
+        out[..., :nv] = vals.reshape(n, G, nv).view(torch.uint8)
+        out[..., nv: nv + T * per] = _per_tile(scale[a:z], T, dt)
+        if minimum is not None:
+            out[..., nv + T * per:] = _per_tile(minimum[a:z], T, dt)
+    return GroupPack(data.view(-1), N, K, half, b, bits=8, has_min=minimum is not None, group=group)
 
 
-def unpack_q8(packed: GroupPack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(q int8 [N, K], scale float32 [N, K / group], min or None)`` back from a `pack_q8`."""
-    N, K, T, group = packed.n, packed.k, tile(packed.build), packed.group
-    G = K // group
+def _groups_view(packed: GroupPack) -> torch.Tensor:
+    """The pack's bytes as [N / T, G, bytes per group of T columns]."""
+    T = tile(packed.build)
+    gb = _group_bytes(T, packed.half, packed.bits, packed.has_min, packed.group)
+    return packed.data.view(packed.n // T, packed.k // packed.group, gb)
+
+
+def unpack_scales(packed: GroupPack) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, min or None)``, float32 [N, K / group], back from a `pack` or `pack_q8`: the
+    values given to it, exactly (float16 ones were exact in float16), so a pack can be the only
+    copy of its groups' scales."""
+    N, T = packed.n, tile(packed.build)
+    G = packed.k // packed.group
     per = 2 if packed.half else 4
-    g = packed.data.view(N // T, G, _group_bytes(T, packed.half, 8, packed.has_min, group))
-    v = g[..., : group * T]
-    if T == 16:
-        v = v.reshape(N // T, G, group // 2, T, 2).transpose(3, 4)
-    q = v.reshape(N // T, G, group, T).permute(0, 3, 1, 2).reshape(N, K)
+    g = _groups_view(packed)
     dt = torch.float16 if packed.half else torch.float32
 
     def per_row(lo: int) -> torch.Tensor:  # bytes [N / T, G, T * per] -> float32 [N, G]
         v = g[..., lo: lo + T * per].contiguous().view(dt).float()  # [N / T, G, T]
         return v.permute(0, 2, 1).reshape(N, G)
 
-    base = group * T
-    return (q.contiguous().view(torch.int8), per_row(base),
-            per_row(base + T * per) if packed.has_min else None)
+    base = packed.group * T // (2 if packed.bits == 4 else 1)  # the values' bytes come first
+    return per_row(base), per_row(base + T * per) if packed.has_min else None
+
+
+def unpack_q8(packed: GroupPack) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q int8 [N, K], scale float32 [N, K / group], min or None)`` back from a `pack_q8`."""
+    N, K, T, group = packed.n, packed.k, tile(packed.build), packed.group
+    G = K // group
+    v = _groups_view(packed)[..., : group * T]
+    if T == 16:
+        v = v.reshape(N // T, G, group // 2, T, 2).transpose(3, 4)
+    q = v.reshape(N // T, G, group, T).permute(0, 3, 1, 2).reshape(N, K)
+    return (q.contiguous().view(torch.int8), *unpack_scales(packed))
+
+
+def tiles_of(packed: GroupPack, rows: torch.Tensor) -> tuple[GroupPack, torch.Tensor]:
+    """A pack of just the tiles that hold ``rows`` (int64 [R]), and where each row is in it:
+    reading a few rows back (an embedding's lookup) unpacks those tiles only."""
+    T = tile(packed.build)
+    tiles, inverse = torch.unique(rows // T, return_inverse=True)
+    data = _groups_view(packed)[tiles]  # [tiles, G, bytes]: a copy of those tiles
+    sub = GroupPack(data.view(-1), len(tiles) * T, packed.k, packed.half, packed.build,
+                    bits=packed.bits, has_min=packed.has_min, group=packed.group)
+    return sub, inverse * T + rows % T
 
 
 def unpack_q(packed: GroupPack) -> torch.Tensor:

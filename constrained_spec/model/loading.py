@@ -654,7 +654,8 @@ def load_gguf_lean(gguf: Path, *, dtype_choice: str = "auto", quiet: bool = Fals
         logger.info("%s: %s; loading it with transformers", gguf.name, e)
         write_private(marker, str(e))
         return None
-    loaded = _open_lean(folder, name=str(gguf), dtype_choice=dtype_choice, quiet=quiet)
+    loaded = _open_lean(folder, name=str(gguf), dtype_choice=dtype_choice, quiet=quiet,
+                        embedding_in_head=bool(_load_facts(folder)["embedding_in_head"]))
     loaded.int8_plan = bool(_source_facts(gguf, folder)["int8_worth_it"])
     release_free_memory()
     logger.info("loaded %s in %.1fs (converted checkpoint %s)", gguf.name, time.perf_counter() - t0,
@@ -701,6 +702,50 @@ def _source_facts(gguf: Path, folder: Path) -> dict[str, Any]:
     facts = {"int8_worth_it": int8_worth_it(gguf)}
     write_cached_json(path, facts)
     return facts
+
+
+# facts a load finds in a converted folder's weights, kept beside them for the next load (not
+# in the build's manifest, which lists what the conversion wrote)
+_LOAD_FACTS = "load_facts.json"
+
+
+def _load_facts(folder: Path) -> dict[str, Any]:
+    """``{"embedding_in_head": bool}`` for a converted ``folder``, found once
+    (`_embedding_in_head`), then kept in it."""
+    path = folder / _LOAD_FACTS
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    facts = {"embedding_in_head": _embedding_in_head(folder / "weights.safetensors")}
+    write_cached_json(path, facts)
+    return facts
+
+
+_EMBED = "model.embed_tokens.weight"
+
+
+def _embedding_in_head(path: Path) -> bool:
+    """Whether the converted weights ``path`` hold a tied embedding that is, row for row and bit
+    for bit, the LM head's 8-bit groups dequantized (`weights.Q8Groups.dequantize` in the
+    runner's dtype): then the embedding is never read, and the runner gathers its rows from the
+    head's pack (one copy of the two). Compared a block of rows at a time: every page read
+    here is unmapped when it returns."""
+    from constrained_spec.model.mapped import map_tensors, read_header
+
+    entries, _ = read_header(path)
+    if "lm_head.weight" in entries or _EMBED not in entries or "lm_head" + _Q8_PARTS[0] not in entries:
+        return False  # an untied head, or no 8-bit groups to gather from
+    stored = map_tensors(path, {_EMBED, *("lm_head" + part for part in _Q8_PARTS)})
+    embed, head = stored.pop(_EMBED), _q8_groups(stored, "lm_head")
+    if embed.dtype != torch.bfloat16 or head.shape != tuple(embed.shape):
+        return False
+    step = 4096
+    for start in range(0, embed.shape[0], step):
+        ids = torch.arange(start, min(start + step, embed.shape[0]))
+        if not torch.equal(head.rows(ids, embed.dtype), embed[start: start + step]):
+            return False
+    return True
 
 
 def _tensors_held(obj: Any, _seen: set[int] | None = None) -> list[torch.Tensor]:
@@ -875,10 +920,13 @@ def _q8_groups(stored: dict[str, torch.Tensor], key: str) -> Q8Groups:
     return Q8Groups(stored[key + _Q8_PARTS[0]], stored[key + _Q8_PARTS[1]], stored.get(key + _Q8_PARTS[2]))
 
 
-def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> LoadedModel:
+def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool,
+               embedding_in_head: bool = False) -> LoadedModel:
     """A LoadedModel over a converted folder: dense tensors memory-mapped into the lean
     runner's view of the model (`skeleton.skeleton_model`: no transformers modeling code is
-    imported), the 4-bit groups handed to the runner."""
+    imported), the 4-bit groups handed to the runner. ``embedding_in_head``
+    (`_embedding_in_head`): the tied embedding is left on the meta device, the runner gathers
+    its rows from the LM head's groups."""
     from transformers import AutoTokenizer
 
     from constrained_spec.model.mapped import map_tensors
@@ -889,7 +937,9 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     # each tensor on a mapping of its own (`mapped`): the packed ones are unmapped once packed,
     # the ones used as stored are not copied
     stored = map_tensors(folder / "weights.safetensors")
-    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS + _Q8_PARTS)}
+    tied = embedding_in_head and bool(getattr(config, "tie_word_embeddings", False))
+    dense = {k: v for k, v in stored.items() if not k.endswith(_GROUP_PARTS + _Q8_PARTS)
+             and not (tied and k == _EMBED)}
     model = _lean_model(config, dense)
     fused = _fused_parts(model)
     groups: dict[str, Int4Groups | Q8Groups] = {
@@ -902,6 +952,8 @@ def _open_lean(folder: Path, *, name: str, dtype_choice: str, quiet: bool) -> Lo
     # a weight in neither form would reach the runner as a meta tensor
     absent = {n for n, p in model.named_parameters() if p.is_meta}
     absent -= {p for key in groups if key in fused for p in fused[key]}
+    if tied and "lm_head" in groups:  # its rows come from the head's groups
+        absent.discard(_EMBED)
     if absent:
         raise ModelLoadError(f"the converted checkpoint {folder} lacks {len(absent)} weights "
                              f"({sorted(absent)[:4]}); delete that folder to convert the file again")

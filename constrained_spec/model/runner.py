@@ -259,22 +259,16 @@ class LeanRunner(RunnerBase):
         self.rotary = model.model.rotary_emb
         inner = model.model
         held = groups if groups is not None and device.type == "cpu" else {}
-        self.embed = self._weight(inner.embed_tokens.weight)
         # as transformers: the factor rounded to the model dtype, then a product in that dtype
         self.embed_scale = None if fam.embed_scale is None else \
             torch.tensor(fam.embed_scale).to(device=device, dtype=dtype)
-        # the LM head (with the file's Q8_0 values for the q8 kernel when ``groups`` brings
-        # them, under "lm_head")
-        head_q8 = held.get("lm_head")
-        self.head = Linear(dense=self._weight(model.get_output_embeddings().weight),
-                           q8=head_q8 if isinstance(head_q8, Q8Groups) else None, float_out=True)
+        self.head, self._embed = self._head_and_embedding(model, held.get("lm_head"))
         self.norm = self._norm(inner.norm.weight)
         self.layers = [self._layer_weights(i, layer, held) for i, layer in enumerate(inner.layers)]
         # linears held as quantized groups (after `quantize_for_drafting`: on the int8 kernel)
         self.quantized_linears = sum(lin.dense is None for lin in self.linears())
         four_bit = any(lin.int4 is not None for lin in self.linears())
-        self.vocab_size = int(self.lm_head.shape[0])
-        self.hidden_size = int(self.embed.shape[1])
+        self.vocab_size, self.hidden_size = self.head.shape
         # which kernel runs each phase (constrained_spec.model.plan); until a plan is chosen, as
         # before plans: the 4-bit kernel for few rows where exact, dense in `dtype` otherwise
         self.plan = _default_plan(dtype, four_bit and device.type == "cpu")
@@ -296,6 +290,31 @@ class LeanRunner(RunnerBase):
         self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
         # prompts on the row-invariant path after their longest cached prefix
         self.prefiller = Prefiller(self, prefix_cache_bytes())
+
+    def _head_and_embedding(self, model: Any, head_q8: Groups | None) -> tuple[Linear, torch.Tensor | None]:
+        """The LM head (with the file's 8-bit groups for the q8 kernel when ``groups`` brings
+        them, under "lm_head") and the dense embedding, or None for a tied embedding that the
+        loader left on the meta device because it is those groups dequantized
+        (`loading._embedding_in_head`): its rows are then gathered from the head's groups
+        (`embed_rows`), and the head's pack is the one copy of both."""
+        q8 = head_q8 if isinstance(head_q8, Q8Groups) else None
+        embed = model.model.embed_tokens.weight
+        if embed.is_meta and q8 is not None and model.get_output_embeddings().weight is embed:
+            return Linear(q8=q8, float_out=True), None
+        head = Linear(dense=self._weight(model.get_output_embeddings().weight), q8=q8, float_out=True)
+        return head, self._weight(embed)
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The embedding weight [V, D] (model dtype): drafters share its rows. Built from the
+        LM head's groups when the runner holds the embedding only there."""
+        return self._embed if self._embed is not None else self.head.dequantized(self.dtype)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows of ``ids`` [B, T] -> [B, T, D] (model dtype)."""
+        if self._embed is not None:
+            return F.embedding(ids, self._embed)
+        return self.head.rows(ids, self.dtype)
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
@@ -408,7 +427,8 @@ class LeanRunner(RunnerBase):
         head = self._kernel(self.lm_head_weight, plan.lm_head)
         self.lm_head_weight.prepare({head}, resident=True)
         dense = self.head.dense
-        if head == "q8" and dense is not None and dense.data_ptr() != self.embed.data_ptr():
+        if head == "q8" and dense is not None and (self._embed is None
+                                                   or dense.data_ptr() != self._embed.data_ptr()):
             self.head.drop_dense()  # an untied head run packed: the pack is its one copy
         self.reset_cache()
 
@@ -440,9 +460,9 @@ class LeanRunner(RunnerBase):
     def resident_bytes(self) -> int:
         """Bytes of weights this runner holds (packs, resident dense copies, embeddings)."""
         total = sum(lin.nbytes() for lin in self.linears() + [self.lm_head_weight])
-        head = self.head.dense
-        if head is None or self.embed.data_ptr() != head.data_ptr():
-            total += self.embed.numel() * self.embed.element_size()
+        head, embed = self.head.dense, self._embed
+        if embed is not None and (head is None or embed.data_ptr() != head.data_ptr()):
+            total += embed.numel() * embed.element_size()
         return total
 
     # -- features -------------------------------------------------------------------------
@@ -464,7 +484,7 @@ class LeanRunner(RunnerBase):
                 self._alloc_features()
 
     def _alloc_features(self) -> torch.Tensor:
-        D = self.embed.shape[1]
+        D = self.hidden_size
         self.f_cache = torch.zeros((self._cap_slots, self._cap_len, len(self.feature_layers) * D),
                                    device=self.device, dtype=self.dtype)
         return self.f_cache
@@ -481,7 +501,7 @@ class LeanRunner(RunnerBase):
     def features(self, slot: int, start: int, end: int, layers: Sequence[int]) -> torch.Tensor:
         """[end - start, len(layers) * D]: the kept hidden states of ``layers`` (each enabled
         with `enable_features`) at positions start..end-1 of ``slot``."""
-        D = self.embed.shape[1]
+        D = self.hidden_size
         rows = self._kept_features[slot, start:end]
         if tuple(layers) == self.feature_layers:
             return rows
@@ -628,7 +648,7 @@ class LeanRunner(RunnerBase):
                 return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
             return torch.cat([self.forward([s], [t], [n], phase=phase) for s, t, n in rows])
         fb = self._batch(slots, tokens, phase)
-        x = F.embedding(fb.ids, self.embed)  # [B, T, D]
+        x = self.embed_rows(fb.ids)  # [B, T, D]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         x = x.to(ACT_DTYPE[fb.kernel])

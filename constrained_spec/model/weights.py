@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,7 +86,6 @@ def _group_of(shape: tuple[int, int], scale: torch.Tensor) -> int:
     return K // int(scale.shape[1])
 
 
-@dataclass
 class Int4Groups:
     """A weight that is exactly ``scale * q + min`` in every group of `group` input weights of
     every row, ``q`` in 0..15 (the layout of a 4-bit GGUF type after unpacking:
@@ -95,24 +93,51 @@ class Int4Groups:
 
     ``q`` is held ONCE: as ``nibbles`` in row order (as loaded), or -- after `keep_packed_only`, when
     torch's CPU int4 kernel uses a layout `pack_block` recognises -- only as that kernel's own
-    pack, or -- after `keep_q4_only` -- only as the q4 kernel's tiles; `values` and `dequantize`
-    read it back from there (the kernel and the dense paths then share one copy of the 4-bit
-    weights instead of two).
+    pack, or -- after `keep_q4_only` -- only as the q4 kernel's tiles, which then hold the
+    scales and mins too; `values`, `scale`, `min` and `dequantize` read them back from there (the
+    kernel and the dense paths then share one copy of the 4-bit weights instead of two).
+
+    ``nibbles``: uint8 [N, K // 2], q[:, 2j] in the low nibble, q[:, 2j + 1] high; ``scale``,
+    ``min``: float32 [N, K // group]; ``packed``: torch's CPU int4 pack (uint8 [N, K // 2] in
+    blocks of ``block`` rows), when nibbles is None; ``q4``: the q4 kernel's pack
+    (`kernels.cpu_native.pack`), when nibbles is None.
     """
 
-    nibbles: torch.Tensor | None  # uint8 [N, K // 2]: q[:, 2j] in the low nibble, q[:, 2j + 1] high
-    scale: torch.Tensor  # float32 [N, K // group]
-    min: torch.Tensor  # float32 [N, K // group]
-    # torch's CPU int4 pack (uint8 [N, K // 2] in blocks of `block` rows), when nibbles is None
-    packed: torch.Tensor | None = None
-    block: int = 0
-    # the q4 kernel's pack (`kernels.cpu_native.pack`), when nibbles is None
-    q4: cpu_native.GroupPack | None = None
-    # input weights per group (one scale and one min each), read off the shapes
-    group: int = field(init=False)
+    def __init__(self, nibbles: torch.Tensor | None, scale: torch.Tensor, min: torch.Tensor,
+                 packed: torch.Tensor | None = None, block: int = 0,
+                 q4: cpu_native.GroupPack | None = None) -> None:
+        self.nibbles, self.packed, self.block, self.q4 = nibbles, packed, block, q4
+        # None once the q4 pack holds them (`keep_q4_only`)
+        self._scale: torch.Tensor | None = scale
+        self._min: torch.Tensor | None = min
+        # input weights per group (one scale and one min each), read off the shapes
+        self.group = _group_of(self.shape, scale)
 
-    def __post_init__(self) -> None:
-        self.group = _group_of(self.shape, self.scale)
+    @property
+    def scale(self) -> torch.Tensor:
+        """float32 [N, K // group]: as given, or read back from the q4 pack."""
+        return self._scale if self._scale is not None else self._q4_scales()[0]
+
+    @property
+    def min(self) -> torch.Tensor:
+        """float32 [N, K // group]: as given, or read back from the q4 pack."""
+        return self._min if self._min is not None else self._q4_scales()[1]
+
+    def _q4_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.q4 is not None  # scales are dropped only once the q4 pack holds them
+        scale, minimum = cpu_native.unpack_scales(self.q4)
+        assert minimum is not None  # a 4-bit pack always carries mins
+        return scale, minimum
+
+    @property
+    def device(self) -> torch.device:
+        held = [t for t in (self.nibbles, self.packed, self._scale) if t is not None]
+        return held[0].device if held else torch.device("cpu")  # a q4 pack lives on the CPU
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors these groups hold (q in one form, scales and mins unless a pack has them)."""
+        held = [self.nibbles, self.packed, self._scale, self._min, None if self.q4 is None else self.q4.data]
+        return [t for t in held if t is not None]
 
     @property
     def _q(self) -> torch.Tensor:
@@ -180,7 +205,7 @@ class Int4Groups:
 
     def values(self) -> torch.Tensor:
         """q as uint8 [N, K]."""
-        out = torch.empty(self.shape, dtype=torch.uint8, device=self.scale.device)
+        out = torch.empty(self.shape, dtype=torch.uint8, device=self.device)
         self._unpack_into(out)
         return out
 
@@ -193,9 +218,11 @@ class Int4Groups:
         call."""
         N, K = self.shape
         G = self.group
-        w = torch.empty(N, K // G, G, dtype=torch.float32, device=self.scale.device)
+        w = torch.empty(N, K // G, G, dtype=torch.float32, device=self.device)
         self._unpack_into(w)
-        w.mul_(self.scale[..., None]).add_(self.min[..., None])
+        scale, minimum = (self._scale, self._min) if self._scale is not None and self._min is not None \
+            else self._q4_scales()
+        w.mul_(scale[..., None]).add_(minimum[..., None])
         w = w.view(N, K)
         return w if dtype == torch.float32 else w.to(dtype)
 
@@ -211,10 +238,11 @@ class Int4Groups:
         self.packed, self.block, self.nibbles = packed, B, None
 
     def keep_q4_only(self, pack: cpu_native.GroupPack) -> None:
-        """Hold q only in ``pack`` (this weight's q4 kernel pack) from now on, when it is still
-        held as nibbles (in place, as `keep_packed_only`)."""
+        """Hold q, the scales and the mins only in ``pack`` (this weight's q4 kernel pack, which
+        keeps them exactly) from now on, when q is still held as nibbles (in place, as
+        `keep_packed_only`)."""
         if self.nibbles is not None and (pack.n, pack.k) == self.shape:
-            self.q4, self.nibbles = pack, None
+            self.q4, self.nibbles, self._scale, self._min = pack, None, None, None
 
     def int4_pack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(packed, scales_and_zeros)`` for torch's CPU int4 kernel, or None without it or
@@ -236,36 +264,82 @@ class Int4Groups:
         return packed, sz.contiguous().to(torch.bfloat16)
 
     def nbytes(self) -> int:
-        held = [t for t in (self.nibbles, self.packed, self.scale, self.min) if t is not None]
-        if self.q4 is not None:
-            held.append(self.q4.data)
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in self.held_tensors())
 
 
-@dataclass
 class Q8Groups:
     """A matrix whose every group of `group` inputs is exactly ``scale * q (+ min)`` with ``q``
     in int8, as the file holds it (`gguf.QuantTensor.q8_groups`: a min only for a type that
-    stores one), for the q8 kernel."""
+    stores one), for the q8 kernel.
 
-    q: torch.Tensor  # int8 [N, K]
-    scale: torch.Tensor  # float32 [N, K // group]
-    min: torch.Tensor | None = None  # float32 [N, K // group]
-    # input weights per group (one scale, and one min when there are mins), read off the shapes
-    group: int = field(init=False)
+    ``q``: int8 [N, K]; ``scale`` (and ``min``): float32 [N, K // group]. Held once: as given,
+    or -- after `keep_pack_only` -- only in the q8 kernel's pack, from which `q`, `scale`, `min`
+    and `rows` read them back (in place: every holder, a loaded model or a second runner, then
+    shares the one pack)."""
 
-    def __post_init__(self) -> None:
-        self.group = _group_of((int(self.q.shape[0]), int(self.q.shape[1])), self.scale)
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None = None) -> None:
+        self._values: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = (q, scale, min)
+        self.pack: cpu_native.GroupPack | None = None
+        self.shape = int(q.shape[0]), int(q.shape[1])
+        self.has_min = min is not None
+        # input weights per group (one scale, and one min when there are mins), read off the shapes
+        self.group = _group_of(self.shape, scale)
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if self._values is not None:
+            return self._values
+        assert self.pack is not None  # the values are dropped only once the pack holds them
+        return cpu_native.unpack_q8(self.pack)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self._held()[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._values[1] if self._values is not None else self._held()[1]
+
+    @property
+    def min(self) -> torch.Tensor | None:
+        return self._values[2] if self._values is not None else self._held()[2]
+
+    def keep_pack_only(self, pack: cpu_native.GroupPack) -> None:
+        """Hold the groups only in ``pack`` (their q8 kernel pack, `cpu_native.pack_q8`) from now on."""
+        if (pack.n, pack.k) == self.shape:
+            self.pack, self._values = pack, None
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        if self._values is None:
+            return [] if self.pack is None else [self.pack.data]
+        return [t for t in self._values if t is not None]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] ``scale * q (+ min)`` in float32 (the file's own expression), cast to ``dtype``."""
-        N, K = self.q.shape
-        G = self.group
-        w = self.q.float().view(N, K // G, G).mul_(self.scale[..., None])
-        if self.min is not None:
-            w.add_(self.min[..., None])
-        w = w.view(N, K)
-        return w if dtype == torch.float32 else w.to(dtype)
+        return _q8_dense(*self._held(), dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (int64 [R]) of `dequantize` (``dtype`` [R, K]), bit for bit, reading
+        only those rows (from the pack: only their tiles): an embedding's lookup, when a tied
+        embedding is held only as its LM head's groups."""
+        if self._values is not None:
+            q, scale, minimum = self._values
+            return _q8_dense(q[ids], scale[ids], None if minimum is None else minimum[ids], dtype)
+        assert self.pack is not None
+        sub, at = cpu_native.tiles_of(self.pack, ids)
+        q, scale, minimum = cpu_native.unpack_q8(sub)
+        return _q8_dense(q[at], scale[at], None if minimum is None else minimum[at], dtype)
+
+
+def _q8_dense(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+              dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] ``scale * q (+ min)`` in float32 per group, cast to ``dtype`` (`Q8Groups.dequantize`)."""
+    N, K = q.shape
+    G = K // scale.shape[1]
+    w = q.float().view(N, K // G, G).mul_(scale[..., None])
+    if minimum is not None:
+        w.add_(minimum[..., None])
+    w = w.view(N, K)
+    return w if dtype == torch.float32 else w.to(dtype)
 
 
 _PACK_BLOCK: int | None = None
@@ -345,8 +419,9 @@ class Linear:
                  float_out: bool = False) -> None:
         if (dense is not None and int4 is not None) or (dense is None and int4 is None and q8 is None):
             raise ValueError("a Linear holds a dense weight, 4-bit groups or 8-bit groups")
-        # the file's 8-bit groups (alone, or beside a dense LM head), for the q8 kernel: handed
-        # to its pack when built (the pack is then their only form, never dropped)
+        # the file's 8-bit groups (alone, or beside a dense LM head), for the q8 kernel: held in
+        # its pack once built (`Q8Groups.keep_pack_only`: the pack is then their only form,
+        # never dropped)
         self.q8 = q8
         self.float_out = float_out  # q8 results in float32 (an LM head's logits), else bf16
         self.dense = None if dense is None else dense.detach()
@@ -388,7 +463,7 @@ class Linear:
             pack = self._packs.get("q8")
             if pack is not None:
                 return pack.n, pack.k
-            return int(self._q8_groups.q.shape[0]), int(self._q8_groups.q.shape[1])
+            return self._q8_groups.shape
         return int(self._dense_weight.shape[0]), int(self._dense_weight.shape[1])
 
     @property
@@ -416,7 +491,7 @@ class Linear:
         if kernel == "q8":
             return "q8" in self._packs or (
                 self.q8 is not None and cpu_native.supports(*self.shape, group=self.q8.group, bits=8,
-                                                            has_min=self.q8.min is not None))
+                                                            has_min=self.q8.has_min))
         return kernel == "int8" and int8_kernel_available()
 
     def prepare(self, kernels: Iterable[str], *, resident: bool = False) -> None:
@@ -447,8 +522,10 @@ class Linear:
         if pack is None and kernel == "q8":
             if self.q8 is None:
                 raise ValueError("this Linear holds no Q8_0 values: the q8 kernel cannot run it")
-            pack = self._packs[kernel] = cpu_native.pack_q8(self.q8.q, self.q8.scale, self.q8.min)
-            self.q8 = None
+            # another runner of the same groups may have packed them already
+            pack = self.q8.pack or cpu_native.pack_q8(self.q8.q, self.q8.scale, self.q8.min)
+            self._packs[kernel] = pack
+            self.q8.keep_pack_only(pack)
         if pack is None:
             # int8 from the dense weight as stored (int8_pack upcasts it a block at a time)
             pack = self._groups.int4_pack() if kernel == "int4" else int8_pack(
@@ -468,6 +545,16 @@ class Linear:
             return False
         self.dense = None
         return True
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (any shape) of the weight in ``dtype`` (``[*ids.shape, K]``): an
+        embedding's lookup of a tied embedding held only as this LM head's 8-bit groups
+        (`Q8Groups.rows`), or of the dense form in ``dtype`` when one is resident."""
+        if dtype in self._dense:
+            return F.embedding(ids, self._dense[dtype])
+        if self.int4 is not None or self.q8 is None:
+            return F.embedding(ids, self.dequantized(dtype))
+        return self.q8.rows(ids.reshape(-1), dtype).view(*ids.shape, -1)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight in ``dtype`` (resident when prepared so, else built now)."""
@@ -502,13 +589,10 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes held: the resident form, packs and dense copies (a tensor shared between them,
         as the int4 pack and the packed 4-bit groups are, counted once)."""
-        own = ([] if self.dense is None else [self.dense]) if self.int4 is None else [
-            t for t in (self.int4.nibbles, self.int4.packed, self.int4.scale, self.int4.min,
-                        None if self.int4.q4 is None else self.int4.q4.data)
-            if t is not None]
+        own = ([] if self.dense is None else [self.dense]) if self.int4 is None else \
+            self.int4.held_tensors()
         packs = [t for p in self._packs.values() for t in ((p.data,) if isinstance(p, cpu_native.GroupPack) else p)]
-        source = [] if self.q8 is None else [t for t in (self.q8.q, self.q8.scale, self.q8.min)
-                                              if t is not None]
+        source = [] if self.q8 is None else self.q8.held_tensors()
         tensors = own + packs + source + list(self._dense.values())
         seen = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
         return sum(seen.values())

@@ -119,7 +119,10 @@ def test_4_bit_groups_read_back_from_the_q4_pack_once_their_nibbles_are_dropped(
     lin.prepare({"q4"})
     assert lin.int4.nibbles is None and lin.int4.q4 is not None  # q held once: in the pack
     assert torch.equal(lin.int4.values(), q) and torch.equal(lin.int4.dequantize(), want)
-    assert lin.nbytes() == before + 64 * 4 * 2 * 2  # + the pack's own float16 scales and mins
+    # the float32 scales and mins are held in the pack only, as float16, and read back exactly
+    assert lin.int4.held_tensors() == [lin.int4.q4.data]
+    assert torch.equal(lin.int4.scale, scale) and torch.equal(lin.int4.min, minimum)
+    assert lin.nbytes() == before - 64 * 4 * 4 * 2 + 64 * 4 * 2 * 2
     x = torch.randn(3, 128).bfloat16()
     assert rel_err(lin(x, "q4"), x.float() @ want.T) < 1e-2  # bf16 out
     lin.prepare({"int4"})  # torch's pack built from the q4 pack's values
@@ -171,7 +174,10 @@ def test_a_linear_of_8_bit_groups_alone_runs_q8_and_reads_back_from_its_pack():
     x = torch.randn(3, 96, generator=g).bfloat16()
     y = lin(x, "q8")
     assert y.dtype == torch.bfloat16 and rel_err(y, x.float() @ w.T) < 1e-2
-    assert lin.q8 is None  # the pack holds the values now: the dense paths read them back
+    # the pack holds the values now, for every holder of the groups: the dense paths and the
+    # groups themselves read them back from it
+    assert groups.held_tensors() == [lin._packs["q8"].data] and groups.pack is lin._packs["q8"]
+    assert torch.equal(groups.q, q) and torch.equal(groups.dequantize(), w)
     assert torch.equal(lin.dequantized(torch.float32), w) and lin.shape == (64, 96)
     assert torch.equal(lin(x, "bf16"), F.linear(x, w.bfloat16()))
     with pytest.raises(ValueError, match="dense weight, 4-bit groups or 8-bit groups"):
@@ -185,7 +191,7 @@ def test_an_lm_head_with_q8_0_values_runs_q8_and_keeps_its_pack():
     plain = Linear(dense=w.bfloat16())
     assert lin.supports("q8") and not plain.supports("q8") and not lin.supports("q4")
     lin.prepare({"q8"})
-    assert lin.q8 is None and lin.supports("q8")  # the values live in the pack now
+    assert lin.q8 is not None and lin.q8.pack is not None and lin.supports("q8")  # the values live in the pack now
     lin.prepare({"bf16"})  # a plan without q8 does not drop the only form of those values
     x = torch.randn(4, 96).bfloat16()
     y = lin(x, "q8")
