@@ -48,7 +48,7 @@ from constrained_spec.generation.engine import (
     run_requests,
 )
 from constrained_spec.generation.logprobs import TokenLogprob
-from constrained_spec.generation.vllm_proposer import PROPOSER, REGISTRY, Drafting
+from constrained_spec.generation.vllm_proposer import PROPOSER, REGISTRY, Drafting, Entry
 from constrained_spec.grammar.compile import CompiledSpec
 from constrained_spec.grammar.matcher import Matcher, XGrammarMatcher
 from constrained_spec.grammar.reasoning import ReasoningMatcher
@@ -350,7 +350,7 @@ class VLLMEngine:
                                         params)
                 r.drafter_state = vid
                 if self.drafting is not None:  # our proposer finds its grammar here
-                    REGISTRY[vid] = (r, self.drafting)
+                    REGISTRY[vid] = Entry(r, self.drafting)
                 r.stats.prompt_tokens = len(r.prompt_ids)
                 self._admitted_at[vid] = time.perf_counter()  # prefill_s: until its first token
                 self._by_id[vid] = r

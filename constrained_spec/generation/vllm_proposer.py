@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from constrained_spec.drafters.base import AcceptCursor, DraftState
@@ -48,11 +48,35 @@ class Drafting:
     ngram: NgramDrafter | None
 
 
+@dataclass(eq=False)
+class Entry:
+    """A request vLLM runs for us: our request, what to draft for it, and what its last
+    proposal taught. vLLM verifies every draft it is given, so the copied (n-gram) drafts a
+    step follow the request's acceptance: ``limit`` is halved (to 1 at least) after a step that
+    accepted none of them and grows by one after a step that accepted all; forced tokens are
+    always proposed (they are always accepted)."""
+
+    request: Request
+    drafting: Drafting
+    limit: int = -1  # copied drafts a step; -1: drafting.k
+    last: list[bool] = field(default_factory=list)  # the last proposal: per draft, forced?
+
+    def learn(self, accepted: int) -> None:
+        """The last proposal's first ``accepted`` drafts were accepted."""
+        copied = self.last.count(False)
+        if copied:
+            took = self.last[:accepted].count(False)
+            k = self.drafting.k
+            limit = k if self.limit < 0 else self.limit
+            self.limit = max(1, limit // 2) if took == 0 else min(k, limit + 1) if took == copied else limit
+        self.last = []
+
+
 #: vLLM's request id -> our request and its drafting, while vLLM runs it (`VLLMEngine`)
-REGISTRY: dict[str, tuple[Request, Drafting]] = {}
+REGISTRY: dict[str, Entry] = {}
 
 
-def _registered(req_id: str) -> tuple[Request, Drafting] | None:
+def _registered(req_id: str) -> Entry | None:
     """The registry's entry for vLLM's internal request id: the id we submitted, to which
     vLLM appends ``-`` and 8 random characters (unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)."""
     return REGISTRY.get(req_id) or REGISTRY.get(req_id.rsplit("-", 1)[0])
@@ -93,6 +117,7 @@ class GrammarProposer:
             if entry is None or not sampled or n >= self.max_model_len:
                 out.append([])
                 continue
+            entry.learn(len(sampled) - 1)  # the tokens sampled: accepted drafts and one more
             try:
                 out.append(self._draft(entry, token_ids_cpu[i, :n].tolist(), n))
             except Exception:  # a draft is only a guess: never fail vLLM's step over one
@@ -100,9 +125,9 @@ class GrammarProposer:
                 out.append([])
         return out
 
-    def _draft(self, entry: tuple[Request, Drafting], context: list[int], n: int) -> list[int]:
+    def _draft(self, entry: Entry, context: list[int], n: int) -> list[int]:
         """Drafts for one row: ``context`` is its prompt and every token vLLM sampled."""
-        r, drafting = entry
+        r, drafting = entry.request, entry.drafting
         if r.finished or r.matcher is None:
             return []
         sampled = context[len(r.prompt_ids):]
@@ -117,4 +142,8 @@ class GrammarProposer:
                         prompt_len=len(r.prompt_ids))
         forced = ForcedDrafter(min(drafting.max_forced, room)) if drafting.max_forced else None
         draft_rounds([st], forced, drafting.ngram, drafting.k)
+        flags = st.forced_flags()
+        if entry.limit >= 0 and flags.count(False) > entry.limit:  # cut at the copy past it
+            st.cut([j for j, f in enumerate(flags) if not f][entry.limit])
+        entry.last = st.forced_flags()
         return st.tokens[:room]

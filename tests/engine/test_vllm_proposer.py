@@ -18,6 +18,7 @@ from constrained_spec.generation import vllm_proposer
 from constrained_spec.generation.engine import Engine, Request
 from constrained_spec.generation.timing import StepTimer
 from constrained_spec.generation.vllm_engine import drafting
+from constrained_spec.generation.vllm_proposer import Drafting, Entry
 from constrained_spec.grammar import compile_spec
 from constrained_spec.schemas import normalize_schema
 
@@ -76,7 +77,7 @@ def test_a_rows_drafts_are_our_engines_drafts_at_the_same_state(monkeypatch, tin
     # vLLM runs our request "cs-1" as "cs-1-" and 8 random characters
     prop = proposer(monkeypatch, ["other", "cs-1-0f3e9a1b"], k=ours.k + ours.max_forced)
     r = request(tiny_tok, committed)
-    vllm_proposer.REGISTRY["cs-1"] = (r, ours)
+    vllm_proposer.REGISTRY["cs-1"] = Entry(r, ours)
     try:
         context = PROMPT + [ID[c] for c in committed + sampled]
         tokens = np.zeros((2, 64), dtype=np.int64)
@@ -97,7 +98,7 @@ def test_drafts_stop_at_max_tokens_and_the_model_length(monkeypatch, tiny_tok):
     context = PROMPT + r.output_ids
     tokens = np.array([context + [0] * 8])
     prop = proposer(monkeypatch, ["cs-2"], k=ours.k + ours.max_forced)
-    vllm_proposer.REGISTRY["cs-2"] = (r, ours)
+    vllm_proposer.REGISTRY["cs-2"] = Entry(r, ours)
     try:
         assert len(prop.propose([[context[-1]]], np.array([len(context)]), tokens)[0]) == 2
         short = proposer(monkeypatch, ["cs-2"], k=ours.k + ours.max_forced,
@@ -111,14 +112,14 @@ def test_a_finished_request_or_a_token_our_grammar_refuses_gets_no_drafts(monkey
     ours = drafting(SPEC)
     r = request(tiny_tok, '{"name": "')
     prop = proposer(monkeypatch, ["cs-3"], k=ours.k + ours.max_forced)
-    vllm_proposer.REGISTRY["cs-3"] = (r, ours)
+    vllm_proposer.REGISTRY["cs-3"] = Entry(r, ours)
     try:
         bad = PROMPT + r.output_ids + [ID["}"], ID["}"]]  # '}}' inside a string is fine ...
         good = prop.propose([[bad[-1]]], np.array([len(bad)]), np.array([bad]))
-        vllm_proposer.REGISTRY["cs-3"] = (request(tiny_tok, ""), ours)
+        vllm_proposer.REGISTRY["cs-3"] = Entry(request(tiny_tok, ""), ours)
         refused = PROMPT + [ID["a"]]  # ... an output that cannot start with 'a' is refused
         assert prop.propose([[ID["a"]]], np.array([len(refused)]), np.array([refused])) == [[]]
-        vllm_proposer.REGISTRY["cs-3"] = (r, ours)
+        vllm_proposer.REGISTRY["cs-3"] = Entry(r, ours)
         r.finish_reason = "stop"
         assert prop.propose([[bad[-1]]], np.array([len(bad)]), np.array([bad])) == [[]]
     finally:
@@ -136,3 +137,36 @@ def test_an_accept_cursor_checks_by_accept_and_keeps_going_after_a_refusal(tiny_
         cursor.row()
     masked = GrammarCursor(compiled.new_matcher(), torch.empty((4, 1), dtype=torch.int32))
     assert masked.masked and not AcceptCursor.masked
+
+
+def test_copied_drafts_follow_the_requests_acceptance_and_forced_ones_stay():
+    entry = Entry(None, Drafting(k=4, max_forced=6, ngram=NgramDrafter()))  # type: ignore[arg-type]
+    entry.last = [True, True, False, False, False]  # two forced tokens, then three copies
+    entry.learn(2)  # the forced ones accepted, no copy: half the copies next time
+    assert entry.limit == 2 and entry.last == []
+    entry.last = [False, False]
+    entry.learn(0)
+    assert entry.limit == 1  # never below one: a request that starts copying again is seen
+    entry.last = [False, True]
+    entry.learn(2)  # every copy accepted: one more
+    assert entry.limit == 2
+    entry.last = [True, True]
+    entry.learn(0)  # no copies proposed: nothing learned about them
+    assert entry.limit == 2
+
+
+def test_a_request_whose_copies_fail_is_proposed_fewer_of_them(monkeypatch, tiny_tok):
+    ours = drafting(SPEC)
+    r = request(tiny_tok, '{"name": "')
+    entry = Entry(r, ours)
+    prop = proposer(monkeypatch, ["cs-5"], k=ours.k + ours.max_forced)
+    vllm_proposer.REGISTRY["cs-5"] = entry
+    try:
+        context = PROMPT + r.output_ids
+        first = prop.propose([[context[-1]]], np.array([len(context)]), np.array([context]))[0]
+        assert entry.last.count(False) >= 3  # copied from the prompt, then forced tokens
+        context = context + [ID["d"]]  # vLLM accepted none of them and sampled 'd'
+        prop.propose([[ID["d"]]], np.array([len(context)]), np.array([context]))[0]
+    finally:
+        vllm_proposer.REGISTRY.pop("cs-5")
+    assert first and entry.limit == 2 and 0 < entry.last.count(False) <= 2
