@@ -140,7 +140,7 @@ def test_an_accept_cursor_checks_by_accept_and_keeps_going_after_a_refusal(tiny_
 
 
 def test_copied_drafts_follow_the_requests_acceptance_and_forced_ones_stay():
-    entry = Entry(None, Drafting(k=4, max_forced=6, ngram=NgramDrafter()))  # type: ignore[arg-type]
+    entry = Entry(None, Drafting(k=4, max_forced=6, ngram=NgramDrafter()))
     entry.last = [True, True, False, False, False]  # two forced tokens, then three copies
     entry.learn(2)  # the forced ones accepted, no copy: half the copies next time
     assert entry.limit == 2 and entry.last == []
