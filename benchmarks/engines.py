@@ -1,7 +1,9 @@
 """Both engines on the 24 shared tasks: ours and vLLM's, behind the same `generate`.
 
 One run, one machine, the embedded model, greedy, the library's defaults otherwise (retries
-included); beside them vLLM as its users call it (the raw schema in ``StructuredOutputsParams``,
+included: on vLLM's engine our forced and grammar-checked n-gram drafts run as its proposer);
+ours on vLLM's engine with vLLM's n-gram drafter instead (the fallback where our proposer cannot
+run); beside them vLLM as its users call it (the raw schema in ``StructuredOutputsParams``,
 the bare prompt in the chat template, one attempt), on the same vLLM engine. Per engine and
 speculation mode (off; n-gram, the default): valid objects per
 minute (outputs that validate over wall time, prefill and retries included), tokens/s,
@@ -23,6 +25,8 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,7 @@ import torch
 from benchmarks._results import write_section
 from constrained_spec import Generator, Regex, load_model
 from constrained_spec.errors import ConstrainedSpecError
+from constrained_spec.generation import vllm_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"
@@ -69,6 +74,24 @@ def run_engine(model: Any, tasks: list[dict], speculative: Any) -> dict[str, Any
             "acceptance_length": tokens / forwards if forwards else 0.0}
 
 
+@contextmanager
+def vllms_own_drafter() -> Iterator[None]:
+    """vLLM's n-gram drafter in place of our proposer: what vLLM's own users run, and what our
+    engine falls back to where the proposer cannot run (tensor parallel, a child process)."""
+    saved = vllm_engine.proposer_unreachable
+    vllm_engine.proposer_unreachable = lambda options: "the benchmark asks for vLLM's own drafter"
+    try:
+        yield
+    finally:
+        vllm_engine.proposer_unreachable = saved
+
+
+def run_fallback(model: Any, tasks: list[dict], speculative: Any) -> dict[str, Any]:
+    """Ours on vLLM's engine with vLLM's n-gram drafter (the fallback)."""
+    with vllms_own_drafter():
+        return run_engine(model, tasks, speculative)
+
+
 def run_vllm_raw(model: Any, tasks: list[dict], speculative: Any) -> dict[str, Any]:
     """vLLM's own API as its users call it: the user's prompt in the chat template, the raw
     schema / regex / choices as ``StructuredOutputsParams``, greedy, one attempt; an output
@@ -83,7 +106,8 @@ def run_vllm_raw(model: Any, tasks: list[dict], speculative: Any) -> dict[str, A
     from constrained_spec.config import resolve_speculative
     from constrained_spec.generation.vllm_engine import engine_for
 
-    engine = engine_for(model, resolve_speculative(speculative))
+    with vllms_own_drafter():
+        engine = engine_for(model, resolve_speculative(speculative))
 
     def params(task: dict) -> Any:
         kind = task["kind"]
@@ -158,9 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     models = {"ours": load_model(None, quiet=True), "vllm": load_model(None, engine="vllm", quiet=True)}
     results = {}
     for mode, spec in MODES.items():
-        for engine, model in [*models.items(), ("vllm (its own API)", models["vllm"])]:
-            run = run_vllm_raw if engine.startswith("vllm (") else run_engine
-            results[(engine, mode)] = run(model, tasks, spec)
+        runs = [("ours", run_engine), ("vllm", run_engine), ("vllm (its own API)", run_vllm_raw)]
+        if spec is not False:
+            runs.insert(2, ("vllm, vLLM's n-gram drafter", run_fallback))
+        for engine, run in runs:
+            results[(engine, mode)] = run(models[engine.split(",")[0].split(" ")[0]], tasks, spec)
             r = results[(engine, mode)]
             print(f"{engine:5s} {mode:6s} valid {r['valid']}/{len(tasks)} "
                   f"{r['valid_per_min']:.1f}/min {r['tok_s']:.1f} tok/s", flush=True)
