@@ -389,6 +389,8 @@ class VLLMEngine:
         comp = out.outputs[0]
         tokens = list(comp.token_ids)
         st = r.stats
+        if getattr(out, "num_cached_tokens", None):  # vLLM's prefix cache (on by default)
+            st.cached_prompt_tokens = int(out.num_cached_tokens)
         if tokens and not r.finished:
             admitted = self._admitted_at.pop(out.request_id, None)
             if admitted is not None:
