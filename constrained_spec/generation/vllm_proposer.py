@@ -48,27 +48,36 @@ class Drafting:
     ngram: NgramDrafter | None
 
 
+def _follow(limit: int, cap: int, proposed: int, took: int) -> int:
+    """The next step's limit on drafts of one kind after ``took`` of ``proposed`` were accepted:
+    halved (to 1 at least) when none were, one more (up to ``cap``) when all were."""
+    if not proposed:
+        return limit
+    limit = cap if limit < 0 else limit
+    return max(1, limit // 2) if took == 0 else min(cap, limit + 1) if took == proposed else limit
+
+
 @dataclass(eq=False)
 class Entry:
     """A request vLLM runs for us: our request, what to draft for it, and what its last
-    proposal taught. vLLM verifies every draft it is given, so the copied (n-gram) drafts a
-    step follow the request's acceptance: ``limit`` is halved (to 1 at least) after a step that
-    accepted none of them and grows by one after a step that accepted all; forced tokens are
-    always proposed (they are always accepted)."""
+    proposal taught. vLLM verifies every draft it is given, so the drafts a step follow the
+    request's acceptance, copied (n-gram) and forced ones apart: a limit halved (to 1 at least)
+    after a step that accepted none of that kind and grown by one after a step that accepted
+    all. Forced tokens are the grammar's jump-forward tokens: certain where the grammar allows
+    one token, but a forced string the model tokenizes another way is refused like any draft."""
 
     request: Request
     drafting: Drafting
     limit: int = -1  # copied drafts a step; -1: drafting.k
+    forced_limit: int = -1  # forced drafts a step; -1: drafting.max_forced
     last: list[bool] = field(default_factory=list)  # the last proposal: per draft, forced?
 
     def learn(self, accepted: int) -> None:
         """The last proposal's first ``accepted`` drafts were accepted."""
-        copied = self.last.count(False)
-        if copied:
-            took = self.last[:accepted].count(False)
-            k = self.drafting.k
-            limit = k if self.limit < 0 else self.limit
-            self.limit = max(1, limit // 2) if took == 0 else min(k, limit + 1) if took == copied else limit
+        took = self.last[:accepted]
+        self.limit = _follow(self.limit, self.drafting.k, self.last.count(False), took.count(False))
+        self.forced_limit = _follow(self.forced_limit, self.drafting.max_forced,
+                                    self.last.count(True), took.count(True))
         self.last = []
 
 
@@ -140,7 +149,8 @@ class GrammarProposer:
             return []
         st = DraftState(r.id, context, AcceptCursor(fork, room + 1), r.params, None,
                         prompt_len=len(r.prompt_ids))
-        forced = ForcedDrafter(min(drafting.max_forced, room)) if drafting.max_forced else None
+        cap = drafting.max_forced if entry.forced_limit < 0 else entry.forced_limit
+        forced = ForcedDrafter(min(cap, room)) if drafting.max_forced else None
         draft_rounds([st], forced, drafting.ngram, drafting.k)
         flags = st.forced_flags()
         if entry.limit >= 0 and flags.count(False) > entry.limit:  # cut at the copy past it

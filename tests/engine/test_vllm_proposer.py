@@ -153,6 +153,10 @@ def test_copied_drafts_follow_the_requests_acceptance_and_forced_ones_stay():
     entry.last = [True, True]
     entry.learn(0)  # no copies proposed: nothing learned about them
     assert entry.limit == 2
+    assert entry.forced_limit == 3  # forced ones apart: all taken (6), then both refused (3) ...
+    entry.last = [True, True, True]
+    entry.learn(3)
+    assert entry.forced_limit == 4  # ... then all three taken: one more
 
 
 def test_a_request_whose_copies_fail_is_proposed_fewer_of_them(monkeypatch, tiny_tok):
@@ -170,3 +174,19 @@ def test_a_request_whose_copies_fail_is_proposed_fewer_of_them(monkeypatch, tiny
     finally:
         vllm_proposer.REGISTRY.pop("cs-5")
     assert first and entry.limit == 2 and 0 < entry.last.count(False) <= 2
+
+
+def test_a_forced_limit_caps_the_forced_drafts_of_the_next_proposal(monkeypatch, tiny_tok):
+    ours = drafting(SpeculativeConfig(method=None, max_forced_tokens=6))  # forced tokens only
+    r = request(tiny_tok, "{")
+    entry = Entry(r, ours)
+    prop = proposer(monkeypatch, ["cs-6"], k=ours.max_forced)
+    vllm_proposer.REGISTRY["cs-6"] = entry
+    try:
+        context = PROMPT + r.output_ids
+        full = prop.propose([[context[-1]]], np.array([len(context)]), np.array([context]))[0]
+        entry.last, entry.forced_limit = [], 1
+        capped = prop.propose([[context[-1]]], np.array([len(context)]), np.array([context]))[0]
+    finally:
+        vllm_proposer.REGISTRY.pop("cs-6")
+    assert len(full) > 1 and capped == full[:1]  # '"name": "' forced, then only its first token
