@@ -19,10 +19,13 @@ error, never a wrong output), the repetition-loop detector, ``max_tokens`` and t
 ``on_tokens`` stream. When our side finishes a request first (a loop, a grammar that must
 stop) it is aborted in vLLM.
 
-Speculation is vLLM's (`speculative_config`): fixed when its engine starts, so one engine is
-built per model and speculative config (`engine_for`). What does not translate -- our forced
-drafts and grammar-masked drafts -- is said once in a warning; the stats are read from vLLM's
-per-request speculative metrics.
+Speculation runs in vLLM's engine (`speculative_config`): fixed when it starts, so one engine
+is built per model and speculative config (`engine_for`). Our forced and grammar-checked n-gram
+drafts run there as its proposer (`vllm_proposer`, which finds each request's grammar in the
+registry `admit` fills); where that cannot run, and for model drafters, vLLM's own drafter
+proposes, said once in a warning. The stats are read from vLLM's per-request speculative
+metrics. A token vLLM emits that our grammar refuses ends the request with the output our
+matcher accepted (`VLLMEngine._disagreed`), never a 500.
 """
 
 from __future__ import annotations
