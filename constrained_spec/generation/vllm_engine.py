@@ -132,9 +132,10 @@ def speculative_config(config: SpeculativeConfig | None, options: VLLMOptions) -
         if why is None:
             return {"method": "custom_class", "model": PROPOSER,
                     "num_speculative_tokens": ours.k + ours.max_forced}
-        _warn_once("proposer", "vLLM engine: our grammar-aware drafts cannot run here (%s); "
-                   "vLLM's n-gram drafter proposes unmasked drafts instead, and fewer are "
-                   "accepted (docs/scale-out.md)", why)
+        instead = ("vLLM's n-gram drafter proposes unmasked drafts instead, and fewer are "
+                   "accepted" if ours.ngram is not None else "no drafts are proposed")
+        _warn_once("proposer", "vLLM engine: our grammar-aware drafts cannot run here (%s); %s "
+                   "(docs/scale-out.md)", why, instead)
     if config is None or config.method is None or config.num_speculative_tokens == 0:
         return None
     k = config.num_speculative_tokens

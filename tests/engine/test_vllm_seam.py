@@ -52,6 +52,15 @@ def test_where_our_proposer_cannot_run_vllms_ngram_drafts_with_a_warning_saying_
     assert caplog.text.count("grammar-aware drafts cannot run here") == 1 and why in caplog.text
 
 
+def test_forced_drafts_alone_where_our_proposer_cannot_run_mean_no_speculation_said_so(
+        monkeypatch, caplog):
+    monkeypatch.setattr(vllm_engine, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
+        got = speculative_config(SpeculativeConfig(method=None), VLLMOptions(tensor_parallel_size=2))
+    assert got is None and "no drafts are proposed" in caplog.text
+    assert "n-gram drafter" not in caplog.text
+
+
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig(method=None, forced=False),
                                   SpeculativeConfig(num_speculative_tokens=0, forced=False)])
 def test_no_speculation_maps_onto_none(spec):
