@@ -1,8 +1,8 @@
 /* Few-row products with 4-bit and 8-bit group weights on an x86 CPU (see cpu_native.py).
 
    q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, int8 groups: a GGUF Q8_0 / Q5_0 / Q5_1 matrix such as an
-   LM head) after it; q4 with int8 activations where the CPU has integer dot products
-   (cs_q4i8_gemm); then the exact decode attention (cs_attention) and, at the end, the whole
+   LM head) after it; q4 with int8 activations (cs_q4i8_gemm: integer dot products where the
+   CPU has them, byte pairs elsewhere); then the exact decode attention (cs_attention) and, at the end, the whole
    decode / verify layer stack in one call made of them (cs_forward, native_forward.py).
 
    y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / GROUP,
@@ -603,9 +603,11 @@ int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
     return 0;
 }
 
-/* q4 with int8 activations (cs_q4i8_gemm, and cs_forward when its model asks): where the build
-   has integer dot products (AVX-512-VNNI's vpdpbusd on the AVX-512 build, AVX-VNNI's on the
-   AVX2 build; cs_vnni() says which), each group of GROUP inputs of a row is quantized on its
+/* q4 with int8 activations (cs_q4i8_gemm, and cs_forward when its model asks), on every build:
+   with the CPU's integer dot products where the build has them (AVX-512-VNNI's vpdpbusd on the
+   AVX-512 build, AVX-VNNI's on the AVX2 build; cs_vnni() says whether), else with byte pairs
+   (vpmaddubsw, then vpmaddwd by ones once a group: llama.cpp's AVX2 path), which give the
+   same integers. Each group of GROUP inputs of a row is quantized on its
    own, as llama.cpp's Q8_0 does it: d = max|x| / 127, xq = round(x / d), but with d kept in
    float32 (Q8_0 rounds it to float16) and ties rounded to even (Q8_0: away from zero). Per
    output column and group acc = sum_k xq[k] * q[n, k] is exact in int32
@@ -616,7 +618,10 @@ int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
    quantization reads only that row and its instruction sequence is the row's own, so the
    product is row-invariant like q4. The 4-bit pack is q4's: per 4 k a 32-bit lane of a
    column holds q[k], q[k + 2], q[k + 1], q[k + 3] on the AVX-512 build (from its byte pairs)
-   and q[k .. k + 3] in order on the AVX2 build, so each row's xq is stored in that order. */
+   and q[k .. k + 3] in order on the AVX2 build, so each row's xq is stored in that order.
+   Byte pairs: vpmaddubsw sums two products q * xq into int16 (|sum| <= 2 * 15 * 127 = 3810, no
+   saturation) and a group's 8 steps add up in int16 (<= 30480 < 32767, no wrap) before
+   vpmaddwd widens them: exact, the same acc as vpdpbusd's. */
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
 #define CS_VNNI 1
 #else
@@ -683,13 +688,18 @@ static void quant_row(const uint16_t *xb, int K, int8_t *xq, float *dx) {
 }
 #endif
 
-#if CS_VNNI
 #if defined(__AVX512BF16__)
 #define IVEC __m512i
 #define IZERO _mm512_setzero_si512
 #define ISET1 _mm512_set1_epi32
 #define ITOF _mm512_cvtepi32_ps
-#define DPBUSD _mm512_dpbusd_epi32
+#if CS_VNNI
+#define I8_DOT(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define I8_SUM(acc) (acc)
+#else
+#define I8_DOT(acc, w, x) _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x))
+#define I8_SUM(acc) _mm512_madd_epi16(acc, _mm512_set1_epi16(1))
+#endif
 /* the 4-bit values of 4 k of the tile (32 bytes at p) as one u8 lane of 4 per column */
 static inline __m512i i8_weights(const uint8_t *p) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
@@ -701,7 +711,13 @@ static inline __m512i i8_weights(const uint8_t *p) {
 #define IZERO _mm256_setzero_si256
 #define ISET1 _mm256_set1_epi32
 #define ITOF _mm256_cvtepi32_ps
-#define DPBUSD _mm256_dpbusd_avx_epi32
+#if CS_VNNI
+#define I8_DOT(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#define I8_SUM(acc) (acc)
+#else
+#define I8_DOT(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
+#define I8_SUM(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+#endif
 /* 16 bytes at p: byte c holds q[k], q[k + 1] of column c, byte 8 + c q[k + 2], q[k + 3] */
 static inline __m256i i8_weights(const uint8_t *p) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
@@ -726,7 +742,7 @@ static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, 
             for (int m = 0; m < MB; m++) {                                                       \
                 int32_t p;                                                                       \
                 memcpy(&p, xq + (size_t)m * K + g * GROUP + s * 4, 4);                           \
-                acc[m] = DPBUSD(acc[m], w, ISET1(p));                                            \
+                acc[m] = I8_DOT(acc[m], w, ISET1(p));                                            \
             }                                                                                    \
         }                                                                                        \
         const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
@@ -734,7 +750,7 @@ static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, 
         const VEC mn = VLOAD_SCALES(sp + TILE * ((half) ? 2 : 4), half);                        \
         for (int m = 0; m < MB; m++) {                                                           \
             const float *dg = dx + 2 * ((size_t)m * G + g);                                      \
-            tot[m] = VFMA(ITOF(acc[m]), VMUL_(sc, VSET1(dg[0])), tot[m]);                        \
+            tot[m] = VFMA(ITOF(I8_SUM(acc[m])), VMUL_(sc, VSET1(dg[0])), tot[m]);                        \
             tot[m] = VFMA(mn, VSET1(dg[1]), tot[m]);                                             \
         }                                                                                        \
     }                                                                                            \
@@ -751,13 +767,11 @@ static const i8_block_fn I8_BLOCKS[MAXB + 1] = {
     i8_block_5, i8_block_6, i8_block_7, i8_block_8,
 #endif
 };
-#endif  /* CS_VNNI */
 
 /* x: bf16 bits [M, K]; pack: a q4 pack; y: [M, N], bf16 bits when out_bf16, else float32.
-   Returns 0, -1 when out of memory, -2 when this build has no integer dot products. */
+   Returns 0, -1 when out of memory. */
 int cs_q4i8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int half, void *y,
                  int out_bf16) {
-#if CS_VNNI
     const int G = K / GROUP, T = N / TILE;
     float *dx = (float *)malloc(sizeof(float) * (2 * (size_t)M * G + 1));
     int8_t *xq = (int8_t *)malloc((size_t)M * K + 4);
@@ -776,10 +790,6 @@ int cs_q4i8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, i
     free(dx);
     free(xq);
     return 0;
-#else
-    (void)xb; (void)M; (void)K; (void)N; (void)pack; (void)half; (void)y; (void)out_bf16;
-    return -2;
-#endif
 }
 
 /* Exact decode attention. Row r (one query position of one request) attends over the keys
@@ -1040,7 +1050,7 @@ typedef struct {         /* what every layer shares */
     int norm_offset;       /* gemma: norm weights hold 1 + w, the product is taken in float32 */
     int gelu;              /* 1: gelu (tanh approximation), 0: silu */
     float eps, scale, softcap;  /* the norms' epsilon; the attention's scale and soft cap (0: none) */
-    int int8;              /* 1: the 4-bit products take int8 activations (cs_q4i8_gemm's); needs cs_vnni() */
+    int int8;              /* 1: the 4-bit products take int8 activations (cs_q4i8_gemm's) */
 } cs_model;
 
 static inline float bf(float v) { return bf16_to_f32(f32_to_bf16(v)); }
@@ -1136,9 +1146,6 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
     const xelem *xe = xf;
     (void)x;
 #endif
-#if !CS_VNNI
-    (void)xq; (void)dx;
-#endif
     const size_t tile_bytes = (size_t)(K / w->group) * (w->bits == 8 ? Q8_GROUP_BYTES(w->group, w->half, w->has_min)
                                                                      : GROUP_BYTES(w->half));
 #if CS_AMX
@@ -1184,10 +1191,8 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
             if (w->bits == 8)
                 Q8_BLOCKS[w->group == Q8_GROUP16][mb](wp, w->half, w->has_min, xe + (size_t)m0 * K,
                                                       sx + (size_t)m0 * G, K, out);
-#if CS_VNNI
             else if (xq)
                 I8_BLOCKS[mb](wp, w->half, xq + (size_t)m0 * K, dx + 2 * (size_t)m0 * G, K, out);
-#endif
             else
                 BLOCKS[mb](wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
             lin_out(w, out, mb, m0, t, y);
@@ -1345,7 +1350,7 @@ int cs_forward(const cs_model *m, const cs_layer *layers, int R, uint16_t *x, co
                const int32_t *const *rows, uint16_t *const *keep) {
     const int H = m->H, KV = m->KV, hd = m->hd, D = m->D;
     if (hd % W || hd > MAX_HD || KV <= 0 || H % KV || H / KV > MAX_G || m->rot % 2 || m->rot > hd
-        || m->rot <= 0 || (m->int8 && !CS_VNNI))
+        || m->rot <= 0)
         return -2;
     for (int i = 0; i < m->layers; i++) {
         const cs_layer *ly = layers + i;

@@ -39,9 +39,10 @@ why) and the plan never offers ``q4`` or ``q8`` (torch's kernels run instead). T
 library uses the OpenMP runtime torch already loaded, so ``torch.set_num_threads`` applies to it.
 The same library holds the exact decode attention (`attention`) and the whole decode / verify
 layer stack in one call (``cs_forward``: `forward_function`, driven by `native_forward`).
-Where the CPU has integer dot products (AVX-512-VNNI, or AVX-VNNI on the AVX2 build: `VNNI`),
-the library is built with them and also multiplies 4-bit packs with int8 activations
-(`matmul`'s ``int8_act``, `int8_activations`); elsewhere that kernel is not compiled in.
+The library also multiplies 4-bit packs with int8 activations (`matmul`'s ``int8_act``,
+`int8_activations`): with the CPU's integer dot products where it has them (AVX-512-VNNI, or
+AVX-VNNI on the AVX2 build: `VNNI`, compiled in only there), elsewhere with byte pairs
+(``vpmaddubsw``, as llama.cpp's AVX2 path), which give the same integers (`int8_instructions`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], int]] = {
 _CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11")
 # build -> (CPU flag, compiler flag) of its integer dot products (the q4 kernel with int8
 # activations, ``cs_q4i8_gemm``): compiled in only where this CPU has them, so the library of
-# a CPU without them has no such kernel (`int8_activations` is False there) and never faults
+# a CPU without them never faults (its int8 kernel takes byte pairs, the same integers)
 VNNI: dict[str, tuple[str, str]] = {"amx": ("avx512_vnni", "-mavx512vnni"),
                                     "avx512bf16": ("avx512_vnni", "-mavx512vnni"),
                                     "avx2": ("avx_vnni", "-mavxvnni")}
@@ -501,12 +502,20 @@ def why_unavailable(build: str | None = None) -> str | None:
 
 def int8_activations(build: str | None = None) -> bool:
     """Whether the q4 kernel with int8 activations (`matmul`'s ``int8_act``, the native
-    forward's) runs here: the library loads and was built with this CPU's integer dot products
-    (AVX-512-VNNI on the AVX-512 build, AVX-VNNI on the AVX2 build)."""
+    forward's) runs here: wherever the library loads (`int8_instructions` says with what)."""
     if not available(build):
         return False
     lib = _lib(build)[0]
-    return hasattr(lib, "cs_vnni") and hasattr(lib, "cs_q4i8_gemm") and bool(lib.cs_vnni())
+    return hasattr(lib, "cs_vnni") and hasattr(lib, "cs_q4i8_gemm")
+
+
+def int8_instructions(build: str | None = None) -> str | None:
+    """What the int8 products run on here: ``"vnni"`` (the CPU's integer dot products,
+    ``vpdpbusd``), ``"pairs"`` (``vpmaddubsw`` byte pairs widened once a group: the same
+    integers, about twice the instructions), None where `int8_activations` is False."""
+    if not int8_activations(build):
+        return None
+    return "vnni" if _lib(build)[0].cs_vnni() else "pairs"
 
 
 def tile(build: str | None = None) -> int:
@@ -706,7 +715,7 @@ def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch
     [..., N] in ``out_dtype`` (bfloat16, rounded to nearest even, or float32). ``int8_act``
     (a 4-bit pack, where `int8_activations`): each row's groups of `GROUP` inputs quantized to
     int8 with a float32 scale each (llama.cpp's Q8_0 but for the scale's precision) and
-    multiplied with integer dot products (cpu_native.c, ``cs_q4i8_gemm``)."""
+    multiplied in integers (cpu_native.c, ``cs_q4i8_gemm``; `int8_instructions`)."""
     lib = _lib(packed.build)[0]
     N, K = packed.n, packed.k
     if x.shape[-1] != K:
@@ -718,7 +727,7 @@ def matmul(x: torch.Tensor, packed: GroupPack, *, out_dtype: torch.dtype = torch
     y = torch.empty(M, N, dtype=out_dtype)
     if int8_act:
         if packed.bits != 4 or not int8_activations(packed.build):
-            raise ValueError(f"int8 activations take a 4-bit pack on a CPU with integer dot products "
+            raise ValueError(f"int8 activations take a 4-bit pack where the native kernels load "
                              f"(this pack: {packed.bits}-bit; here: {int8_activations(packed.build)})")
         failed = M and lib.cs_q4i8_gemm(x2.data_ptr(), M, K, N, packed.data.data_ptr(),
                                         int(packed.half), y.data_ptr(), int(out_dtype == torch.bfloat16))

@@ -123,8 +123,8 @@ class NativeForward:
         if fn is None:
             raise ValueError(f"the native forward is not available here ({cpu_native.why_unavailable()})")
         if int8_activations and not cpu_native.int8_activations():
-            raise ValueError("int8 activations need integer dot products (AVX-512-VNNI or AVX-VNNI), "
-                             "which this CPU's library lacks")
+            raise ValueError("int8 activations need the native q4 kernel with int8 activations, "
+                             "which this library lacks")
         self._fn = fn
         first = layers[0]
         D, inner = first.o.pack.n, first.down.pack.k

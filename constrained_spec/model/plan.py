@@ -794,8 +794,7 @@ def _with_act(runner: Any, plan: KernelPlan, *, fixed: bool = False) -> KernelPl
     can = "int8" in _act_choices(runner, plan.decode_kernel(1))
     if fixed and plan.act == "int8" and not can:
         raise ConfigError("act=int8 needs exact decode rows on the native layer stack with "
-                          "4-bit weights and a CPU with integer dot products (AVX-512-VNNI or "
-                          f"AVX-VNNI); with decode={plan.decode_kernel(1)} here it cannot run",
+                          f"4-bit weights; with decode={plan.decode_kernel(1)} here it cannot run",
                           option="CONSTRAINED_SPEC_PLAN")
     if asked == "int8" and can:
         plan.act = "int8"

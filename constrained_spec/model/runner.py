@@ -747,7 +747,7 @@ class LeanRunner(RunnerBase):
     def act_choices(self, kernel: str) -> tuple[str, ...]:
         """The activations (`plan.KernelPlan.act`) decode rows on ``kernel`` can take: "int8"
         too where they run on the native layer stack (exact, `native_forward` on, every
-        linear packed) with a 4-bit product among them, on a CPU with integer dot products."""
+        linear packed) with a 4-bit product among them."""
         if not (self.exact and self.native_forward and self.device.type == "cpu"
                 and cpu_native.int8_activations() and native_forward.available()):
             return ("bf16",)

@@ -19,11 +19,10 @@ from constrained_spec.model import plan as plan_module
 from constrained_spec.model.plan import KernelPlan, choose_plan, measure
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_int8_activations import no_vnni  # noqa: E402,F401  (a fixture)
 from test_native_forward import decode_and_verify, model_of, runner, tokens  # noqa: E402
 
-needs_vnni = pytest.mark.skipif(not cpu_native.int8_activations(),
-                                reason="this CPU has no integer dot products (VNNI)")
+needs_int8 = pytest.mark.skipif(not cpu_native.int8_activations(),
+                                reason="the native kernels do not load here")
 
 
 def test_plan_text_carries_the_activations():
@@ -39,7 +38,7 @@ def test_plan_text_carries_the_activations():
     assert e.value.option == "CONSTRAINED_SPEC_PLAN" and "bf16 or int8" in str(e.value)
 
 
-@needs_vnni
+@needs_int8
 def test_a_plan_with_int8_activations_runs_the_int8_stack_row_invariant():
     model = model_of("llama3")
     V = model.config.vocab_size
@@ -66,7 +65,7 @@ def _fake_times(r, int8_ratio: float):
     return timed
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("ratio,chosen", [(0.8, "int8"), (0.95, "bf16"), (1.2, "bf16")])
 def test_a_measured_plan_takes_int8_activations_only_for_a_clear_gain(monkeypatch, ratio, chosen):
     r = runner(model_of("llama3"), native=True)
@@ -78,7 +77,7 @@ def test_a_measured_plan_takes_int8_activations_only_for_a_clear_gain(monkeypatc
     assert measure(r, ["bf16", "q4"], rows=(1,), prefill_rows=(16,), repeats=1, exact=True).act == "bf16"
 
 
-@needs_vnni
+@needs_int8
 def test_the_activations_setting_forces_or_clears_int8(tmp_path, cs_env):
     r = runner(model_of("llama3"), native=True)
     cs_env(CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=bf16", CONSTRAINED_SPEC_ACTIVATIONS="int8")
@@ -96,12 +95,12 @@ def test_the_activations_setting_forces_or_clears_int8(tmp_path, cs_env):
     assert len(keys) == 2
 
 
-def test_a_fixed_int8_plan_where_int8_cannot_run_names_the_variable(no_vnni, cs_env, tmp_path):  # noqa: F811
-    r = runner(model_of("llama3"), native=True)
+def test_a_fixed_int8_plan_where_int8_cannot_run_names_the_variable(cs_env, tmp_path):
+    r = runner(model_of("llama3"), native=False)  # decode rows off the native layer stack
     assert r.act_choices("q4") == ("bf16",)
     cs_env(CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=bf16,act=int8")
     with pytest.raises(ConfigError) as e:
         choose_plan(r, dtype="auto", cache=tmp_path, quiet=True)
-    assert e.value.option == "CONSTRAINED_SPEC_PLAN" and "integer dot products" in str(e.value)
+    assert e.value.option == "CONSTRAINED_SPEC_PLAN" and "native layer stack" in str(e.value)
     cs_env(CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=bf16", CONSTRAINED_SPEC_ACTIVATIONS="int8")
     assert choose_plan(r, dtype="auto", cache=tmp_path, quiet=True).act == "bf16"  # asked, not there

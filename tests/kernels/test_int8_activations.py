@@ -1,6 +1,6 @@
 """The q4 kernel with int8 activations (``cs_q4i8_gemm`` and the native forward's ``int8``):
 its numerics are exactly the stated scheme, it is row-invariant on every build this CPU runs,
-and where the CPU has no integer dot products the option is absent, never a crash.
+and where the CPU has no integer dot products its byte pairs give the same bits.
 
 The scheme (cpu_native.c): each row's groups of 32 inputs are quantized as llama.cpp's Q8_0
 quantizes them (d = max|x| / 127, xq = round(x / d)) but with d kept in float32 and ties
@@ -25,7 +25,7 @@ from test_native_forward import decode_and_verify, model_of, runner, tokens  # n
 native_calls = test_native_forward.native_calls  # its fixture: rows of each native forward call
 
 pytestmark = pytest.mark.skipif(not cpu_native.int8_activations(),
-                                reason="no integer dot products (AVX-512-VNNI / AVX-VNNI) here")
+                                reason="the native kernels do not load here")
 # |int8 - bf16| logits <= TINY_TOLERANCE * max |bf16 logit| on the tiny random models (measured:
 # llama3 2.8%, gemma2 5.3%, qwen3 5.1%; an int8 product with its groups' scales mixed up, or
 # without the mins, is off by far more)
@@ -145,45 +145,54 @@ def test_int8_native_verify_rows_are_one_row_decodes_close_to_bf16(name, native_
     assert (decodes - bf16).abs().max() <= TINY_TOLERANCE * bf16.abs().max()
 
 
-@pytest.fixture
-def no_vnni(monkeypatch):
-    """The native library as built for this CPU without its integer dot products."""
-    flags = cpu_native._cpu_flags() - {"avx512_vnni", "avx_vnni"}
-    monkeypatch.setattr(cpu_native, "_cpu_flags", lambda: flags)
-    cpu_native._library.cache_clear()
-    yield
-    monkeypatch.undo()
-    cpu_native._library.cache_clear()
+@pytest.mark.parametrize("build", BUILDS)
+def test_int8_products_at_the_largest_values_neither_saturate_nor_wrap(build):
+    # every 4-bit value 15 and every input at +-127 steps: a byte pair sums to +-3810 and a
+    # group's 8 steps to +-30480 in int16 on a CPU without integer dot products (one step more,
+    # or a saturating add, would be wrong), and a group's dot product is +-60960
+    q = torch.full((64, 256), 15)
+    scale, minimum = torch.full((64, 8), 0.01), torch.full((64, 8), -0.05)
+    x = torch.ones(4, 256)
+    x[1] = -1
+    x[2, ::2] = -1  # alternating signs: pairs cancel
+    x[3, :128] = -3.0
+    got = cpu_native.matmul(x.bfloat16(), cpu_native.pack(q, scale, minimum, build=build),
+                            out_dtype=torch.float32, int8_act=True)
+    want = scheme(x.bfloat16(), q, scale, minimum)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_without_integer_dot_products_int8_activations_are_absent(no_vnni):
-    assert cpu_native.available() and not cpu_native.int8_activations()
-    q, scale, minimum = weight(64, 64, 6)
-    packed = cpu_native.pack(q, scale, minimum)
-    with pytest.raises(ValueError, match="integer dot products"):
-        cpu_native.matmul(torch.randn(1, 64), packed, int8_act=True)
+def int8_results() -> tuple[torch.Tensor, torch.Tensor]:
+    """A product and a tiny model's decode and verify logits, with int8 activations."""
+    q, scale, minimum = weight(64, 256, 6)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
+    product = cpu_native.matmul(x, cpu_native.pack(q, scale, minimum), out_dtype=torch.float32, int8_act=True)
     model = model_of("llama3")
-    want, _ = decode_and_verify(runner(model, native=True), tokens(model.config.vocab_size, 10, 8), [5, 6])
     r = runner(model, native=True)
-    r.int8_activations = True  # asked for, not there: the bf16 native stack runs
-    got, _ = decode_and_verify(r, tokens(model.config.vocab_size, 10, 8), [5, 6])
-    assert list(r._native_stacks) == ["q4"]
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="integer dot products"):
+    r.int8_activations = True
+    logits, _ = decode_and_verify(r, tokens(model.config.vocab_size, 10, 8), [5, 6])
+    assert "q4|int8" in r._native_stacks
+    return product, logits
+
+
+def test_without_integer_dot_products_byte_pairs_give_the_same_bits():
+    with_vnni = int8_results()
+    mp = pytest.MonkeyPatch()
+    flags = cpu_native._cpu_flags() - {"avx512_vnni", "avx_vnni"}
+    mp.setattr(cpu_native, "_cpu_flags", lambda: flags)
+    cpu_native._library.cache_clear()
+    try:
+        assert cpu_native.int8_instructions() == "pairs"
+        without = int8_results()
+    finally:
+        mp.undo()
+        cpu_native._library.cache_clear()
+    assert torch.equal(without[0], with_vnni[0])
+    assert torch.equal(without[1], with_vnni[1])
+
+
+def test_native_forward_refuses_int8_activations_where_the_kernels_do_not_load(monkeypatch):
+    monkeypatch.setattr(cpu_native, "int8_activations", lambda build=None: False)
+    with pytest.raises(ValueError, match="int8 activations"):
         native_forward.NativeForward([], heads=1, kv_heads=1, head_dim=16, eps=1e-6, scale=1.0,
                                      softcap=None, norm_offset=False, gelu=False, int8_activations=True)
-
-
-@pytest.mark.model
-def test_the_embedded_model_int8_verify_rows_are_one_row_decodes(embedded):
-    r = embedded.runner
-    prompt = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(11)).tolist()
-    try:
-        r.int8_activations = True
-        decodes, verify = decode_and_verify(r, prompt, prompt[-7:])
-        r.int8_activations = False
-        bf16, _ = decode_and_verify(r, prompt, prompt[-7:])
-    finally:
-        r.int8_activations = False
-    assert torch.equal(verify, decodes)  # speculation on = off on the int8 forward
-    assert not torch.equal(decodes, bf16)  # and it really ran
