@@ -630,6 +630,14 @@ int cs_q8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, int
 
 int cs_vnni(void) { return CS_VNNI; }
 
+/* bytes a row's int8 inputs take per input (quant_row's layout): 1 on the AVX-512 build; 4 on
+   the AVX2 build, which stores each 8 inputs as the 32 bytes its products read (i8_weights2) */
+#if defined(__AVX512BF16__)
+#define XQ_SPREAD 1
+#else
+#define XQ_SPREAD 4
+#endif
+
 /* One row's K inputs (bf16 bits) to int8 [K] in the build's lane order and per group two
    float32 [2 * K / GROUP]: its scale d and d * the sum of its int8 values. d = max|x| / 127,
    xq = x * (1 / d) rounded to nearest, ties to even (the vector conversion's; llama.cpp's
@@ -683,7 +691,11 @@ static void quant_row(const uint16_t *xb, int K, int8_t *xq, float *dx) {
         dx[2 * g + 1] = d * (float)_mm_cvtsi128_si32(u);
         /* packs interleave the 128-bit halves: the permute puts the 32 values back in order */
         const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), _mm256_permutevar8x32_epi32(b, order));
+        const __m256i inorder = _mm256_permutevar8x32_epi32(b, order);
+        for (int j = 0; j < 4; j++)  /* xq[k .. k + 3] x 4, then xq[k + 4 .. k + 7] x 4 */
+            _mm256_storeu_si256((__m256i *)(xq + (size_t)(g * GROUP + 8 * j) * XQ_SPREAD),
+                                _mm256_permutevar8x32_epi32(inorder, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j,
+                                                                                       2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1)));
     }
 }
 #endif
@@ -718,15 +730,20 @@ static inline __m512i i8_weights(const uint8_t *p) {
 #define I8_DOT(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
 #define I8_SUM(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
 #endif
-/* 16 bytes at p: byte c holds q[k], q[k + 1] of column c, byte 8 + c q[k + 2], q[k + 3] */
-static inline __m256i i8_weights(const uint8_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, _mm_srli_si128(b, 8)));
-    return _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0F0F));
+/* Two steps of 4 k at once (32 bytes at p; per step byte c holds q[k], q[k + 1] of column c in
+   its low and high nibble, byte 8 + c q[k + 2], q[k + 3]): c03 gets columns 0-3 and c47
+   columns 4-7, each as one u8 lane of q[k .. k + 3] per column, the first step in the low 128
+   bits and the second in the high (in-lane unpacks only; the halves are added once a group) */
+static inline void i8_weights2(const uint8_t *p, __m256i *c03, __m256i *c47) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);
+    *c03 = _mm256_unpacklo_epi16(a, b);
+    *c47 = _mm256_unpackhi_epi16(a, b);
 }
-#define I8_STEP_BYTES 16
 #endif
 
+#if defined(__AVX512BF16__)
 #define DEF_I8_BLOCK(MB)                                                                         \
 static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, const float *dx, \
                                  int K, float *out) {                                            \
@@ -756,6 +773,42 @@ static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, 
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
+#else
+#define DEF_I8_BLOCK(MB)                                                                         \
+static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, const float *dx, \
+                                 int K, float *out) {                                            \
+    const int G = K / GROUP;                                                                     \
+    VEC tot[MB];                                                                                 \
+    for (int m = 0; m < MB; m++) tot[m] = VZERO();                                               \
+    for (int g = 0; g < G; g++) {                                                                \
+        IVEC a03[MB], a47[MB];                                                                   \
+        for (int m = 0; m < MB; m++) a03[m] = a47[m] = IZERO();                                  \
+        const uint8_t *gp = wp + (size_t)g * GROUP_BYTES(half);                                  \
+        for (int s = 0; s < GROUP / 4; s += 2) {                                                 \
+            IVEC w03, w47;                                                                       \
+            i8_weights2(gp + s * 16, &w03, &w47);                                                \
+            for (int m = 0; m < MB; m++) {                                                       \
+                const IVEC x = _mm256_loadu_si256(                                               \
+                    (const __m256i *)(xq + ((size_t)m * K + g * GROUP + s * 4) * XQ_SPREAD));    \
+                a03[m] = I8_DOT(a03[m], w03, x);                                                 \
+                a47[m] = I8_DOT(a47[m], w47, x);                                                 \
+            }                                                                                    \
+        }                                                                                        \
+        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
+        const VEC sc = VLOAD_SCALES(sp, half);                                                   \
+        const VEC mn = VLOAD_SCALES(sp + TILE * ((half) ? 2 : 4), half);                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            const IVEC c03 = I8_SUM(a03[m]), c47 = I8_SUM(a47[m]);                               \
+            const IVEC acc = _mm256_add_epi32(_mm256_permute2x128_si256(c03, c47, 0x20),        \
+                                              _mm256_permute2x128_si256(c03, c47, 0x31));       \
+            const float *dg = dx + 2 * ((size_t)m * G + g);                                      \
+            tot[m] = VFMA(ITOF(acc), VMUL_(sc, VSET1(dg[0])), tot[m]);                           \
+            tot[m] = VFMA(mn, VSET1(dg[1]), tot[m]);                                             \
+        }                                                                                        \
+    }                                                                                            \
+    for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
+}
+#endif
 DEF_I8_BLOCK(1) DEF_I8_BLOCK(2) DEF_I8_BLOCK(3) DEF_I8_BLOCK(4)
 #if MAXB > 4
 DEF_I8_BLOCK(5) DEF_I8_BLOCK(6) DEF_I8_BLOCK(7) DEF_I8_BLOCK(8)
@@ -774,16 +827,16 @@ int cs_q4i8_gemm(const uint16_t *xb, int M, int K, int N, const uint8_t *pack, i
                  int out_bf16) {
     const int G = K / GROUP, T = N / TILE;
     float *dx = (float *)malloc(sizeof(float) * (2 * (size_t)M * G + 1));
-    int8_t *xq = (int8_t *)malloc((size_t)M * K + 4);
+    int8_t *xq = (int8_t *)malloc((size_t)M * K * XQ_SPREAD + 4);
     if (!dx || !xq) { free(dx); free(xq); return -1; }
-    for (int m = 0; m < M; m++) quant_row(xb + (size_t)m * K, K, xq + (size_t)m * K, dx + 2 * (size_t)m * G);
+    for (int m = 0; m < M; m++) quant_row(xb + (size_t)m * K, K, xq + (size_t)m * K * XQ_SPREAD, dx + 2 * (size_t)m * G);
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         const uint8_t *wp = pack + (size_t)t * G * GROUP_BYTES(half);
         float out[MAXB * TILE];
         for (int m0 = 0; m0 < M; m0 += MAXB) {
             const int mb = M - m0 < MAXB ? M - m0 : MAXB;
-            I8_BLOCKS[mb](wp, half, xq + (size_t)m0 * K, dx + 2 * (size_t)m0 * G, K, out);
+            I8_BLOCKS[mb](wp, half, xq + (size_t)m0 * K * XQ_SPREAD, dx + 2 * (size_t)m0 * G, K, out);
             rows_out(out, mb, m0, N, t, y, out_bf16);
         }
     }
@@ -1192,7 +1245,7 @@ static void lin_rows(const cs_lin *w, const uint16_t *x, const float *xf, const 
                 Q8_BLOCKS[w->group == Q8_GROUP16][mb](wp, w->half, w->has_min, xe + (size_t)m0 * K,
                                                       sx + (size_t)m0 * G, K, out);
             else if (xq)
-                I8_BLOCKS[mb](wp, w->half, xq + (size_t)m0 * K, dx + 2 * (size_t)m0 * G, K, out);
+                I8_BLOCKS[mb](wp, w->half, xq + (size_t)m0 * K * XQ_SPREAD, dx + 2 * (size_t)m0 * G, K, out);
             else
                 BLOCKS[mb](wp, w->half, xe + (size_t)m0 * K, sx + (size_t)m0 * G, K, out);
             lin_out(w, out, mb, m0, t, y);
@@ -1264,7 +1317,7 @@ static int alloc_buf(const cs_model *m, int R, fwd_buf *b) {
     if (!b->xf) { free_buf(b); return -1; }
 #endif
     if (m->int8) {
-        b->xq = malloc(R * kmax + 4);
+        b->xq = malloc((size_t)R * kmax * XQ_SPREAD + 4);
         b->dx = malloc(sizeof(float) * (2 * R * kmax / GROUP + 1));
         if (!b->xq || !b->dx) { free_buf(b); return -1; }
     }
@@ -1278,7 +1331,8 @@ static int alloc_buf(const cs_model *m, int R, fwd_buf *b) {
     do {                                                                                         \
         prep_row((x) + (size_t)(r) * (K), (K), (b)->sx + (size_t)(r) * ((K) / GROUP),           \
                  (b)->xf ? (b)->xf + (size_t)(r) * (K) : 0);                                     \
-        if ((b)->xq) quant_row((x) + (size_t)(r) * (K), (K), (b)->xq + (size_t)(r) * (K),        \
+        if ((b)->xq) quant_row((x) + (size_t)(r) * (K), (K),                                     \
+                               (b)->xq + (size_t)(r) * (K) * XQ_SPREAD,                          \
                                (b)->dx + 2 * (size_t)(r) * ((K) / GROUP));                       \
     } while (0)
 
