@@ -14,8 +14,8 @@ default speculation, no retries) on the native path against the torch path, and 
 speculation off. Run it on a quiet machine, or compare only ratios from one run.
 
 ``--int8``: the two sides are the native forward with bf16 activations (the default) and with
-int8 activations (`LeanRunner.int8_activations`: the 4-bit products on integer dot products,
-where the CPU has them); every comparison above is then int8 against bf16.
+int8 activations (`LeanRunner.int8_activations`: the 4-bit products in integers, on the CPU's
+integer dot products or byte pairs); every comparison above is then int8 against bf16.
 
     python -m benchmarks.forward [--keys 300] [--threads 2] [--clock wall|cpu] [--tasks 24]
                                  [--int8] [--out FILE.md]
@@ -158,7 +158,7 @@ def render(res: dict, args: argparse.Namespace) -> str:
              f"{a} {t[(ROWS[-1], False)] / t[(1, False)]:.2f}x."
     num = res["logits"]
     out = [f"CPU {info.get('cpu', '?')}, flags {' '.join(info.get('flags', []))}; native build "
-           f"`{cpu_native.build_for_this_cpu()}` (integer dot products: {cpu_native.int8_activations()}), "
+           f"`{cpu_native.build_for_this_cpu()}` (int8 products: {cpu_native.int8_instructions()}), "
            f"torch capability "
            f"{torch.backends.cpu.get_cpu_capability()}; torch {torch.__version__}, {args.threads} threads, "
            f"clock {args.clock}; plan `{res['plan']}`; {args.keys} cached keys. {args.rounds} alternating "

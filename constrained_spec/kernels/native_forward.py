@@ -20,7 +20,7 @@ q4 / q8 and attention kernels), so a 7-row verify gives each row the bits of a 1
 Threads: one OpenMP team for the whole forward; each step is a worksharing loop of it (over
 rows, weight tiles or attention tasks).
 
-Opt-in, where the CPU has integer dot products (`cpu_native.int8_activations`): the 4-bit
+Where the plan says ``act=int8`` (the default, `settings.Settings.activations`): the 4-bit
 products on int8 activations (``int8_activations=True``; `LeanRunner.int8_activations`), each
 row's groups of 32 inputs quantized on their own (llama.cpp's Q8_0 scheme, float32 scales).
 Still row-invariant (decode and verify rows take it alike, so speculation on = off), but not
@@ -110,8 +110,8 @@ class NativeForward:
     ``heads``, ``kv_heads``, ``head_dim``: the attention's shape; ``eps``: the norms'; ``scale``
     and ``softcap`` (None: none): the attention's; ``norm_offset``: Gemma's ``1 + w`` norms
     (product in float32); ``gelu``: tanh-GELU instead of SiLU; ``int8_activations``: the 4-bit
-    products quantize their input rows to int8 per group of 32 and use integer dot products
-    (`cpu_native.int8_activations`; not exact against the bf16 products, still row-invariant).
+    products quantize their input rows to int8 per group of 32 and multiply in integers
+    (`cpu_native.int8_instructions`; not exact against the bf16 products, still row-invariant).
     ``ValueError`` when a layer's shapes do not fit the kernel, or int8 activations are asked
     for where the library has none (the caller runs its torch path instead).
     """

@@ -282,11 +282,11 @@ class LeanRunner(RunnerBase):
         # exact decode / verify rows on the one-call native layer stack (`_native_stack`) where
         # it runs; False: the torch path (the reference, which tests and benchmarks compare)
         self.native_forward = True
-        # opt-in: the native stack's 4-bit products on int8 activations (integer dot products,
-        # `cpu_native.int8_activations`); row-invariant, but not bit-equal to the bf16 products,
-        # so not a default: decode and verify rows both take it, speculation on stays = off.
-        # True here, or a plan with act="int8" (CONSTRAINED_SPEC_ACTIVATIONS), turns it on
-        self.int8_activations = False
+        # the native stack's 4-bit products on int8 activations (`cpu_native.int8_activations`;
+        # row-invariant, not bit-equal to the bf16 products: decode and verify rows both take
+        # it, so speculation on stays = off). None: as the plan says (``act``, by default int8:
+        # CONSTRAINED_SPEC_ACTIVATIONS); True / False: on / off whatever the plan says
+        self.int8_activations: bool | None = None
         self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
         # prompts on the row-invariant path after their longest cached prefix
         self.prefiller = Prefiller(self, prefix_cache_bytes())
@@ -738,7 +738,8 @@ class LeanRunner(RunnerBase):
         packed q4 / q8. Built once per decode kernel (dropped with the plan)."""
         if not (self.native_forward and fb.native):
             return None
-        int8 = (self.int8_activations or self.plan.act == "int8") and cpu_native.int8_activations()
+        asked = self.plan.act == "int8" if self.int8_activations is None else self.int8_activations
+        int8 = asked and cpu_native.int8_activations()
         key = fb.kernel + ("|int8" if int8 else "")
         if key not in self._native_stacks:
             self._native_stacks[key] = self._build_native_stack(fb.kernel, int8=int8)

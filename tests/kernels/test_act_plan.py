@@ -54,6 +54,19 @@ def test_a_plan_with_int8_activations_runs_the_int8_stack_row_invariant():
     assert torch.equal(decodes, want) and torch.equal(verify, decodes)
 
 
+@needs_int8
+def test_the_runners_own_switch_overrides_the_plans_activations():
+    model = model_of("llama3")
+    V = model.config.vocab_size
+    prompt, drafts = tokens(V, 20, 5), tokens(V, 5, 6)
+    bf16, _ = decode_and_verify(runner(model, native=True), prompt, drafts)
+    r = runner(model, native=True)
+    r.set_plan(KernelPlan(prefill="q4", decode=[(1 << 30, "q4")], lm_head="bf16", act="int8"))
+    r.int8_activations = False  # a benchmark's bf16 side under a default (int8) plan
+    off, _ = decode_and_verify(r, prompt, drafts)
+    assert list(r._native_stacks) == ["q4"] and torch.equal(off, bf16)
+
+
 def _fake_times(r, int8_ratio: float):
     """`plan._timed` replaced: 1 ms for q4 forwards, 2 ms for bf16 ones, ``int8_ratio`` ms for
     q4 decode rows with int8 activations (the plan the runner holds while timed says which)."""
