@@ -17,7 +17,7 @@ BOOLEANS = {"EXACT": "exact", "INT4": "int4", "DEBUG": "debug", "AMX": "amx"}
 def test_an_empty_environment_gives_the_documented_defaults():
     assert Settings.from_env({}) == Settings(cache=None, smollm2_wheel=None, dtype="auto",
                                              memory="auto", plan=None, exact=None, int4=True,
-                                             debug=False, activations="bf16")
+                                             debug=False, activations="int8")
     # an empty or blank variable is an unset one
     assert Settings.from_env({f"{PREFIX}{n}": " " for n in
                               ("CACHE", "SMOLLM2_WHEEL", "DTYPE", "MEMORY", "PLAN", "ACTIVATIONS",

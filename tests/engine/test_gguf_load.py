@@ -190,8 +190,9 @@ def test_the_embedded_model_keeps_its_own_numbers_no_int8():
 
 @pytest.mark.skipif(not cpu_native.available(), reason="the native kernels do not build here")
 def test_an_untied_lm_head_run_packed_keeps_no_dense_copy(tmp_path, monkeypatch, cs_env):
+    # bf16 activations: the two forwards below differ in their LM head only
     cs_env(CONSTRAINED_SPEC_CACHE=str(tmp_path / "cache"),
-           CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=q8")
+           CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=q8", CONSTRAINED_SPEC_ACTIVATIONS="bf16")
     monkeypatch.setattr(models, "_LOADED", {})
     tiny_gguf = tmp_path / "tiny.Q4_K_M.gguf"
     write_tiny_llama(tiny_gguf, vocab_multiple=16)
