@@ -3,8 +3,8 @@
 One process, the embedded model, the library's defaults (``Generator(loaded)``: default
 speculation, greedy, default retries). Each request runs on both sides, the order alternating
 per request: the native forward's 4-bit products on bf16 activations and on int8 activations
-(the default since this measurement) (`LeanRunner.int8_activations`: llama.cpp's Q8_0 scheme; on integer dot products,
-or byte pairs where the CPU has none: `cpu_native.int8_instructions`). Each side keeps its own
+(the default since this measurement; `LeanRunner.int8_activations`: llama.cpp's Q8_0 scheme;
+on integer dot products, or byte pairs where the CPU has none: `cpu_native.int8_instructions`). Each side keeps its own
 prompt prefix cache (the runner's is keyed by tokens only: a prefix prefilled on one side's
 activations would otherwise be read by the other).
 
