@@ -743,6 +743,27 @@ static inline void i8_weights2(const uint8_t *p, __m256i *c03, __m256i *c47) {
 }
 #endif
 
+#if !defined(__AVX512BF16__)
+/* i8_weights2's halves back to one int32 lane per column: (columns 0-3 | 4-7) of the two steps */
+static inline __m256i i8_fold(__m256i c03, __m256i c47) {
+    return _mm256_add_epi32(_mm256_permute2x128_si256(c03, c47, 0x20), _mm256_permute2x128_si256(c03, c47, 0x31));
+}
+#endif
+
+/* the end of group g of a block of MB rows: tot[m] += (scale * d) * ACC + min * (d * sum xq),
+   ACC the row's int32 dot products of the group (an expression of m) */
+#define I8_GROUP_END(MB, gp, half, dx, G, g, ACC)                                                \
+    do {                                                                                         \
+        const uint8_t *sp_ = (gp) + GROUP * TILE / 2;                                            \
+        const VEC sc_ = VLOAD_SCALES(sp_, half);                                                 \
+        const VEC mn_ = VLOAD_SCALES(sp_ + TILE * ((half) ? 2 : 4), half);                      \
+        for (int m = 0; m < MB; m++) {                                                           \
+            const float *dg = (dx) + 2 * ((size_t)m * (G) + (g));                                \
+            tot[m] = VFMA(ITOF(ACC), VMUL_(sc_, VSET1(dg[0])), tot[m]);                          \
+            tot[m] = VFMA(mn_, VSET1(dg[1]), tot[m]);                                            \
+        }                                                                                        \
+    } while (0)
+
 #if defined(__AVX512BF16__)
 #define DEF_I8_BLOCK(MB)                                                                         \
 static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, const float *dx, \
@@ -762,14 +783,7 @@ static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, 
                 acc[m] = I8_DOT(acc[m], w, ISET1(p));                                            \
             }                                                                                    \
         }                                                                                        \
-        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
-        const VEC sc = VLOAD_SCALES(sp, half);                                                   \
-        const VEC mn = VLOAD_SCALES(sp + TILE * ((half) ? 2 : 4), half);                        \
-        for (int m = 0; m < MB; m++) {                                                           \
-            const float *dg = dx + 2 * ((size_t)m * G + g);                                      \
-            tot[m] = VFMA(ITOF(I8_SUM(acc[m])), VMUL_(sc, VSET1(dg[0])), tot[m]);                        \
-            tot[m] = VFMA(mn, VSET1(dg[1]), tot[m]);                                             \
-        }                                                                                        \
+        I8_GROUP_END(MB, gp, half, dx, G, g, I8_SUM(acc[m]));                                   \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
@@ -794,17 +808,7 @@ static inline void i8_block_##MB(const uint8_t *wp, int half, const int8_t *xq, 
                 a47[m] = I8_DOT(a47[m], w47, x);                                                 \
             }                                                                                    \
         }                                                                                        \
-        const uint8_t *sp = gp + GROUP * TILE / 2;                                               \
-        const VEC sc = VLOAD_SCALES(sp, half);                                                   \
-        const VEC mn = VLOAD_SCALES(sp + TILE * ((half) ? 2 : 4), half);                        \
-        for (int m = 0; m < MB; m++) {                                                           \
-            const IVEC c03 = I8_SUM(a03[m]), c47 = I8_SUM(a47[m]);                               \
-            const IVEC acc = _mm256_add_epi32(_mm256_permute2x128_si256(c03, c47, 0x20),        \
-                                              _mm256_permute2x128_si256(c03, c47, 0x31));       \
-            const float *dg = dx + 2 * ((size_t)m * G + g);                                      \
-            tot[m] = VFMA(ITOF(acc), VMUL_(sc, VSET1(dg[0])), tot[m]);                           \
-            tot[m] = VFMA(mn, VSET1(dg[1]), tot[m]);                                             \
-        }                                                                                        \
+        I8_GROUP_END(MB, gp, half, dx, G, g, i8_fold(I8_SUM(a03[m]), I8_SUM(a47[m])));          \
     }                                                                                            \
     for (int m = 0; m < MB; m++) VSTORE(out + m * TILE, tot[m]);                                 \
 }
