@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from constrained_spec.kernels import cpu_native, native_forward
+from constrained_spec.kernels.native_forward import NativeForward
 from constrained_spec.model.attention import KEY_CHUNK, ChunkedMask, chunk_mask, chunked_attention
 from constrained_spec.model.families import Family, FamilySpec, UnsupportedModel, layer_linears
 from constrained_spec.model.plan import KernelPlan, exact_mode
@@ -281,13 +282,13 @@ class LeanRunner(RunnerBase):
         self.f_cache: torch.Tensor | None = None
         # exact decode / verify rows on the one-call native layer stack (`_native_stack`) where
         # it runs; False: the torch path (the reference, which tests and benchmarks compare)
-        self.native_forward = True
+        self._native_forward = True
         # the native stack's 4-bit products on int8 activations (`cpu_native.int8_activations`;
         # row-invariant, not bit-equal to the bf16 products: decode and verify rows both take
         # it, so speculation on stays = off). None: as the plan says (``act``, by default int8:
         # CONSTRAINED_SPEC_ACTIVATIONS); True / False: on / off whatever the plan says
-        self.int8_activations: bool | None = None
-        self._native_stacks: dict[str, native_forward.NativeForward | None] = {}
+        self._int8_activations: bool | None = None
+        self._native_stacks: dict[str, NativeForward | None] = {}
         # prompts on the row-invariant path after their longest cached prefix
         self.prefiller = Prefiller(self, prefix_cache_bytes())
 
@@ -441,6 +442,30 @@ class LeanRunner(RunnerBase):
         exact, on a row-invariant decode kernel (not float32's GEMM). Where they are, what
         runs beside a row (other requests, drafts, a prompt) cannot change it."""
         return bool(self.exact) and self.plan.decode_kernel(1) in ROW_INVARIANT_KERNELS
+
+    # switching either changes how a prompt's keys and values are computed, and the prefix
+    # cache is keyed by tokens only: its blocks from the other setting are dropped
+    @property
+    def native_forward(self) -> bool:
+        return self._native_forward
+
+    @native_forward.setter
+    def native_forward(self, on: bool) -> None:
+        self._switch("_native_forward", on)
+
+    @property
+    def int8_activations(self) -> bool | None:
+        return self._int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool | None) -> None:
+        self._switch("_int8_activations", on)
+
+    def _switch(self, name: str, value: Any) -> None:
+        prefiller = getattr(self, "prefiller", None)
+        if prefiller is not None and getattr(self, name) != value:
+            prefiller.cache.clear()
+        setattr(self, name, value)
 
     def reset_cache(self) -> None:
         """Drop every slot's cache (lengths too) and the prefix cache, and reallocate it in the
@@ -731,7 +756,7 @@ class LeanRunner(RunnerBase):
             out[win] = torch.stack([slot_t[:, None].expand(B, T), lo, hi]).reshape(3, B * T).to(torch.int32)
         return out
 
-    def _native_stack(self, fb: _ForwardBatch) -> native_forward.NativeForward | None:
+    def _native_stack(self, fb: _ForwardBatch) -> NativeForward | None:
         """The one-call native layer stack (`kernels.native_forward`) for this forward, or None
         where the torch layers run: not exact decode rows on the native attention
         (``fb.native`` empty), `native_forward` off, or a linear of the plan's kernel that is not
@@ -755,7 +780,7 @@ class LeanRunner(RunnerBase):
         kinds = {self._kernel(lin, kernel) for lin in self.linears()}
         return ("bf16", "int8") if kinds <= {"q4", "q8"} and "q4" in kinds else ("bf16",)
 
-    def _build_native_stack(self, kernel: str, *, int8: bool = False) -> native_forward.NativeForward | None:
+    def _build_native_stack(self, kernel: str, *, int8: bool = False) -> NativeForward | None:
         if not native_forward.available():
             return None
         fam = self.family
@@ -780,7 +805,7 @@ class LeanRunner(RunnerBase):
             rope=ropes.index(fam.rope_keys[i]), window=windows.index(fam.windows[i]))
             for i, L in enumerate(self.layers)]
         try:
-            stack = native_forward.NativeForward(
+            stack = NativeForward(
                 layers, heads=self.n_heads, kv_heads=self.n_kv, head_dim=self.head_dim, eps=self.eps,
                 scale=self.head_dim ** -0.5 if fam.attn_scale is None else fam.attn_scale,
                 softcap=fam.attn_softcap, norm_offset=fam.norm_offset, gelu=fam.act != "silu",
@@ -795,7 +820,7 @@ class LeanRunner(RunnerBase):
         ``window`` index them."""
         return list(dict.fromkeys(self.family.rope_keys)), list(dict.fromkeys(self.family.windows))
 
-    def _native_layers(self, stack: native_forward.NativeForward, x: torch.Tensor, fb: _ForwardBatch,
+    def _native_layers(self, stack: NativeForward, x: torch.Tensor, fb: _ForwardBatch,
                        kept: dict[int, torch.Tensor]) -> torch.Tensor:
         """Every decoder layer on x [B, T, D] in one native call; each kept layer's input into
         ``kept`` (as the torch layers keep them)."""

@@ -117,3 +117,20 @@ def test_a_fixed_int8_plan_where_int8_cannot_run_names_the_variable(cs_env, tmp_
     assert e.value.option == "CONSTRAINED_SPEC_PLAN" and "native layer stack" in str(e.value)
     cs_env(CONSTRAINED_SPEC_PLAN="prefill=bf16,decode=q4,lm_head=bf16", CONSTRAINED_SPEC_ACTIVATIONS="int8")
     assert choose_plan(r, dtype="auto", cache=tmp_path, quiet=True).act == "bf16"  # asked, not there
+
+
+@needs_int8
+def test_switching_the_activations_drops_the_prompt_prefixes_computed_under_the_other():
+    model = model_of("llama3")
+    prompt = tokens(model.config.vocab_size, 40, 8)
+    r = runner(model, native=True)
+    r.int8_activations = True
+    assert r.prefiller.invariant(len(prompt))
+    assert r.prefill([r.new_slot()], [prompt]) == [len(prompt)]
+    assert r.prefill([r.new_slot()], [prompt]) == [len(prompt) % 16]  # its 16-token blocks cached
+    r.int8_activations = True  # no change: kept
+    assert r.prefill([r.new_slot()], [prompt]) == [len(prompt) % 16]
+    r.int8_activations = False  # blocks of int8 keys and values must not serve bf16 rows
+    assert r.prefill([r.new_slot()], [prompt]) == [len(prompt)]
+    r.native_forward = False  # nor the torch path's
+    assert r.prefill([r.new_slot()], [prompt]) == [len(prompt)]
