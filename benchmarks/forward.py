@@ -13,9 +13,10 @@ largest |logit difference| and its share of the largest |logit|, and the argmax 
 default speculation, no retries) on the native path against the torch path, and against
 speculation off. Run it on a quiet machine, or compare only ratios from one run.
 
-``--int8``: the two sides are the native forward with bf16 activations (the default) and with
-int8 activations (`LeanRunner.int8_activations`: the 4-bit products in integers, on the CPU's
-integer dot products or byte pairs); every comparison above is then int8 against bf16.
+``--int8``: the two sides are the native forward with bf16 activations and with int8
+activations, the default (`LeanRunner.int8_activations`: the 4-bit products in integers, on
+the CPU's integer dot products or byte pairs); every comparison above is then int8 against
+bf16. Without it the native side takes bf16 activations, as the torch path does.
 
     python -m benchmarks.forward [--keys 300] [--threads 2] [--clock wall|cpu] [--tasks 24]
                                  [--int8] [--out FILE.md]

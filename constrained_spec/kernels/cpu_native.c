@@ -2,8 +2,9 @@
 
    q4 (cs_q4_gemm) below; q8 (cs_q8_gemm, int8 groups: a GGUF Q8_0 / Q5_0 / Q5_1 matrix such as an
    LM head) after it; q4 with int8 activations (cs_q4i8_gemm: integer dot products where the
-   CPU has them, byte pairs elsewhere); then the exact decode attention (cs_attention) and, at the end, the whole
-   decode / verify layer stack in one call made of them (cs_forward, native_forward.py).
+   CPU has them, byte pairs elsewhere); then the exact decode attention (cs_attention) and, at
+   the end, the whole decode / verify layer stack in one call made of them (cs_forward,
+   native_forward.py).
 
    y[M, N] = x[M, K] @ W^T with  W[n, k] = scale[g, n] * q[n, k] + min[g, n],  g = k / GROUP,
    q in 0..15, x bfloat16, y bfloat16 (round to nearest even) or float32.
@@ -692,10 +693,11 @@ static void quant_row(const uint16_t *xb, int K, int8_t *xq, float *dx) {
         /* packs interleave the 128-bit halves: the permute puts the 32 values back in order */
         const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         const __m256i inorder = _mm256_permutevar8x32_epi32(b, order);
-        for (int j = 0; j < 4; j++)  /* xq[k .. k + 3] x 4, then xq[k + 4 .. k + 7] x 4 */
+        for (int j = 0; j < 4; j++) {  /* xq[k .. k + 3] x 4, then xq[k + 4 .. k + 7] x 4 */
+            const int e = 2 * j, o = 2 * j + 1;
             _mm256_storeu_si256((__m256i *)(xq + (size_t)(g * GROUP + 8 * j) * XQ_SPREAD),
-                                _mm256_permutevar8x32_epi32(inorder, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j,
-                                                                                       2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1)));
+                                _mm256_permutevar8x32_epi32(inorder, _mm256_setr_epi32(e, e, e, e, o, o, o, o)));
+        }
     }
 }
 #endif

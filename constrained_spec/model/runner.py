@@ -462,9 +462,8 @@ class LeanRunner(RunnerBase):
         self._switch("_int8_activations", on)
 
     def _switch(self, name: str, value: Any) -> None:
-        prefiller = getattr(self, "prefiller", None)
-        if prefiller is not None and getattr(self, name) != value:
-            prefiller.cache.clear()
+        if getattr(self, name) != value:
+            self.prefiller.cache.clear()
         setattr(self, name, value)
 
     def reset_cache(self) -> None:
